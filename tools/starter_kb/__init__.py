@@ -1,0 +1,25 @@
+"""The starter knowledge base: 72 short passages on common clinical topics, written for this project.
+
+Demo content to exercise the pipeline offline, not clinical advice. `starter_index_dir()` builds its index
+(embedded Chroma + BM25, packaged MiniLM) on first use and reuses it afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from tools.offline_model import cache_home
+
+PASSAGES = Path(__file__).with_name("passages.jsonl")
+
+
+def starter_index_dir(progress: bool = False) -> Path:
+    from tools.corpus import read_documents
+    from tools.index import build_index
+
+    version = hashlib.sha256(PASSAGES.read_bytes()).hexdigest()[:12]
+    directory = cache_home() / "indexes" / f"starter-{version}"
+    if not (directory / "manifest.json").exists():
+        build_index(read_documents([PASSAGES]), directory, progress=progress)
+    return directory

@@ -1,0 +1,149 @@
+"""The trace store: every model call of every run, kept durably in SQLite.
+
+Each event is committed on its own (WAL journal), so an interrupted process loses at most the call in
+flight. `training/` reads only this store (and the corpus index).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+import uuid
+from contextlib import closing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from tools.offline_model import cache_home
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    graph TEXT NOT NULL,
+    question TEXT NOT NULL,
+    gold TEXT,
+    answer TEXT,
+    created_at REAL NOT NULL,
+    finished_at REAL
+);
+CREATE TABLE IF NOT EXISTS events (
+    event_id TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    node TEXT NOT NULL,
+    agent TEXT NOT NULL,
+    model TEXT NOT NULL,
+    sampling TEXT NOT NULL,
+    messages TEXT NOT NULL,
+    completion TEXT NOT NULL,
+    parsed TEXT,
+    usage TEXT,
+    logprobs TEXT,
+    latency_s REAL NOT NULL,
+    gold TEXT,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, seq);
+CREATE INDEX IF NOT EXISTS events_by_agent ON events (agent);
+"""
+
+
+def default_trace_db() -> str:
+    return os.environ.get("ERMEDRAG_TRACE_DB", str(cache_home() / "traces.sqlite"))
+
+
+@dataclass
+class TraceEvent:
+    """One model call."""
+
+    run_id: str
+    node: str
+    agent: str
+    model: str
+    sampling: dict[str, Any]
+    messages: list[dict[str, str]]
+    completion: str
+    parsed: Any
+    usage: dict[str, int] | None
+    logprobs: list[dict[str, Any]] | None
+    latency_s: float
+    gold: str | None = None
+    event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created_at: float = field(default_factory=time.time)
+
+
+class TraceStore:
+    """A SQLite file of runs and their events. Safe to use from many threads (one connection per call)."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with closing(self._connect()) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        return db
+
+    def start_run(self, run_id: str, graph: str, question: dict[str, Any], gold: str | None) -> None:
+        with closing(self._connect()) as db:
+            db.execute(
+                "INSERT OR IGNORE INTO runs (run_id, graph, question, gold, created_at) VALUES (?, ?, ?, ?, ?)",
+                (run_id, graph, json.dumps(question), gold, time.time()),
+            )
+
+    def finish_run(self, run_id: str, answer: dict[str, Any]) -> None:
+        with closing(self._connect()) as db:
+            db.execute(
+                "UPDATE runs SET answer = ?, finished_at = ? WHERE run_id = ?",
+                (json.dumps(answer), time.time(), run_id),
+            )
+
+    def add_event(self, event: TraceEvent) -> None:
+        row = asdict(event)
+        for key in ("sampling", "messages", "parsed", "usage", "logprobs"):
+            row[key] = json.dumps(row[key])
+        with closing(self._connect()) as db:
+            db.execute("BEGIN IMMEDIATE")
+            (seq,) = db.execute("SELECT COUNT(*) FROM events WHERE run_id = ?", (event.run_id,)).fetchone()
+            row["seq"] = seq
+            db.execute(f"INSERT INTO events ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                       tuple(row.values()))
+            db.execute("COMMIT")
+
+    def runs(self, limit: int | None = None) -> list[dict[str, Any]]:
+        query = ("SELECT r.*, (SELECT COUNT(*) FROM events e WHERE e.run_id = r.run_id) AS n_events "
+                 "FROM runs r ORDER BY created_at DESC")
+        with closing(self._connect()) as db:
+            rows = db.execute(query + (" LIMIT ?" if limit else ""), (limit,) if limit else ()).fetchall()
+        return [_decode(row) for row in rows]
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        with closing(self._connect()) as db:
+            row = db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return _decode(row) if row else None
+
+    def events(self, run_id: str | None = None, agent: str | None = None) -> Iterator[dict[str, Any]]:
+        clauses, params = [], []
+        if run_id:
+            clauses.append("run_id = ?")
+            params.append(run_id)
+        if agent:
+            clauses.append("agent = ?")
+            params.append(agent)
+        where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
+        with closing(self._connect()) as db:
+            for row in db.execute(f"SELECT * FROM events{where} ORDER BY created_at, seq", params):
+                yield _decode(row)
+
+
+def _decode(row: sqlite3.Row) -> dict[str, Any]:
+    out = dict(row)
+    for key in ("question", "answer", "sampling", "messages", "parsed", "usage", "logprobs"):
+        if isinstance(out.get(key), str):
+            out[key] = json.loads(out[key])
+    return out
