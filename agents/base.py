@@ -53,7 +53,7 @@ def call_agent(
         run_id=run_id,
         node=node,
         agent=agent,
-        model=model_name(model),
+        model=sampling.get("model") or model_name(model),
         sampling=sampling,
         messages=[{"role": m.type, "content": m.text} for m in messages],
         completion=completion,

@@ -23,11 +23,11 @@ Triplets:"""
 
 EXAMPLE = (
     USER_TEMPLATE.format(
-        question="What is the first-line treatment of anaphylaxis?",
-        snippet="Anaphylaxis is treated first with intramuscular epinephrine into the thigh; "
-        "antihistamines are adjuncts only.",
+        question="Which vitamin deficiency causes rickets?",
+        snippet="Rickets in children is caused by vitamin D deficiency, which impairs bone mineralisation; "
+        "sunlight exposure and supplements prevent it.",
     ),
-    '[{"condition": "anaphylaxis", "relation": "first-line treatment is", "conclusion": "intramuscular epinephrine"}]',
+    '[{"condition": "vitamin D deficiency in children", "relation": "causes", "conclusion": "rickets"}]',
 )
 
 STOP = ["}]"]  # the end of a non-empty JSON list: saves generating past it
@@ -46,11 +46,16 @@ class Triplet(TypedDict):
 
 
 class Extraction(TypedDict):
-    """Parsed extractor output. `ok` is False when nothing triplet-shaped was found (`error` says why)."""
+    """Parsed extractor output.
+
+    `ok`: something triplet-shaped was found (else `error` says why); `strict`: it was a complete JSON list,
+    not salvaged from truncated JSON or `a | b | c` lines.
+    """
 
     snippet_id: str
     triplets: list[Triplet]
     ok: bool
+    strict: bool
     error: str | None
 
 
@@ -61,18 +66,19 @@ def build_messages(question: str, snippet_text: str) -> list:
 
 def parse_triplets(completion: str, snippet_id: str) -> Extraction:
     text = (completion or "")[:MAX_PARSE_CHARS]
-    raw = _first_json_triplets(text)
+    raw, strict = _first_json_triplets(text)
     if raw is None:
-        raw = _pipe_lines(text)
+        raw = _salvaged_fields(text) or _pipe_lines(text)
     if raw is None:
         error = "empty completion" if not text.strip() else "no JSON triplet list or 'a | b | c' lines"
-        return Extraction(snippet_id=snippet_id, triplets=[], ok=False, error=error)
+        return Extraction(snippet_id=snippet_id, triplets=[], ok=False, strict=False, error=error)
     triplets = [t for t in (_triplet(item, snippet_id) for item in raw[:MAX_TRIPLETS]) if t]
-    return Extraction(snippet_id=snippet_id, triplets=triplets, ok=True, error=None)
+    return Extraction(snippet_id=snippet_id, triplets=triplets, ok=True, strict=strict, error=None)
 
 
-def _first_json_triplets(text: str) -> list[Any] | None:
-    """The first JSON list (or object) in the text whose items look like triplets; [] counts."""
+def _first_json_triplets(text: str) -> tuple[list[Any] | None, bool]:
+    """The first JSON list (or lone object) in the text whose items look like triplets ([] counts), and
+    whether it was a whole list (a lone object is what is left of a list cut short)."""
     decoder = json.JSONDecoder()
     for attempt, match in enumerate(re.finditer(r"[\[{]", text)):
         if attempt >= MAX_JSON_ATTEMPTS:
@@ -85,8 +91,23 @@ def _first_json_triplets(text: str) -> list[Any] | None:
         if all(isinstance(item, dict) for item in items) and (
             not items or any(_lower_keys(item).keys() & set(FIELDS) for item in items)
         ):
-            return items
-    return None
+            return items, isinstance(value, list)
+    return None, False
+
+
+FIELD_VALUE = re.compile(r'"(condition|relation|conclusion)"\s*:\s*"((?:[^"\\]|\\.){0,400})"', re.IGNORECASE)
+
+
+def _salvaged_fields(text: str) -> list[dict[str, str]] | None:
+    """Triplets from `"condition": "…"` pairs of JSON cut off by the token budget, in order of appearance."""
+    rows: list[dict[str, str]] = []
+    for match in FIELD_VALUE.finditer(text):
+        name = match.group(1).lower()
+        if not rows or name in rows[-1]:
+            rows.append({})
+        rows[-1][name] = match.group(2).replace('\\"', '"')
+    rows = [row for row in rows if "condition" in row and "conclusion" in row]
+    return rows or None
 
 
 def _pipe_lines(text: str) -> list[dict[str, str]] | None:

@@ -23,11 +23,11 @@ Question: {question}
 
 EXAMPLE = (
     USER_TEMPLATE.format(
-        evidence="1. [kb-1] anaphylaxis — first-line treatment is — intramuscular epinephrine",
-        question="A patient with anaphylaxis needs which first drug?",
-        options="Options:\nA. Oral antihistamine\nB. Intramuscular epinephrine\nC. Inhaled salbutamol",
+        evidence="1. [ex-1] vitamin D deficiency in children — causes — rickets",
+        question="A toddler with bowed legs and poor bone mineralisation most likely lacks which vitamin?",
+        options="Options:\nA. Vitamin C\nB. Vitamin D\nC. Vitamin B12",
     ),
-    "<think>The evidence says intramuscular epinephrine is first-line for anaphylaxis: option B.</think>"
+    "<think>The evidence says vitamin D deficiency causes rickets, which fits bowed legs: option B.</think>"
     "<answer>B</answer>",
 )
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -13,6 +12,7 @@ from langchain_core.language_models.chat_models import BaseChatModel
 from tools.chat_models import DEFAULT_MODEL, load_chat_model
 from tools.index import Index, cached_index
 from tools.traces import TraceStore, default_trace_db
+from tools.cache import shared_resource
 
 MAX_OPTIONS = 26
 
@@ -69,7 +69,7 @@ def chat_model(ctx: Context, spec: str, max_new_tokens: int) -> BaseChatModel:
     return _cached_chat_model(spec, ctx.base_url or None, ctx.temperature, max_new_tokens)
 
 
-@lru_cache(maxsize=16)
+@shared_resource(maxsize=16)
 def _cached_chat_model(spec: str, base_url: str | None, temperature: float, max_new_tokens: int) -> BaseChatModel:
     return load_chat_model(spec, base_url=base_url, temperature=temperature, max_new_tokens=max_new_tokens)
 
@@ -86,7 +86,7 @@ def trace_store(ctx: Context) -> TraceStore:
     return _cached_store(ctx.trace_db or default_trace_db())
 
 
-@lru_cache(maxsize=8)
+@shared_resource(maxsize=8)
 def _cached_store(path: str) -> TraceStore:
     return TraceStore(path)
 

