@@ -32,6 +32,7 @@ EXAMPLE = (
 
 STOP = ["}]"]  # the end of a non-empty JSON list: saves generating past it
 MAX_TRIPLETS = 8
+NO_EVIDENCE = "(no evidence found)"
 MAX_FIELD_CHARS = 400
 MAX_PARSE_CHARS = 20_000
 MAX_JSON_ATTEMPTS = 200  # bounds the work on adversarial text full of brackets
@@ -134,7 +135,7 @@ def _triplet(item: dict[Any, Any], snippet_id: str) -> Triplet | None:
 def render_triplets(triplets: list[Triplet]) -> str:
     """The evidence block the respondent reads: one numbered line per triplet, with its snippet id."""
     if not triplets:
-        return "(no evidence found)"
+        return NO_EVIDENCE
     return "\n".join(
         f"{i}. [{t['snippet_id']}] {t['condition']} — {t['relation']} — {t['conclusion']}"
         for i, t in enumerate(triplets, 1)

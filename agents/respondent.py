@@ -10,7 +10,7 @@ import re
 from typing import TypedDict
 
 from agents.base import chat_messages, clip
-from agents.extractor import Triplet, render_triplets
+from agents.extractor import NO_EVIDENCE
 
 SYSTEM_PROMPT = """You are a careful physician answering a medical question. Use the evidence triplets when they are relevant and ignore those that are not.
 First reason briefly inside <think></think>, then give only the final answer inside <answer></answer>: the option letter for a multiple-choice question, otherwise a short answer."""
@@ -57,11 +57,17 @@ def format_options(options: dict[str, str] | None) -> str:
     return "Options:\n" + "\n".join(f"{key}. {clip(str(text), 1000)}" for key, text in options.items())
 
 
-def build_messages(question: str, options: dict[str, str] | None, triplets: list[Triplet]) -> list:
-    user = USER_TEMPLATE.format(
-        evidence=render_triplets(triplets), question=clip(question), options=format_options(options)
-    )
+def build_messages(question: str, options: dict[str, str] | None, evidence: str) -> list:
+    """`evidence` is rendered by the caller: triplets (ER-MedRAG), raw snippets (vanilla RAG) or none (CoT)."""
+    user = USER_TEMPLATE.format(evidence=evidence, question=clip(question), options=format_options(options))
     return chat_messages(SYSTEM_PROMPT, user.rstrip(), EXAMPLE)
+
+
+def render_snippets(snippets: list[dict]) -> str:
+    """Raw retrieved text as evidence, MedRAG-style (the vanilla RAG baseline)."""
+    if not snippets:
+        return NO_EVIDENCE
+    return "\n".join(f"{i}. [{s['id']}] {s.get('title', '')}: {clip(s['text'], 1500)}" for i, s in enumerate(snippets, 1))
 
 
 def parse_answer(completion: str, options: dict[str, str] | None = None) -> Answer:

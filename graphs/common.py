@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from langchain_core.language_models.chat_models import BaseChatModel
 
+from agents import respondent
+from agents.base import call_agent
+
 from tools.chat_models import DEFAULT_MODEL, load_chat_model
 from tools.index import Index, cached_index
+from tools.retrieval import retrieve as retrieve_snippets
 from tools.traces import TraceStore, default_trace_db
 from tools.cache import shared_resource
 
@@ -109,3 +115,34 @@ def validate_question(state: Mapping[str, Any]) -> tuple[str, dict[str, str] | N
             raise ValueError(f"input 'options' entry {key!r}: keys must be non-empty strings, values text")
         clean[key.strip()] = str(text)
     return question.strip(), clean
+
+
+def begin_run(state: Mapping[str, Any], ctx: Context, graph_name: str) -> dict[str, Any]:
+    """Check the input and open its run in the trace store; the state update every graph starts with."""
+    question, options = validate_question(state)
+    run_id = state.get("run_id") or uuid.uuid4().hex
+    trace_store(ctx).start_run(run_id, graph_name, {"question": question, "options": options}, state.get("gold"))
+    return {"run_id": run_id, "question": question, "options": options}
+
+
+def retrieve_evidence(ctx: Context, question: str) -> dict[str, Any]:
+    """Coarse-to-fine retrieval as a state update (snippets as plain dicts, with the stage's timing)."""
+    started = time.perf_counter()
+    snippets = retrieve_snippets(index_for(ctx), question, k=ctx.snippets_k, coarse_k=ctx.coarse_k)
+    return {"snippets": [s.to_dict() for s in snippets], "timings": {"retrieve_s": time.perf_counter() - started}}
+
+
+def respond_with(state: Mapping[str, Any], ctx: Context, evidence: str) -> dict[str, Any]:
+    """Call the respondent on `evidence`, record the call, close the run; the state update."""
+    started = time.perf_counter()
+    answer, event = call_agent(
+        chat_model(ctx, ctx.respondent_model, ctx.respondent_max_new_tokens),
+        respondent.build_messages(state["question"], state.get("options"), evidence),
+        lambda completion: respondent.parse_answer(completion, state.get("options")),
+        agent="respondent", node="respond", run_id=state["run_id"], gold=state.get("gold"),
+        sampling=sampling(ctx, ctx.respondent_model, ctx.respondent_max_new_tokens), stop=respondent.STOP,
+    )
+    store = trace_store(ctx)
+    store.add_event(event)
+    store.finish_run(state["run_id"], dict(answer))
+    return {"answer": answer, "timings": {"respond_s": time.perf_counter() - started}}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import operator
 import time
-import uuid
 from typing import Annotated, Any
 
 from langgraph.graph import END, START, StateGraph
@@ -18,8 +17,7 @@ from typing_extensions import TypedDict
 
 from agents import extractor, respondent
 from agents.base import call_agent
-from graphs.common import Context, chat_model, index_for, sampling, trace_store, validate_question
-from tools.retrieval import retrieve as retrieve_snippets
+from graphs.common import Context, begin_run, chat_model, respond_with, retrieve_evidence, sampling, trace_store
 
 GRAPH_NAME = "er_medrag"
 
@@ -47,20 +45,8 @@ class ExtractTask(TypedDict):
 
 
 def retrieve(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
-    question, options = validate_question(state)
-    run_id = state.get("run_id") or uuid.uuid4().hex
-    started = time.perf_counter()
-    index = index_for(runtime.context)
-    snippets = retrieve_snippets(index, question, k=runtime.context.snippets_k, coarse_k=runtime.context.coarse_k)
-    trace_store(runtime.context).start_run(
-        run_id, GRAPH_NAME, {"question": question, "options": options}, state.get("gold"))
-    return {
-        "run_id": run_id,
-        "options": options,
-        "snippets": [s.to_dict() for s in snippets],
-        "timings": {"retrieve_s": time.perf_counter() - started},
-        "stage_started_at": time.time(),
-    }
+    update = begin_run(state, runtime.context, GRAPH_NAME)
+    return update | retrieve_evidence(runtime.context, update["question"]) | {"stage_started_at": time.time()}
 
 
 def fan_out(state: State) -> list[Send] | str:
@@ -88,23 +74,12 @@ def extract(task: ExtractTask, runtime: Runtime[Context]) -> dict[str, Any]:
 
 
 def respond(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
-    ctx = runtime.context
     extract_s = time.time() - state["stage_started_at"]
     by_snippet = {e["snippet_id"]: e for e in state.get("extractions", [])}
     # Keep retrieval order (the fan-out finishes in any order).
     triplets = [t for s in state.get("snippets", []) for t in by_snippet.get(s["id"], {}).get("triplets", [])]
-    started = time.perf_counter()
-    answer, event = call_agent(
-        chat_model(ctx, ctx.respondent_model, ctx.respondent_max_new_tokens),
-        respondent.build_messages(state["question"], state.get("options"), triplets),
-        lambda completion: respondent.parse_answer(completion, state.get("options")),
-        agent="respondent", node="respond", run_id=state["run_id"], gold=state.get("gold"),
-        sampling=sampling(ctx, ctx.respondent_model, ctx.respondent_max_new_tokens), stop=respondent.STOP,
-    )
-    store = trace_store(ctx)
-    store.add_event(event)
-    store.finish_run(state["run_id"], dict(answer))
-    return {"answer": answer, "timings": {"extract_s": extract_s, "respond_s": time.perf_counter() - started}}
+    update = respond_with(state, runtime.context, extractor.render_triplets(triplets))
+    return update | {"timings": update["timings"] | {"extract_s": extract_s}}
 
 
 builder = StateGraph(State, context_schema=Context, input_schema=InputState)

@@ -89,3 +89,18 @@ def test_bad_input_is_refused_before_anything_is_recorded(scripted_context, inpu
 def test_unknown_model_provider_is_a_clear_error(scripted_context):
     with pytest.raises(ValueError, match="unknown model provider 'nope'"):
         graph.invoke(QUESTION, context={**scripted_context, "extractor_model": "nope:model"})
+
+
+def test_baselines_share_the_harness(scripted_context):
+    from graphs.baselines import cot, vanilla_rag
+
+    cot_state = cot.invoke(QUESTION, context=scripted_context)
+    rag_state = vanilla_rag.invoke(QUESTION, context=scripted_context)
+    assert cot_state["answer"]["answer"] == rag_state["answer"]["answer"] == "A"
+    assert "snippets" not in cot_state and len(rag_state["snippets"]) == 4
+    store = TraceStore(scripted_context["trace_db"])
+    assert {r["graph"] for r in store.runs()} == {"cot", "vanilla_rag"}
+    rag_prompt = list(store.events(run_id=rag_state["run_id"]))[0]["messages"][-1]["content"]
+    assert all(f"[{s['id']}]" in rag_prompt for s in rag_state["snippets"])
+    cot_prompt = list(store.events(run_id=cot_state["run_id"]))[0]["messages"][-1]["content"]
+    assert "answer from your own knowledge" in cot_prompt

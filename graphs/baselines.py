@@ -1,0 +1,47 @@
+"""Baselines in the same harness as ER-MedRAG, recorded the same way.
+
+- `cot`: the respondent alone, no retrieval (chain of thought in <think>).
+- `vanilla_rag`: the same retrieval, raw snippets straight to the respondent (MedRAG-style).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langgraph.graph import END, START, StateGraph
+from langgraph.runtime import Runtime
+
+from agents.respondent import render_snippets
+from graphs.common import Context, begin_run, respond_with, retrieve_evidence
+from graphs.er_medrag import InputState, State
+
+NO_RETRIEVAL = "(none: answer from your own knowledge)"
+
+
+def cot_respond(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
+    update = begin_run(state, runtime.context, "cot")
+    return update | respond_with({**state, **update}, runtime.context, NO_RETRIEVAL)
+
+
+def rag_retrieve(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
+    update = begin_run(state, runtime.context, "vanilla_rag")
+    return update | retrieve_evidence(runtime.context, update["question"])
+
+
+def rag_respond(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
+    return respond_with(state, runtime.context, render_snippets(state.get("snippets", [])))
+
+
+cot_builder = StateGraph(State, context_schema=Context, input_schema=InputState)
+cot_builder.add_node("respond", cot_respond)
+cot_builder.add_edge(START, "respond")
+cot_builder.add_edge("respond", END)
+cot = cot_builder.compile(name="CoT")
+
+rag_builder = StateGraph(State, context_schema=Context, input_schema=InputState)
+rag_builder.add_node("retrieve", rag_retrieve)
+rag_builder.add_node("respond", rag_respond)
+rag_builder.add_edge(START, "retrieve")
+rag_builder.add_edge("retrieve", "respond")
+rag_builder.add_edge("respond", END)
+vanilla_rag = rag_builder.compile(name="Vanilla RAG")
