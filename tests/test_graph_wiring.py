@@ -43,18 +43,9 @@ def test_runs_end_to_end_and_records_every_call(scripted_context):
 def test_extractor_calls_run_concurrently(scripted_context):
     delay = 1.0
     graph.invoke(QUESTION, context={**scripted_context, "snippets_k": 1})  # warm caches (encoder, index)
-    model = "scripted:agents.scripted"
-    from graphs.common import _cached_chat_model
-
-    _cached_chat_model.cache_clear()
-    with pytest.MonkeyPatch.context() as patch:
-        import graphs.common as common
-
-        original = common.load_chat_model
-        patch.setattr(common, "load_chat_model", lambda spec, **kw: original(spec, delay_s=delay, **kw))
-        state = graph.invoke(QUESTION, context={**scripted_context, "snippets_k": 6, "extractor_model": model})
+    slow = f"{SCRIPTED}?delay={delay}"
+    state = graph.invoke(QUESTION, context={**scripted_context, "snippets_k": 6, "extractor_model": slow})
     elapsed = state["timings"]["extract_s"]
-    _cached_chat_model.cache_clear()
     assert len(state["extractions"]) == 6
     # Six extractor calls of 1 s each, run concurrently: about one delay, far from six.
     assert delay <= elapsed < 3 * delay, elapsed

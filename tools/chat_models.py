@@ -5,6 +5,7 @@
     load_chat_model("openai:Qwen/Qwen3-8B", base_url=…)  any OpenAI-compatible server (vllm serve, llama.cpp, ...)
     load_chat_model("vllm:Qwen/Qwen3-8B")                in-process vLLM on a GPU
     load_chat_model("scripted:agents.scripted")          a scripted reply function, for graph-wiring tests only
+                                                          (`?delay=0.5` makes each reply take that long)
 
 Every backend puts token usage in `AIMessage.usage_metadata`. The hf backend also reports, per generated
 token, its log-probability and the entropy of the full next-token distribution in
@@ -72,8 +73,9 @@ def load_chat_model(
         return _openai_chat_model(name, base_url, logprobs, timeout_s, max_retries, **sampling)
     if provider == "vllm":
         return VLLMChatModel(model_path=name, spec=spec, **sampling)
-    module = importlib.import_module(name)
-    return ScriptedChatModel(reply=module.reply, delay_s=delay_s, spec=spec)
+    module_name, _, delay = name.partition("?delay=")  # e.g. scripted:agents.scripted?delay=0.5
+    module = importlib.import_module(module_name)
+    return ScriptedChatModel(reply=module.reply, delay_s=float(delay) if delay else delay_s, spec=spec)
 
 
 def model_name(model: BaseChatModel) -> str:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.chat_models import DEFAULT_MODEL, ModelSpecError
+from tools.chat_models import DEFAULT_MODEL, ModelSpecError, parse_model_spec
 from tools.corpus import CorpusError
 from tools.index import DEFAULT_ENCODER, IndexUnavailable
 
@@ -51,6 +51,32 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument("--chroma-url", default=None, help="a Chroma server (http://host:port) instead of embedded")
     index.set_defaults(handler=_index)
 
+    evaluate = sub.add_parser("eval", help="run systems on benchmarks (concurrent, resumable)")
+    evaluate.add_argument("--system", default="er_medrag", help="comma-separated: er_medrag, vanilla_rag, cot")
+    evaluate.add_argument("--bench", default="medqa", help="comma-separated benchmarks, or 'all'")
+    evaluate.add_argument("--model", default=DEFAULT_MODEL, help="chat model for every agent")
+    evaluate.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
+    evaluate.add_argument("--out", required=True, help="results folder (rerun with the same folder to resume)")
+    evaluate.add_argument("--data", default=None,
+                          help="folder of benchmark JSONL files (default: ERMEDRAG_SHARED_DATA/benchmarks; "
+                               "without either, the upstream hub datasets)")
+    evaluate.add_argument("--limit", type=int, default=None, help="seeded sample of N questions per benchmark")
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed for --limit")
+    evaluate.add_argument("--concurrency", type=int, default=8, help="questions in flight at once")
+    evaluate.add_argument("--samples", type=int, default=1, help="answers per question (answer entropy; "
+                                                                   "needs --temperature > 0)")
+    evaluate.add_argument("--temperature", type=float, default=0.0)
+    evaluate.add_argument("--snippets", type=int, default=4, help="snippets per question (RAG systems)")
+    evaluate.add_argument("--index-dir", default="", help="corpus index (default: the starter knowledge base)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=192, help="respondent generation budget")
+    evaluate.add_argument("--trace-db", default=None, help="trace database for the runs")
+    evaluate.set_defaults(handler=_eval)
+
+    report = sub.add_parser("report", help="markdown table and plots from result folders")
+    report.add_argument("results", nargs="+", help="folders written by `ermedrag eval`")
+    report.add_argument("--out", default=None, help="where to write report.md and PNGs (default: first folder)")
+    report.set_defaults(handler=_report)
+
     traces = sub.add_parser("traces", help="list or show recorded runs")
     traces.add_argument("action", choices=["list", "show"])
     traces.add_argument("run_id", nargs="?", help="run id (for show)")
@@ -80,17 +106,19 @@ def _ask(args: argparse.Namespace) -> int:
         options = DEMO_OPTIONS
     context: dict[str, Any] = {}
     if args.model:
+        parse_model_spec(args.model)  # fail before retrieval, not in the middle of a run
         context.update(extractor_model=args.model, respondent_model=args.model)
     if args.base_url:
         context["base_url"] = args.base_url
-    if args.snippets:
+    if args.snippets is not None:
         context["snippets_k"] = args.snippets
     if args.index_dir:
         context["index_dir"] = args.index_dir
     else:
         from tools.starter_kb import starter_index_dir
 
-        print("Starter knowledge base (demo content, not clinical advice): building/opening its index…")
+        print("Starter knowledge base (demo content, not clinical advice): building/opening its index…",
+              file=sys.stderr)  # stderr: keeps `ask --json` output parseable
         starter_index_dir(progress=True)
     from graphs.er_medrag import graph
 
@@ -149,6 +177,37 @@ def _index(args: argparse.Namespace) -> int:
                         chunk_overlap=args.chunk_overlap, chroma_url=args.chroma_url)
     print(f"{stats['chunks_added']} new chunks ({stats['chunks_seen'] - stats['chunks_added']} already indexed), "
           f"{stats['chunks_total']} in the index; {stats['seconds']:.1f}s")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from evals.benchmarks import BENCHMARKS
+    from evals.runner import run_eval
+
+    benches = list(BENCHMARKS) if args.bench == "all" else [b.strip() for b in args.bench.split(",") if b.strip()]
+    if args.samples > 1 and args.temperature <= 0:
+        raise ValueError("--samples > 1 measures answer entropy and needs --temperature > 0")
+    summary = run_eval(
+        [s.strip() for s in args.system.split(",")], benches, args.model, args.out, data_dir=args.data,
+        limit=args.limit, seed=args.seed, concurrency=args.concurrency, base_url=args.base_url,
+        trace_db=args.trace_db, index_dir=args.index_dir, snippets_k=args.snippets, temperature=args.temperature,
+        samples=args.samples, respondent_max_new_tokens=args.max_new_tokens,
+    )
+    for system, counts in summary.items():
+        print(f"{system}: {counts}")
+    from evals.report import write_report
+
+    written = write_report([args.out], args.out)
+    print(f"report: {written['report']}  plots: {', '.join(written['plots'])}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from evals.report import write_report
+
+    written = write_report(args.results, args.out or args.results[0])
+    print(Path(written["report"]).read_text())
+    print(f"plots: {', '.join(written['plots'])}")
     return 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -29,6 +29,7 @@ class Document:
     title: str = ""
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    origin: str = ""  # file:line (or dataset row) it was read from, for error messages
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,34 @@ class Chunk:
     end: int
 
 
-def read_documents(paths: Iterable[str | Path]) -> list[Document]:
-    """All documents of all `paths`, validated; raises CorpusError on the first bad record."""
+def read_documents(paths: Iterable[str | Path], on_duplicate_id: str = "rename") -> list[Document]:
+    """All documents of all `paths`, validated; raises CorpusError on the first bad record.
+
+    Real corpora reuse ids for different passages (MedQuAD does, 4k times): by default a repeated id with
+    different text becomes `id~2`, `id~3`, ... and an exact repeat (same id, same text) is dropped;
+    `on_duplicate_id="error"` refuses them instead, naming both places.
+    """
+    if on_duplicate_id not in ("rename", "error"):
+        raise ValueError(f"on_duplicate_id must be 'rename' or 'error', not {on_duplicate_id!r}")
     documents: list[Document] = []
+    first: dict[str, Document] = {}
+    repeats: dict[str, int] = {}
     for path in paths:
-        documents.extend(_read_one(str(path)))
-    seen: dict[str, str] = {}
-    for doc in documents:
-        if doc.id in seen:
-            raise CorpusError(f"duplicate document id {doc.id!r} (in {seen[doc.id]} and again later)")
-        seen[doc.id] = doc.source
+        read = list(_read_one(str(path)))
+        if not read:
+            raise CorpusError(f"{path}: no documents in it")
+        for doc in read:
+            earlier = first.get(doc.id)
+            if earlier is None:
+                first[doc.id] = doc
+            elif earlier.text == doc.text:
+                continue
+            elif on_duplicate_id == "error":
+                raise CorpusError(f"{doc.origin}: document id {doc.id!r} already used at {earlier.origin}")
+            else:
+                repeats[doc.id] = repeats.get(doc.id, 1) + 1
+                doc = replace(doc, id=f"{doc.id}~{repeats[doc.id]}")
+            documents.append(doc)
     return documents
 
 
@@ -78,7 +97,7 @@ def _read_file(file: Path, root: Path) -> Iterator[Document]:
     if file.name.endswith(TEXT_SUFFIXES):
         text = file.read_text(encoding="utf-8", errors="replace")
         rel = file.relative_to(root).as_posix()
-        yield Document(id=rel, text=text[:MAX_DOCUMENT_CHARS], title=file.stem, source=rel)
+        yield Document(id=rel, text=text[:MAX_DOCUMENT_CHARS], title=file.stem, source=rel, origin=str(file))
     elif file.name.endswith(JSONL_SUFFIXES):
         yield from _read_jsonl(file)
     else:
@@ -116,7 +135,7 @@ def _record_to_document(record: dict[str, Any], where: str) -> Document:
     meta = {k: v for k, v in record.items() if k not in ("id", "_id", "text", "contents", "title", "source")
             and isinstance(v, (str, int, float, bool))}
     return Document(id=str(doc_id), text=text[:MAX_DOCUMENT_CHARS], title=str(record.get("title") or ""),
-                    source=str(record.get("source") or where.rsplit(":", 1)[0]), meta=meta)
+                    source=str(record.get("source") or where.rsplit(":", 1)[0]), meta=meta, origin=where)
 
 
 def _read_hf_dataset(name: str) -> Iterator[Document]:

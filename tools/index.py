@@ -149,8 +149,14 @@ def open_index(directory: str | os.PathLike[str], chroma_url: str | None = None)
     manifest = _manifest(directory)
     if not manifest:
         raise IndexUnavailable(f"no index at {directory} (build one with `ermedrag index PATH --index-dir {directory}`)")
-    collection = _client(directory, chroma_url).get_collection(
-        COLLECTION, embedding_function=SentenceTransformerEmbedding(manifest["encoder"]))
+    from chromadb.errors import NotFoundError
+
+    try:
+        collection = _client(directory, chroma_url).get_collection(
+            COLLECTION, embedding_function=SentenceTransformerEmbedding(manifest["encoder"]))
+    except NotFoundError as err:
+        raise IndexUnavailable(f"{directory}: manifest.json is there but its Chroma collection is missing; "
+                               f"rebuild it with `ermedrag index PATH --index-dir {directory}`") from err
     bm25, bm25_ids = _load_bm25(directory)
     return Index(directory, manifest["encoder"], collection, bm25, bm25_ids)
 

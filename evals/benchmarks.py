@@ -1,0 +1,234 @@
+"""The eight medical benchmarks, normalised to one `Question` type.
+
+Two sources for each: the shared JSONL schema (`{"id", "question", "options", "answer", "source", ...}`,
+one file per benchmark in a data folder), and the upstream dataset a user with internet would load
+(Hugging Face hub ids, or MIRAGE's file for BioASQ). Options are always letter-keyed in letter order;
+upstream formats whose options are unlettered (GPQA) are shuffled with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import string
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+GPQA_ZIP_PASSWORD = os.environ.get("ERMEDRAG_GPQA_PASSWORD", "deserted-untie-orchid")
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    question: str
+    options: dict[str, str]
+    answer: str
+    benchmark: str
+    subject: str = ""
+    contexts: tuple[str, ...] = ()  # PubMedQA's abstract (without its conclusion), when the benchmark has one
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A row that cannot be scored; reported with its id, never silently counted."""
+
+    benchmark: str
+    id: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    local_files: tuple[str, ...]  # file names in the shared data folder
+    upstream: Callable[[], Iterable[dict[str, Any]]]  # rows already in the shared schema
+
+
+def _hub(name: str, config: str | None, split: str) -> Iterator[dict[str, Any]]:
+    from datasets import load_dataset
+
+    yield from load_dataset(name, config, split=split)
+
+
+def _letters(n: int) -> list[str]:
+    return list(string.ascii_uppercase[:n])
+
+
+def _medqa_upstream() -> Iterator[dict[str, Any]]:
+    for i, row in enumerate(_hub("GBaker/MedQA-USMLE-4-options", None, "test")):
+        yield {"id": f"medqa-test-{i:04d}", "question": row["question"], "options": row["options"],
+               "answer": row["answer_idx"], "meta": row.get("meta_info", "")}
+
+
+def _medmcqa_upstream() -> Iterator[dict[str, Any]]:
+    for row in _hub("openlifescienceai/medmcqa", None, "validation"):
+        yield {"id": f"medmcqa-{row['id']}", "question": row["question"],
+               "options": dict(zip("ABCD", (row["opa"], row["opb"], row["opc"], row["opd"]))),
+               "answer": "ABCD"[int(row["cop"])], "subject": row.get("subject_name", "")}
+
+
+def _pubmedqa_upstream() -> Iterator[dict[str, Any]]:
+    labels = {"yes": "A", "no": "B", "maybe": "C"}
+    for row in _hub("qiaojin/PubMedQA", "pqa_labeled", "train"):
+        yield {"id": f"pubmedqa-{row['pubid']}", "question": row["question"],
+               "options": {"A": "yes", "B": "no", "C": "maybe"}, "answer": labels.get(row["final_decision"], ""),
+               "contexts": list(row["context"]["contexts"])}
+
+
+MMLU_MED_SUBJECTS = ("anatomy", "clinical_knowledge", "college_biology", "college_medicine", "medical_genetics",
+                     "professional_medicine")
+
+
+def _mmlu_med_upstream() -> Iterator[dict[str, Any]]:
+    for subject in MMLU_MED_SUBJECTS:
+        for i, row in enumerate(_hub("cais/mmlu", subject, "test")):
+            yield {"id": f"mmlu-{subject}-{i:03d}", "question": row["question"],
+                   "options": dict(zip(_letters(len(row["choices"])), row["choices"])),
+                   "answer": "ABCD"[int(row["answer"])], "subject": subject}
+
+
+def _mmlu_pro_upstream() -> Iterator[dict[str, Any]]:
+    for row in _hub("TIGER-Lab/MMLU-Pro", None, "test"):
+        if row["category"] in ("health", "biology"):
+            yield {"id": f"mmlupro-{row['question_id']}", "question": row["question"],
+                   "options": dict(zip(_letters(len(row["options"])), row["options"])), "answer": row["answer"],
+                   "subject": row["category"]}
+
+
+def _gpqa_upstream() -> Iterator[dict[str, Any]]:
+    for row in _hub("Idavidrein/gpqa", "gpqa_main", "train"):
+        if row.get("High-level domain") == "Biology":
+            yield gpqa_row(row)
+
+
+def gpqa_row(row: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """GPQA's correct + three incorrect answers as options A-D, shuffled with a per-question fixed seed."""
+    choices = [row["Correct Answer"], row["Incorrect Answer 1"], row["Incorrect Answer 2"], row["Incorrect Answer 3"]]
+    order = list(range(4))
+    random.Random(f"{seed}:{row['Record ID']}").shuffle(order)
+    options = {letter: choices[i].strip() for letter, i in zip("ABCD", order)}
+    return {"id": f"gpqa-{row['Record ID']}", "question": row["Question"], "options": options,
+            "answer": "ABCD"[order.index(0)], "subject": row.get("Subdomain", "")}
+
+
+def _medxpertqa_upstream() -> Iterator[dict[str, Any]]:
+    for row in _hub("TsinghuaC3I/MedXpertQA", "Text", "test"):
+        yield {"id": row["id"], "question": row["question"], "options": row["options"], "answer": row["label"],
+               "subject": row.get("medical_task", "")}
+
+
+MIRAGE_URL = "https://raw.githubusercontent.com/Teddy-XiongGZ/MIRAGE/main/benchmark.json"
+
+
+def _bioasq_upstream() -> Iterator[dict[str, Any]]:
+    import urllib.request
+
+    with urllib.request.urlopen(MIRAGE_URL, timeout=60) as response:
+        yield from mirage_rows(json.load(response), "bioasq")
+
+
+def mirage_rows(benchmark_json: dict[str, Any], name: str) -> Iterator[dict[str, Any]]:
+    """Rows of one MIRAGE benchmark (`benchmark.json` maps name → id → {question, options, answer})."""
+    for qid, row in benchmark_json[name].items():
+        yield {"id": f"{name}-{qid}", "question": row["question"], "options": row["options"], "answer": row["answer"]}
+
+
+BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
+    Benchmark("medqa", ("medqa_us_test.jsonl",), _medqa_upstream),
+    Benchmark("medmcqa", ("medmcqa_dev.jsonl",), _medmcqa_upstream),
+    Benchmark("pubmedqa", ("pubmedqa_test.jsonl",), _pubmedqa_upstream),
+    Benchmark("mmlu_med", ("mmlu_med_test.jsonl",), _mmlu_med_upstream),
+    Benchmark("mmlu_pro", ("mmlu_pro_health.jsonl", "mmlu_pro_biology.jsonl"), _mmlu_pro_upstream),
+    Benchmark("gpqa", ("gpqa_biology.zip",), _gpqa_upstream),
+    Benchmark("medxpertqa", ("medxpertqa_text_test.jsonl",), _medxpertqa_upstream),
+    Benchmark("bioasq", ("bioasq_yesno.jsonl",), _bioasq_upstream),
+]}
+
+
+def default_data_dir() -> Path | None:
+    env = os.environ.get("ERMEDRAG_SHARED_DATA")
+    return Path(env) / "benchmarks" if env else None
+
+
+def load_benchmark(
+    name: str,
+    data_dir: str | os.PathLike[str] | None = None,
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    bad_rows: list[BadRow] | None = None,
+) -> list[Question]:
+    """Questions of one benchmark, from `data_dir` (shared JSONL files) or, without it, from upstream.
+
+    `limit` takes a seeded random sample (the same for the same seed). Rows that cannot be scored are
+    appended to `bad_rows` (when given) with their id and the problem, and left out.
+    """
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
+    bench = BENCHMARKS[name]
+    data_dir = Path(data_dir) if data_dir else default_data_dir()
+    rows = list(_local_rows(bench, data_dir) if data_dir else bench.upstream())
+    questions = []
+    for row in rows:
+        question = normalise(row, name)
+        if isinstance(question, BadRow):
+            if bad_rows is not None:
+                bad_rows.append(question)
+        else:
+            questions.append(question)
+    if limit is not None and limit < len(questions):
+        questions = sorted(random.Random(seed).sample(questions, limit), key=lambda q: q.id)
+    return questions
+
+
+def _local_rows(bench: Benchmark, data_dir: Path) -> Iterator[dict[str, Any]]:
+    for file_name in bench.local_files:
+        path = data_dir / file_name
+        if not path.exists():
+            raise FileNotFoundError(f"{bench.name}: {path} not found (point --data at the benchmarks folder)")
+        if path.suffix == ".zip":
+            yield from _zip_rows(path)
+        else:
+            yield from _jsonl_rows(path)
+
+
+def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    yield {"id": f"{path.name}:{line_no}", "_problem": "not valid JSON"}
+
+
+def _zip_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """A password zip (GPQA asks that its questions never sit in plain text): extracted to a temp dir only."""
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(path) as archive:
+        archive.extractall(tmp, pwd=GPQA_ZIP_PASSWORD.encode())
+        for inner in sorted(Path(tmp).rglob("*.jsonl")):
+            yield from list(_jsonl_rows(inner))
+
+
+def normalise(row: dict[str, Any], benchmark: str) -> Question | BadRow:
+    qid = str(row.get("id", "?"))
+    if "_problem" in row:
+        return BadRow(benchmark, qid, row["_problem"])
+    question, options, answer = row.get("question"), row.get("options"), row.get("answer")
+    if not isinstance(question, str) or not question.strip():
+        return BadRow(benchmark, qid, "no question text")
+    if not isinstance(options, dict) or len(options) < 2:
+        return BadRow(benchmark, qid, "no options (at least two needed)")
+    options = {str(k).strip().upper(): str(v) for k, v in sorted(options.items(), key=lambda kv: str(kv[0]))}
+    if str(answer).strip().upper() not in options:
+        return BadRow(benchmark, qid, f"answer {answer!r} is not among the options {list(options)}")
+    contexts = row.get("contexts") or ()
+    meta = {k: v for k, v in row.items() if k not in ("id", "question", "options", "answer", "contexts", "subject")}
+    return Question(id=qid, question=question.strip(), options=options, answer=str(answer).strip().upper(),
+                    benchmark=benchmark, subject=str(row.get("subject", "") or ""),
+                    contexts=tuple(str(c) for c in contexts), meta=meta)

@@ -1,0 +1,110 @@
+"""Reports: result folders → a markdown table (system × benchmark) and PNG plots, comparable across runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from evals.metrics import group_summaries, summarise
+from evals.runner import RESULTS
+
+
+def load_rows(result_dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
+    rows = []
+    for folder in result_dirs:
+        path = Path(folder) / RESULTS
+        if not path.exists():
+            raise FileNotFoundError(f"no {RESULTS} in {folder} (run `ermedrag eval --out {folder}` first)")
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill; the runner redoes that question
+    return rows
+
+
+def _cell(s: dict[str, Any]) -> str:
+    low, high = s["ci95"]
+    return f"{100 * s['accuracy']:.1f} [{100 * low:.0f}–{100 * high:.0f}] (n={s['n']})"
+
+
+def _num(value: float | None, fmt: str = "{:.3f}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def markdown_report(rows: list[dict[str, Any]]) -> str:
+    by_cell = group_summaries(rows, "system", "model", "benchmark")
+    by_system = group_summaries(rows, "system", "model")
+    benchmarks = sorted({r["benchmark"] for r in rows})
+    lines = ["# Evaluation report", "",
+             "Accuracy % with Wilson 95% interval and number of answers, per system and benchmark.", "",
+             "| system | model | " + " | ".join(benchmarks) + " | all |",
+             "|---|---|" + "---|" * (len(benchmarks) + 1)]
+    for (system, model), overall in by_system.items():
+        cells = [_cell(by_cell[(system, model, b)]) if (system, model, b) in by_cell else "–" for b in benchmarks]
+        lines.append(f"| {system} | {model} | " + " | ".join(cells) + f" | {_cell(overall)} |")
+    lines += ["", "| system | model | invalid rate | well-formed rate | answer entropy (nats) | token entropy (nats) "
+              "| output tokens / q | seconds / q | stage seconds |", "|---|---|---|---|---|---|---|---|---|"]
+    for (system, model), s in by_system.items():
+        stages = ", ".join(f"{k}={v:.2f}" for k, v in s["stage_seconds"].items() if v is not None)
+        lines.append(f"| {system} | {model} | {_num(s['invalid_rate'])} | {_num(s['well_formed_rate'])} | "
+                     f"{_num(s['answer_entropy'])} | {_num(s['token_entropy'])} | "
+                     f"{_num(s['mean_output_tokens'], '{:.0f}')} | {_num(s['mean_seconds'], '{:.1f}')} | {stages} |")
+    lines += ["", "Entropy definitions: see `evals/metrics.py`. Answer entropy needs `--samples` > 1."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_cell = group_summaries(rows, "system", "benchmark")
+    systems = sorted({k[0] for k in by_cell})
+    benchmarks = sorted({k[1] for k in by_cell})
+    width = 0.8 / max(len(systems), 1)
+    paths = []
+    for metric, label, file_name in (("accuracy", "accuracy", "accuracy.png"),
+                                     ("token_entropy", "mean token entropy (nats)", "entropy.png")):
+        fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(benchmarks)), 4))
+        for i, system in enumerate(systems):
+            xs, ys, errs = [], [], [[], []]
+            for j, bench in enumerate(benchmarks):
+                s = by_cell.get((system, bench))
+                if s and s[metric] is not None:
+                    xs.append(j + i * width)
+                    ys.append(s[metric])
+                    low, high = s["ci95"] if metric == "accuracy" else (s[metric], s[metric])
+                    errs[0].append(s[metric] - low)
+                    errs[1].append(high - s[metric])
+            if xs:
+                ax.bar(xs, ys, width, label=system, yerr=errs if metric == "accuracy" else None, capsize=2)
+        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(benchmarks))], benchmarks,
+                      rotation=20)
+        ax.set_ylabel(label)
+        if ax.containers:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, f"no {label} recorded (needs a backend that returns it)", ha="center",
+                    transform=ax.transAxes)
+        fig.tight_layout()
+        path = out_dir / file_name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(result_dirs: list[str], out_dir: str | Path) -> dict[str, Any]:
+    rows = load_rows(result_dirs)
+    if not rows:
+        raise ValueError(f"no results in {', '.join(result_dirs)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(markdown_report(rows), encoding="utf-8")
+    summary = {f"{s}|{m}": v for (s, m), v in group_summaries(rows, "system", "model").items()}
+    (out / "summary.json").write_text(json.dumps({"overall": summarise(rows), "by_system": summary}, indent=2))
+    plots = plot_report(rows, out)
+    return {"report": str(out / "report.md"), "plots": [str(p) for p in plots], "rows": len(rows)}
