@@ -8,7 +8,7 @@ from typing import Any, Callable, TypeVar
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 
-from tools.chat_models import model_name
+from tools.chat_models import continuation_kwargs, model_name
 from tools.traces import TraceEvent
 
 Parsed = TypeVar("Parsed")
@@ -37,10 +37,11 @@ def call_agent(
     sampling: dict[str, Any],
     gold: str | None = None,
     stop: list[str] | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> tuple[Parsed, TraceEvent]:
     """Invoke `model` once, parse its completion (parsers never raise) and describe the call as an event."""
     started = time.perf_counter()
-    reply = model.invoke(messages, stop=stop)
+    reply = model.invoke(messages, stop=stop, **continuation_kwargs(model, messages))
     latency = time.perf_counter() - started
     completion = reply.text
     # The stop string that ended generation is not part of the reply (OpenAI semantics); put it back so the
@@ -62,5 +63,6 @@ def call_agent(
         logprobs=(reply.response_metadata.get("logprobs") or {}).get("content"),
         latency_s=latency,
         gold=gold,
+        inputs=inputs,
     )
     return parsed, event

@@ -172,15 +172,25 @@ def load_benchmark(
         raise ValueError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
     bench = BENCHMARKS[name]
     data_dir = Path(data_dir) if data_dir else default_data_dir()
-    rows = list(_local_rows(bench, data_dir) if data_dir else bench.upstream())
-    questions = []
-    for row in rows:
-        question = normalise(row, name)
-        if isinstance(question, BadRow):
-            if bad_rows is not None:
-                bad_rows.append(question)
-        else:
-            questions.append(question)
+    rows = _local_rows(bench, data_dir) if data_dir else bench.upstream()
+    return _select([normalise(row, name) for row in rows], limit, seed, bad_rows)
+
+
+def load_questions_file(path: str | os.PathLike[str], *, limit: int | None = None, seed: int = 0,
+                        bad_rows: list[BadRow] | None = None) -> list[Question]:
+    """Questions from any JSONL file in the shared schema (the benchmark is named after the file)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such questions file: {path}")
+    name = path.name.removesuffix(".jsonl")
+    return _select([normalise(row, name) for row in _jsonl_rows(path)], limit, seed, bad_rows)
+
+
+def _select(parsed: list[Question | BadRow], limit: int | None, seed: int,
+            bad_rows: list[BadRow] | None) -> list[Question]:
+    questions = [q for q in parsed if isinstance(q, Question)]
+    if bad_rows is not None:
+        bad_rows.extend(q for q in parsed if isinstance(q, BadRow))
     if limit is not None and limit < len(questions):
         questions = sorted(random.Random(seed).sample(questions, limit), key=lambda q: q.id)
     return questions

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 
 from evals.metrics import group_summaries, summarise
 from evals.runner import RESULTS
+from tools.jsonl import read_records
 
 
 def load_rows(result_dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
@@ -16,11 +17,7 @@ def load_rows(result_dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
         path = Path(folder) / RESULTS
         if not path.exists():
             raise FileNotFoundError(f"no {RESULTS} in {folder} (run `ermedrag eval --out {folder}` first)")
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill; the runner redoes that question
+        rows.extend(read_records(path))
     return rows
 
 

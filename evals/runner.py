@@ -1,7 +1,6 @@
 """The batch runner: questions × systems through the real graphs, concurrent, resumable.
 
-Each finished question is appended to `OUT/results.jsonl` (flushed to the OS at once, which survives a
-killed process; fsynced when the run ends) under a key made of the
+Each finished question is appended to `OUT/results.jsonl` (a `tools.jsonl.AppendLog`) under a key made of the
 run configuration and the question id; a rerun skips what is already there, so killing the process loses
 at most the questions in flight. Every question is also a trace run (evals feed training).
 """
@@ -18,7 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from evals.benchmarks import BadRow, Question, load_benchmark
+from evals.benchmarks import BadRow, Question, load_benchmark, load_questions_file
+from tools.jsonl import AppendLog, read_records
 from tools.traces import TraceStore, default_trace_db
 
 RESULTS = "results.jsonl"
@@ -28,8 +28,9 @@ BAD_ROWS = "bad_rows.jsonl"
 def systems() -> dict[str, Any]:
     from graphs.baselines import cot, vanilla_rag
     from graphs.er_medrag import graph
+    from graphs.med_r3 import graph as med_r3
 
-    return {"er_medrag": graph, "vanilla_rag": vanilla_rag, "cot": cot}
+    return {"er_medrag": graph, "vanilla_rag": vanilla_rag, "cot": cot, "med_r3": med_r3}
 
 
 @dataclass(frozen=True)
@@ -60,42 +61,9 @@ class EvalConfig:
 
 
 def done_keys(path: Path) -> set[tuple[str, str, str, int]]:
-    """Keys already recorded; a line cut short by a kill is ignored (and its question redone)."""
-    keys = set()
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-                keys.add((row["config_key"], row["benchmark"], row["question_id"], row["sample"]))
-            except (json.JSONDecodeError, KeyError):
-                continue
-    return keys
-
-
-class ResultWriter:
-    """Appends one JSON line per finished question, durably."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._repair_tail(path)
-        self._handle = path.open("a", encoding="utf-8")
-
-    @staticmethod
-    def _repair_tail(path: Path) -> None:
-        """A kill can leave half a line at the end: end it, so the next record starts on its own line."""
-        if path.exists() and path.stat().st_size:
-            with path.open("rb+") as handle:
-                handle.seek(-1, os.SEEK_END)
-                if handle.read(1) != b"\n":
-                    handle.write(b"\n")
-
-    def write(self, row: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(row) + "\n")
-        self._handle.flush()
-
-    def close(self) -> None:
-        os.fsync(self._handle.fileno())
-        self._handle.close()
+    """Keys already recorded (a line cut short by a kill is not one: its question is redone)."""
+    return {(r["config_key"], r["benchmark"], r["question_id"], r["sample"]) for r in read_records(path)
+            if {"config_key", "benchmark", "question_id", "sample"} <= r.keys()}
 
 
 def respondent_stats(store: TraceStore, run_id: str) -> dict[str, Any]:
@@ -143,7 +111,7 @@ async def run_questions(
     done = done_keys(results)
     todo = [(q, s) for q in questions for s in range(config.samples)
             if (config.key(), q.benchmark, q.id, s) not in done]
-    writer = ResultWriter(results)
+    writer = AppendLog(results)
     semaphore = asyncio.Semaphore(concurrency)
     failures: list[str] = []
     # Sync graph nodes run in the loop's executor: size it so `concurrency` questions (each fanning out
@@ -177,7 +145,7 @@ async def run_questions(
 
 def run_eval(
     systems_: Iterable[str],
-    benchmarks: Iterable[str],
+    benchmarks: Iterable[str | Path],
     model: str,
     out_dir: str | os.PathLike[str],
     *,
@@ -189,12 +157,15 @@ def run_eval(
     trace_db: str | None = None,
     **config_fields: Any,
 ) -> dict[str, Any]:
-    """Load the benchmarks, report bad rows, and run every system on them."""
+    """Load the benchmarks (names, or paths of JSONL question files), report bad rows, run every system."""
     out_dir = Path(out_dir)
     questions: list[Question] = []
     bad: list[BadRow] = []
     for name in benchmarks:
-        questions.extend(load_benchmark(name, data_dir, limit=limit, seed=seed, bad_rows=bad))
+        if str(name).endswith(".jsonl"):  # a questions file of the user's own
+            questions.extend(load_questions_file(name, limit=limit, seed=seed, bad_rows=bad))
+        else:
+            questions.extend(load_benchmark(str(name), data_dir, limit=limit, seed=seed, bad_rows=bad))
     if bad:
         out_dir.mkdir(parents=True, exist_ok=True)
         with (out_dir / BAD_ROWS).open("w", encoding="utf-8") as handle:

@@ -23,19 +23,19 @@ from tools.cache import shared_resource
 MAX_OPTIONS = 26
 
 
-def _env(name: str, default: str) -> Any:
+def env(name: str, default: str) -> Any:
     return field(default_factory=lambda: os.environ.get(name, default))
 
 
-def _env_model(name: str) -> Any:
+def env_model(name: str) -> Any:
     return field(default_factory=lambda: os.environ.get(name) or os.environ.get("ERMEDRAG_MODEL", DEFAULT_MODEL))
 
 
-def _env_int(name: str, default: int) -> Any:
+def env_int(name: str, default: int) -> Any:
     return field(default_factory=lambda: int(os.environ.get(name, default)))
 
 
-def _env_float(name: str, default: float) -> Any:
+def env_float(name: str, default: float) -> Any:
     return field(default_factory=lambda: float(os.environ.get(name, default)))
 
 
@@ -43,27 +43,27 @@ def _env_float(name: str, default: float) -> Any:
 class Context:
     """Run configuration. Each field falls back to the environment variable named in its comment."""
 
-    extractor_model: str = _env_model("ERMEDRAG_EXTRACTOR_MODEL")
+    extractor_model: str = env_model("ERMEDRAG_EXTRACTOR_MODEL")
     """Extractor chat model, 'provider:name' (hf:, offline:, openai:, vllm:). Env ERMEDRAG_EXTRACTOR_MODEL."""
-    respondent_model: str = _env_model("ERMEDRAG_RESPONDENT_MODEL")
+    respondent_model: str = env_model("ERMEDRAG_RESPONDENT_MODEL")
     """Respondent chat model. Env ERMEDRAG_RESPONDENT_MODEL (both fall back to ERMEDRAG_MODEL)."""
-    base_url: str = _env("OPENAI_BASE_URL", "")
+    base_url: str = env("OPENAI_BASE_URL", "")
     """OpenAI-compatible server for openai: models, e.g. http://127.0.0.1:8000/v1. Env OPENAI_BASE_URL."""
-    index_dir: str = _env("ERMEDRAG_INDEX_DIR", "")
+    index_dir: str = env("ERMEDRAG_INDEX_DIR", "")
     """Corpus index built by `ermedrag index`; empty = the starter knowledge base. Env ERMEDRAG_INDEX_DIR."""
-    chroma_url: str = _env("ERMEDRAG_CHROMA_URL", "")
+    chroma_url: str = env("ERMEDRAG_CHROMA_URL", "")
     """A Chroma server (http://host:port) instead of the embedded store. Env ERMEDRAG_CHROMA_URL."""
-    coarse_k: int = _env_int("ERMEDRAG_COARSE_K", 8)
+    coarse_k: int = env_int("ERMEDRAG_COARSE_K", 8)
     """Chunks kept by the coarse (BM25 + dense, RRF) stage."""
-    snippets_k: int = _env_int("ERMEDRAG_SNIPPETS_K", 4)
+    snippets_k: int = env_int("ERMEDRAG_SNIPPETS_K", 4)
     """Snippets kept by the fine stage: one extractor call each."""
-    temperature: float = _env_float("ERMEDRAG_TEMPERATURE", 0.0)
+    temperature: float = env_float("ERMEDRAG_TEMPERATURE", 0.0)
     """Sampling temperature for every agent (0 = greedy)."""
-    extractor_max_new_tokens: int = _env_int("ERMEDRAG_EXTRACTOR_MAX_NEW_TOKENS", 96)
+    extractor_max_new_tokens: int = env_int("ERMEDRAG_EXTRACTOR_MAX_NEW_TOKENS", 96)
     """Generation budget of one extractor call."""
-    respondent_max_new_tokens: int = _env_int("ERMEDRAG_RESPONDENT_MAX_NEW_TOKENS", 192)
+    respondent_max_new_tokens: int = env_int("ERMEDRAG_RESPONDENT_MAX_NEW_TOKENS", 192)
     """Generation budget of the respondent."""
-    trace_db: str = _env("ERMEDRAG_TRACE_DB", "")
+    trace_db: str = env("ERMEDRAG_TRACE_DB", "")
     """SQLite file of recorded runs; empty = ~/.cache/ermedrag/traces.sqlite. Env ERMEDRAG_TRACE_DB."""
 
 
@@ -141,6 +141,7 @@ def respond_with(state: Mapping[str, Any], ctx: Context, evidence: str) -> dict[
         lambda completion: respondent.parse_answer(completion, state.get("options")),
         agent="respondent", node="respond", run_id=state["run_id"], gold=state.get("gold"),
         sampling=sampling(ctx, ctx.respondent_model, ctx.respondent_max_new_tokens), stop=respondent.STOP,
+        inputs={"question": state["question"], "options": state.get("options"), "evidence": evidence},
     )
     store = trace_store(ctx)
     store.add_event(event)

@@ -68,6 +68,7 @@ def extract(task: ExtractTask, runtime: Runtime[Context]) -> dict[str, Any]:
         lambda completion: extractor.parse_triplets(completion, snippet["id"]),
         agent="extractor", node="extract", run_id=task["run_id"], gold=task.get("gold"),
         sampling=sampling(ctx, ctx.extractor_model, ctx.extractor_max_new_tokens), stop=extractor.STOP,
+        inputs={"question": task["question"], "snippet_id": snippet["id"], "snippet": snippet["text"]},
     )
     trace_store(ctx).add_event(event)
     return {"extractions": [parsed]}

@@ -128,6 +128,23 @@ def _openai_chat_model(
 # -------------------------------------------------------------------------------------------------- hf
 
 
+def continuation(messages: list[BaseMessage]) -> dict[str, bool]:
+    """Chat-template flags: a conversation ending in an assistant message is continued, not answered anew
+    (Med-R³ resumes its own turn after the search results are inserted)."""
+    if messages and messages[-1].type == "ai":
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": True}
+
+
+def continuation_kwargs(model: BaseChatModel, messages: list[BaseMessage]) -> dict[str, Any]:
+    """Per-call arguments that make `model` continue a final assistant message: vLLM's OpenAI server
+    takes the chat-template flags in the request body; in-process backends read the messages themselves."""
+    flags = continuation(messages)
+    if flags["add_generation_prompt"] or type(model).__name__ != "ChatOpenAI":
+        return {}
+    return {"extra_body": flags}
+
+
 def _chat_dicts(messages: list[BaseMessage]) -> list[dict[str, str]]:
     roles = {"human": "user", "ai": "assistant", "system": "system"}
     return [{"role": roles.get(m.type, "user"), "content": m.text} for m in messages]
@@ -189,7 +206,7 @@ class HFChatModel(BaseChatModel):
     def _generate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
         generator = hf_generator(self.model_path, self.device)
         prompt_ids = generator.tokenizer.apply_chat_template(
-            _chat_dicts(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+            _chat_dicts(messages), tokenize=True, return_dict=False, **continuation(messages))
         params = GenerationParams(
             max_new_tokens=kwargs.get("max_new_tokens", self.max_new_tokens),
             temperature=kwargs.get("temperature", self.temperature),
@@ -241,7 +258,8 @@ class VLLMChatModel(BaseChatModel):
             stop=list(stop) if stop else None,
             logprobs=0,
         )
-        output = _vllm_engine(self.model_path).chat(_chat_dicts(messages), params, use_tqdm=False)[0]
+        output = _vllm_engine(self.model_path).chat(_chat_dicts(messages), params, use_tqdm=False,
+                                                    **continuation(messages))[0]
         choice = output.outputs[0]
         usage = {
             "input_tokens": len(output.prompt_token_ids),

@@ -1,4 +1,4 @@
-"""The `ermedrag` command line: demo, ask, index, traces."""
+"""The `ermedrag` command line: demo, ask, index, eval, run, export, train, report, traces."""
 
 from __future__ import annotations
 
@@ -52,8 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     index.set_defaults(handler=_index)
 
     evaluate = sub.add_parser("eval", help="run systems on benchmarks (concurrent, resumable)")
-    evaluate.add_argument("--system", default="er_medrag", help="comma-separated: er_medrag, vanilla_rag, cot")
-    evaluate.add_argument("--bench", default="medqa", help="comma-separated benchmarks, or 'all'")
+    evaluate.add_argument("--system", default="er_medrag", help="comma-separated: er_medrag, vanilla_rag, cot, med_r3")
+    evaluate.add_argument("--bench", default="medqa",
+                          help="comma-separated benchmark names or JSONL question files, or 'all'")
     evaluate.add_argument("--model", default=DEFAULT_MODEL, help="chat model for every agent")
     evaluate.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
     evaluate.add_argument("--out", required=True, help="results folder (rerun with the same folder to resume)")
@@ -71,6 +72,42 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-new-tokens", type=int, default=192, help="respondent generation budget")
     evaluate.add_argument("--trace-db", default=None, help="trace database for the runs")
     evaluate.set_defaults(handler=_eval)
+
+    record = sub.add_parser("run", help="record traces for a file of questions (no report): training data")
+    record.add_argument("--bench", required=True, help="JSONL questions file in the shared schema, or a benchmark name")
+    record.add_argument("--system", default="er_medrag", help="graph that answers them")
+    record.add_argument("--model", default=DEFAULT_MODEL)
+    record.add_argument("--base-url", default=None)
+    record.add_argument("--limit", type=int, default=None)
+    record.add_argument("--seed", type=int, default=0)
+    record.add_argument("--concurrency", type=int, default=8)
+    record.add_argument("--index-dir", default="")
+    record.add_argument("--snippets", type=int, default=4)
+    record.add_argument("--temperature", type=float, default=0.0)
+    record.add_argument("--data", default=None, help="benchmarks folder when --bench is a name")
+    record.add_argument("--trace-db", default=None, help="where the runs are recorded")
+    record.add_argument("--out", default=None, help="progress log folder (default: beside the trace db)")
+    record.set_defaults(handler=_record)
+
+    export = sub.add_parser("export", help="recorded traces → DPO pairs (extractor) or GRPO prompts (respondent)")
+    export.add_argument("kind", choices=["dpo", "grpo"])
+    export.add_argument("--traces", default=None, help="trace database (default: ERMEDRAG_TRACE_DB or the cache)")
+    export.add_argument("--out", required=True, help="output folder (rerun with the same folder to resume)")
+    export.add_argument("--model", default=None, help="dpo: model that samples alternatives (default: recorded)")
+    export.add_argument("--base-url", default=None)
+    export.add_argument("--samples", type=int, default=4, help="dpo: alternatives per recorded call")
+    export.add_argument("--temperature", type=float, default=0.9, help="dpo: sampling temperature")
+    export.add_argument("--margin", type=float, default=0.1, help="dpo: minimum reward gap of a pair")
+    export.add_argument("--no-usefulness", action="store_true", help="dpo: skip the respondent usefulness check")
+    export.add_argument("--noise", type=float, default=0.25, help="grpo: fraction of distractor triplets")
+    export.add_argument("--seed", type=int, default=0)
+    export.add_argument("--limit", type=int, default=None)
+    export.set_defaults(handler=_export)
+
+    train = sub.add_parser("train", help="train an agent with TRL from an exported dataset (config as YAML)")
+    train.add_argument("kind", choices=["dpo", "grpo"], help="dpo: extractor pairs; grpo: respondent prompts")
+    train.add_argument("--config", required=True, help="YAML of training.config fields (see training/configs/)")
+    train.set_defaults(handler=_train)
 
     report = sub.add_parser("report", help="markdown table and plots from result folders")
     report.add_argument("results", nargs="+", help="folders written by `ermedrag eval`")
@@ -199,6 +236,45 @@ def _eval(args: argparse.Namespace) -> int:
 
     written = write_report([args.out], args.out)
     print(f"report: {written['report']}  plots: {', '.join(written['plots'])}")
+    return 0
+
+
+def _record(args: argparse.Namespace) -> int:
+    from evals.runner import run_eval
+    from tools.traces import default_trace_db
+
+    trace_db = args.trace_db or default_trace_db()
+    out = args.out or str(Path(trace_db).with_suffix("")) + "-runs"
+    summary = run_eval([args.system], [args.bench], args.model, out, data_dir=args.data, limit=args.limit,
+                       seed=args.seed, concurrency=args.concurrency, base_url=args.base_url, trace_db=trace_db,
+                       index_dir=args.index_dir, snippets_k=args.snippets, temperature=args.temperature)
+    print(f"{summary[args.system]}; traces in {trace_db}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tools.traces import default_trace_db
+    from training.export import DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo
+
+    traces = args.traces or default_trace_db()
+    if not Path(traces).exists():
+        raise FileNotFoundError(f"no trace database at {traces}")
+    if args.kind == "dpo":
+        counts = export_dpo(DPOExportConfig(
+            traces=traces, out=args.out, model=args.model, base_url=args.base_url, samples=args.samples,
+            temperature=args.temperature, margin=args.margin, usefulness=not args.no_usefulness, limit=args.limit))
+    else:
+        counts = export_grpo(GRPOExportConfig(traces=traces, out=args.out, noise_fraction=args.noise,
+                                              seed=args.seed, limit=args.limit))
+    print(f"{args.kind}: {counts}; dataset in {Path(args.out) / 'dataset'} (datasets.load_from_disk)")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from training.trainers import train_from_file
+
+    summary = train_from_file(args.kind, args.config)
+    print(json.dumps({k: v for k, v in summary.items() if k != "final_metrics"}, indent=2, default=str))
     return 0
 
 

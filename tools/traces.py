@@ -45,11 +45,15 @@ CREATE TABLE IF NOT EXISTS events (
     logprobs TEXT,
     latency_s REAL NOT NULL,
     gold TEXT,
+    inputs TEXT,
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, seq);
 CREATE INDEX IF NOT EXISTS events_by_agent ON events (agent);
 """
+
+
+JSON_EVENT_FIELDS = ("sampling", "messages", "parsed", "usage", "logprobs", "inputs")
 
 
 def default_trace_db() -> str:
@@ -72,6 +76,7 @@ class TraceEvent:
     logprobs: list[dict[str, Any]] | None
     latency_s: float
     gold: str | None = None
+    inputs: dict[str, Any] | None = None  # what the prompt was built from (question, snippet, ...) for replay
     event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
 
@@ -86,6 +91,9 @@ class TraceStore:
         db = self._connect()
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(SCHEMA)
+        columns = {row["name"] for row in db.execute("PRAGMA table_info(events)")}
+        if "inputs" not in columns:  # stores written before events kept their inputs
+            db.execute("ALTER TABLE events ADD COLUMN inputs TEXT")
 
     def _connect(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -112,7 +120,7 @@ class TraceStore:
 
     def add_event(self, event: TraceEvent) -> None:
         row = asdict(event)
-        for key in ("sampling", "messages", "parsed", "usage", "logprobs"):
+        for key in JSON_EVENT_FIELDS:
             row[key] = json.dumps(row[key])
         db = self._connect()
         db.execute("BEGIN IMMEDIATE")  # seq = events so far: count and insert in one transaction
@@ -152,7 +160,7 @@ class TraceStore:
 
 def _decode(row: sqlite3.Row) -> dict[str, Any]:
     out = dict(row)
-    for key in ("question", "answer", "sampling", "messages", "parsed", "usage", "logprobs"):
+    for key in ("question", "answer", *JSON_EVENT_FIELDS):
         if isinstance(out.get(key), str):
             out[key] = json.loads(out[key])
     return out

@@ -1,0 +1,83 @@
+"""Med-R³ reasoner: thinks, may search mid-reasoning, then answers.
+
+Output format (Med-R³'s public code): `<think> … <search>query</search>` — generation stops there, the
+graph appends `<document>…</document>` with the results and lets the model continue — `… </think>`
+then `<answer>…</answer>`. A model-written `<document>` is bad format (it would forge evidence); text
+inside retrieved documents is neutralised so it can neither close the document nor inject an answer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypedDict
+
+from agents.base import chat_messages, clip
+from agents.respondent import Answer, format_options, parse_answer
+
+SYSTEM_PROMPT = """You are a careful physician answering a medical question. Think step by step inside <think></think>. When you need medical knowledge you do not have, write a search query as <search>query</search> and stop; the search results will appear inside <document></document> and you continue thinking. Search at most a few times. Finally give only the answer inside <answer></answer>: the option letter for a multiple-choice question, otherwise a short answer."""
+
+USER_TEMPLATE = """Question: {question}
+{options}"""
+
+EXAMPLE = (
+    USER_TEMPLATE.format(question="Which vitamin deficiency causes rickets?",
+                         options="Options:\nA. Vitamin C\nB. Vitamin D\nC. Vitamin K"),
+    "<think>Rickets is a bone mineralisation disorder. <search>cause of rickets</search>\n<document>\n"
+    "[ex-1] Rickets in children is caused by vitamin D deficiency.\n</document>\n"
+    "The document says vitamin D deficiency causes rickets.</think><answer>B</answer>",
+)
+
+SEARCH_STOP = "</search>"
+STOP = [SEARCH_STOP, "</answer>"]
+MAX_QUERY_CHARS = 300
+TAG = re.compile(r"</?\s*(document|search|answer|think)\s*>", re.IGNORECASE)
+SEARCH = re.compile(r"<search>(.*?)</search>\s*$", re.DOTALL | re.IGNORECASE)
+DOCUMENT_BLOCK = re.compile(r"<document>.*?</document>", re.DOTALL | re.IGNORECASE)
+
+
+class Step(TypedDict):
+    """One generation step. `query` is set when the step ended by closing a search."""
+
+    query: str | None
+    forged_document: bool
+    answered: bool
+
+
+def build_messages(question: str, options: dict[str, str] | None, transcript: str) -> list:
+    """The conversation so far; a non-empty transcript is the assistant turn the model continues."""
+    user = USER_TEMPLATE.format(question=clip(question), options=format_options(options)).rstrip()
+    messages = chat_messages(SYSTEM_PROMPT, user, EXAMPLE)
+    if transcript:
+        from langchain_core.messages import AIMessage
+
+        messages.append(AIMessage(content=transcript))
+    return messages
+
+
+def parse_step(segment: str) -> Step:
+    """What one generated segment asks for. Never raises."""
+    text = segment or ""
+    query = SEARCH.search(text)
+    cleaned = " ".join(query.group(1).split())[:MAX_QUERY_CHARS] if query else ""
+    return Step(query=cleaned or None, forged_document="<document>" in text.lower(),
+                answered="<answer>" in text.lower())
+
+
+def neutralise(text: str) -> str:
+    """Retrieved text with its tag-like sequences defused (`<answer>` → `‹answer›`)."""
+    return TAG.sub(lambda m: "‹" + m.group(0)[1:-1] + "›", text)
+
+
+def render_documents(snippets: list[dict]) -> str:
+    body = "\n".join(f"[{s['id']}] {neutralise(clip(s['text'], 1500))}" for s in snippets) or "(no results)"
+    return f"\n<document>\n{body}\n</document>\n"
+
+
+def model_text(transcript: str) -> str:
+    """The transcript without the documents the graph inserted: what the model itself wrote."""
+    return DOCUMENT_BLOCK.sub(" ", transcript)
+
+
+def parse_final(transcript: str, options: dict[str, str] | None) -> Answer:
+    """The answer, read only from what the model wrote (never from retrieved documents)."""
+    return parse_answer(model_text(transcript), options)

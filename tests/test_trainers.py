@@ -1,0 +1,286 @@
+"""TRL trainers on a tiny real model (Qwen2 architecture, random weights, trained BPE tokenizer), on CPU.
+
+Each run is 2-3 optimizer steps on 8 rows: what is tested is the wiring (datasets in the project's
+conversational format, LoRA and full fine-tuning, reference models, reward components, metrics, plots,
+saving and reloading), not learning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import build_tiny_causal_lm
+from training.config import DPOTrainingConfig, GRPOTrainingConfig, load_config
+from training.trainers import METRICS_FILE, PLOT_FILE, train_dpo, train_grpo
+
+REPO = Path(__file__).resolve().parents[1]
+LETTERS = "ABCD"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def dpo_dataset(tmp_path_factory) -> str:
+    from datasets import Dataset
+
+    rows = []
+    for i in range(8):
+        rows.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": "Extract condition-relation-conclusion triplets as JSON."},
+                    {"role": "user", "content": f"Snippet s{i}: Metformin lowers blood glucose in type 2 diabetes."},
+                ],
+                "chosen": [
+                    {
+                        "role": "assistant",
+                        "content": '[{"condition": "type 2 diabetes", "relation": "treats", "conclusion": "metformin"}]',
+                    }
+                ],
+                "rejected": [{"role": "assistant", "content": "The snippet talks about several things."}],
+                # provenance columns, as training.export writes them
+                "run_id": f"run-{i}",
+                "chosen_reward": 0.9,
+                "rejected_reward": 0.2,
+            }
+        )
+    path = tmp_path_factory.mktemp("dpo") / "dataset"
+    Dataset.from_list(rows).save_to_disk(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def grpo_dataset(tmp_path_factory) -> str:
+    from datasets import Dataset
+
+    rows = []
+    for i in range(8):
+        options = {"A": "metformin", "B": "aspirin", "C": "heparin", "D": "digoxin"}
+        question = f"Case {i}: which drug lowers blood glucose? " + " ".join(f"{k}) {v}" for k, v in options.items())
+        rows.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": "Think in <think></think>, answer with <answer>letter</answer>."},
+                    {"role": "user", "content": question},
+                ],
+                "gold": LETTERS[i % 4],
+                "options": options,
+            }
+        )
+    path = tmp_path_factory.mktemp("grpo") / "dataset"
+    Dataset.from_list(rows).save_to_disk(str(path))
+    return str(path)
+
+
+# Reward functions with TRL's signature. Conversational completions are lists of messages.
+SEEN_COLUMNS: list[dict] = []
+
+
+def has_answer_tag(completions, **kwargs) -> list[float]:
+    return [1.0 if "<answer>" in completion[-1]["content"] else 0.0 for completion in completions]
+
+
+def length_score(completions, gold, options, **kwargs) -> list[float]:
+    SEEN_COLUMNS.append({"gold": list(gold), "options": list(options)})
+    return [min(len(completion[-1]["content"]), 60) / 60 for completion in completions]
+
+
+def read_metrics(output_dir: str) -> list[dict]:
+    lines = (Path(output_dir) / METRICS_FILE).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def step_records(records: list[dict]) -> list[dict]:
+    return [r for r in records if "loss" in r]
+
+
+def assert_plot(output_dir: str) -> None:
+    png = Path(output_dir) / PLOT_FILE
+    assert png.is_file()
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 20_000  # several panels with curves, not an empty canvas
+
+
+def assert_adapter_trained(output_dir: str) -> None:
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    assert (Path(output_dir) / "adapter_config.json").is_file()
+    assert (Path(output_dir) / "adapter_model.safetensors").is_file()
+    model = AutoPeftModelForCausalLM.from_pretrained(output_dir)
+    lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
+    assert lora_b, "no LoRA weights in the saved adapter"
+    # LoRA B starts at zero: non-zero values mean the saved adapter holds trained weights.
+    assert any(torch.count_nonzero(p) > 0 for p in lora_b)
+
+
+def small(cls, model: str, dataset: str, output_dir: Path, **overrides):
+    base = dict(
+        model=model,
+        dataset=dataset,
+        output_dir=str(output_dir),
+        learning_rate=1e-3,
+        max_steps=3,
+        lora_r=8,
+        lora_alpha=16,
+        logging_steps=1,
+        save_steps=1000,
+    )
+    return cls(**{**base, **overrides})
+
+
+def test_dpo_lora_run_logs_saves_and_plots(tiny_model, dpo_dataset, tmp_path):
+    config = small(DPOTrainingConfig, tiny_model, dpo_dataset, tmp_path / "dpo", per_device_train_batch_size=2,
+                   max_length=128)
+    summary = train_dpo(config)
+
+    assert summary["steps"] == 3 and summary["adapter"] is True
+    records = step_records(read_metrics(config.output_dir))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "entropy"):
+            assert isinstance(record[key], float) and math.isfinite(record[key]), key
+    assert summary["final_metrics"]["step"] == 3
+    # lr 1e-3 on 3 steps of one preference: the margin must have moved in the preferred direction.
+    assert records[-1]["rewards/margins"] > records[0]["rewards/margins"]
+    assert_adapter_trained(config.output_dir)
+    assert_plot(config.output_dir)
+    saved = json.loads((Path(config.output_dir) / "training_config.json").read_text())
+    assert saved["beta"] == config.beta and saved["model"] == tiny_model
+
+
+def test_dpo_full_finetune_builds_reference_from_path(tiny_model, dpo_dataset, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = small(DPOTrainingConfig, tiny_model, dpo_dataset, tmp_path / "dpo_full", use_lora=False,
+                   per_device_train_batch_size=2, max_steps=2, max_length=128)
+    summary = train_dpo(config)
+
+    assert summary["steps"] == 2 and summary["adapter"] is False
+    assert len(step_records(read_metrics(config.output_dir))) == 2
+    trained = AutoModelForCausalLM.from_pretrained(config.output_dir)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model)
+    changed = [
+        name
+        for (name, p), (_, q) in zip(trained.named_parameters(), initial.named_parameters())
+        if not torch.equal(p, q)
+    ]
+    assert changed, "full fine-tuning saved unchanged weights"
+
+
+def test_grpo_lora_logs_every_reward_component(tiny_model, grpo_dataset, tmp_path):
+    SEEN_COLUMNS.clear()
+    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo", per_device_train_batch_size=4,
+                   num_generations=4, max_completion_length=16)
+    summary = train_grpo(config, [has_answer_tag, length_score], reward_weights=[1.0, 0.5])
+
+    assert summary["steps"] == 3
+    assert summary["reward_functions"] == ["has_answer_tag", "length_score"]
+    records = step_records(read_metrics(config.output_dir))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        for key in ("loss", "reward", "rewards/has_answer_tag/mean", "rewards/length_score/mean",
+                    "rewards/length_score/std", "entropy", "completions/mean_length"):
+            assert key in record and math.isfinite(record[key]), key
+        # the total is the weighted sum of the components (TRL's default aggregation)
+        expected = record["rewards/has_answer_tag/mean"] + 0.5 * record["rewards/length_score/mean"]
+        assert record["reward"] == pytest.approx(expected, abs=1e-5)
+        assert 0 < record["completions/mean_length"] <= 16
+    # the dataset's extra columns reached the reward function, one value per completion
+    assert SEEN_COLUMNS and all(len(seen["gold"]) == 4 for seen in SEEN_COLUMNS)
+    assert all(g in LETTERS for seen in SEEN_COLUMNS for g in seen["gold"])
+    assert all(o["A"] == "metformin" for seen in SEEN_COLUMNS for o in seen["options"])
+    assert_adapter_trained(config.output_dir)
+    assert_plot(config.output_dir)
+
+
+def test_grpo_full_finetune_with_kl_uses_reference_model(tiny_model, grpo_dataset, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_kl", use_lora=False, beta=0.04,
+                   per_device_train_batch_size=4, num_generations=4, max_completion_length=16, max_steps=2)
+    summary = train_grpo(config, [length_score])
+
+    assert summary["steps"] == 2 and summary["adapter"] is False
+    records = step_records(read_metrics(config.output_dir))
+    assert len(records) == 2
+    assert all("kl" in r and r["kl"] >= 0 for r in records)
+    # After one update the policy differs from the frozen reference, so the second step's KL is positive.
+    assert records[-1]["kl"] > 0
+    AutoModelForCausalLM.from_pretrained(config.output_dir)
+    assert_plot(config.output_dir)
+
+
+def test_grpo_with_project_rewards(tiny_model, grpo_dataset, tmp_path):
+    rewards = pytest.importorskip("training.rewards")
+    funcs, weights = rewards.respondent_reward_funcs()
+    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_project",
+                   per_device_train_batch_size=4, num_generations=4, max_completion_length=16, max_steps=2)
+    summary = train_grpo(config, funcs, weights)
+
+    records = step_records(read_metrics(config.output_dir))
+    assert len(records) == 2
+    for name in summary["reward_functions"]:
+        assert all(math.isfinite(r[f"rewards/{name}/mean"]) for r in records)
+    assert "format_reward" in summary["reward_functions"]
+
+
+def test_reward_weights_must_match_reward_functions(tmp_path):
+    config = GRPOTrainingConfig(model="unused", dataset=str(tmp_path), output_dir=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
+        train_grpo(config, [has_answer_tag], reward_weights=[1.0, 2.0])
+
+
+def test_load_config_reports_unknown_keys_and_missing_file(tmp_path):
+    path = tmp_path / "grpo.yaml"
+    path.write_text("model: m\ndataset: d\noutput_dir: o\nlearning_rat: 1e-5\nnum_generation: 4\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\).*\['learning_rat', 'num_generation'\]"):
+        load_config(path, GRPOTrainingConfig)
+    with pytest.raises(FileNotFoundError, match="training config not found"):
+        load_config(tmp_path / "absent.yaml", GRPOTrainingConfig)
+    path.write_text("model: m\ndataset: d\n")
+    with pytest.raises(ValueError, match=r"missing required key\(s\).*output_dir"):
+        load_config(path, DPOTrainingConfig)
+    # PyYAML reads 1e-5 (no dot) as a string: float fields take it as the number it means.
+    path.write_text("model: m\ndataset: d\noutput_dir: o\nlearning_rate: 1e-5\nbeta: 0\n")
+    config = load_config(path, DPOTrainingConfig)
+    assert config.learning_rate == 1e-5 and config.beta == 0.0
+
+
+def test_example_configs_load_and_map_to_trl(tmp_path):
+    import torch
+
+    dpo = load_config(REPO / "training/configs/dpo_extractor.yaml", DPOTrainingConfig)
+    grpo = load_config(REPO / "training/configs/grpo_respondent.yaml", GRPOTrainingConfig)
+    for config in (dpo, grpo):
+        config.output_dir = str(tmp_path / "out")
+        args = config.to_trl()
+        assert args.bf16 is torch.cuda.is_available()
+        assert args.use_cpu is (not torch.cuda.is_available())
+        assert args.report_to in ("none", [], ["none"])
+        assert args.learning_rate == config.learning_rate
+    assert grpo.to_trl().num_generations == grpo.num_generations
+    assert dpo.to_trl().loss_type == ["sigmoid"]
+
+
+def test_trl_checks_and_overrides(tmp_path):
+    config = GRPOTrainingConfig(model="m", dataset="d", output_dir=str(tmp_path), per_device_train_batch_size=6,
+                                num_generations=4)
+    with pytest.raises(ValueError, match="divisible by num_generations"):
+        config.to_trl()
+    config = GRPOTrainingConfig(model="m", dataset="d", output_dir=str(tmp_path), num_generations=4,
+                                trl_overrides={"use_adaptive_entropy": True, "entropy_target": 0.3})
+    args = config.to_trl()
+    assert args.use_adaptive_entropy is True and args.entropy_target == 0.3
+    config.trl_overrides = {"no_such_option": 1}
+    with pytest.raises(ValueError, match="no_such_option"):
+        config.to_trl()

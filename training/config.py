@@ -1,0 +1,376 @@
+"""Training configurations: one dataclass per trainer, every field with a help string (TRL style).
+
+A config is what a YAML file under `training/configs/` holds, flat, one key per field:
+
+    cfg = load_config("training/configs/grpo_respondent.yaml", GRPOTrainingConfig)
+    trl_args = cfg.to_trl()          # a trl.GRPOConfig
+
+The fields are the ones a run of this project changes; anything else TRL offers goes in `trl_overrides`
+(checked against the TRL config's own fields, so a typo is an error, not a silently ignored key).
+
+Precision is automatic unless set: `bf16: null` means bf16 on a CUDA machine and float32 on CPU (TRL's own
+default, bf16 everywhere, fails on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+OFFLINE_PREFIX = "offline:"
+
+
+def resolve_model(spec: str) -> str:
+    """A model spec as the trainers accept it: a local path, a hub id, or `offline:<name>` (see tools.offline_model)."""
+    if spec.startswith(OFFLINE_PREFIX):
+        from tools.offline_model import offline_model_dir
+
+        return str(offline_model_dir(spec[len(OFFLINE_PREFIX) :]))
+    return spec
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return False
+    return torch.cuda.is_available()
+
+
+@dataclass
+class _TrainingConfig:
+    """Fields shared by the DPO and GRPO configurations."""
+
+    model: str = field(
+        metadata={
+            "help": "Policy model: a local folder, a Hugging Face hub id, or `offline:gemma3-270m` for the offline "
+            "default (tools.offline_model). Loading by path lets TRL rebuild a reference model from it."
+        },
+    )
+    dataset: str = field(
+        metadata={
+            "help": "Folder written by `datasets.Dataset.save_to_disk` (conversational TRL format). A DatasetDict "
+            "folder is accepted; its `train` split is used."
+        },
+    )
+    output_dir: str = field(
+        metadata={
+            "help": "Where checkpoints, the final adapter (or full model), `metrics.jsonl` and `curves.png` go."
+        },
+    )
+    use_lora: bool = field(
+        default=True,
+        metadata={"help": "Train a LoRA adapter (PEFT) instead of the full model. The saved result is the adapter."},
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = lora_alpha / lora_r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
+    target_modules: str | list[str] = field(
+        default="all-linear",
+        metadata={
+            "help": "Modules that get LoRA: `all-linear` (every linear layer but the output head) or a list of "
+            "module names such as [q_proj, v_proj]."
+        },
+    )
+    learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate of AdamW."})
+    max_steps: int = field(
+        default=200,
+        metadata={"help": "Number of optimizer steps. -1 means one pass over the dataset (`num_train_epochs`)."},
+    )
+    num_train_epochs: float = field(
+        default=1.0, metadata={"help": "Epochs over the dataset; only used when `max_steps` is -1."}
+    )
+    per_device_train_batch_size: int = field(
+        default=4,
+        metadata={
+            "help": "Per-device batch size. For GRPO this counts completions, not prompts: one prompt brings "
+            "`num_generations` of them."
+        },
+    )
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Micro-batches accumulated before one optimizer step."}
+    )
+    warmup_steps: float = field(
+        default=0,
+        metadata={"help": "Linear LR warm-up: a step count, or a fraction in [0, 1) of the total steps."},
+    )
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers scheduler name (linear, cosine, constant...)."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm."})
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "bf16 mixed precision. null = automatic: on when CUDA is available, off on CPU."},
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "dtype the weights are loaded in (float32, bfloat16, float16, auto). null = bfloat16 when bf16 "
+            "is on, else float32."
+        },
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Recompute activations to save memory. null = automatic: on with CUDA, off on CPU."},
+    )
+    seed: int = field(default=42, metadata={"help": "Random seed (model init of LoRA, data order, sampling)."})
+    logging_steps: int = field(default=1, metadata={"help": "Log (and append to metrics.jsonl) every N steps."})
+    save_steps: int = field(default=100, metadata={"help": "Write a checkpoint every N steps."})
+    save_total_limit: int | None = field(
+        default=2, metadata={"help": "Keep at most this many checkpoints (null = keep all)."}
+    )
+    report_to: str | list[str] = field(
+        default="none",
+        metadata={"help": "Experiment trackers (wandb, tensorboard, trackio...). `none`: only metrics.jsonl."},
+    )
+    trl_overrides: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "Any other field of the TRL config, passed through as is (e.g. use_adaptive_entropy, "
+            "entropy_target, top_p). Unknown names are an error."
+        },
+    )
+
+    # --- derived values --------------------------------------------------------------------------------
+    def resolved_bf16(self) -> bool:
+        return cuda_available() if self.bf16 is None else bool(self.bf16)
+
+    def resolved_dtype(self) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.resolved_bf16() else "float32"
+
+    def model_path(self) -> str:
+        return resolve_model(self.model)
+
+    def lora_config(self):
+        """The peft.LoraConfig for this run, or None when LoRA is off."""
+        if not self.use_lora:
+            return None
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.lora_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=self.target_modules,
+            task_type="CAUSAL_LM",
+        )
+
+    def _common_trl_kwargs(self) -> dict[str, Any]:
+        on_cuda = cuda_available()
+        bf16 = self.resolved_bf16()
+        return {
+            "output_dir": self.output_dir,
+            "learning_rate": self.learning_rate,
+            "max_steps": self.max_steps,
+            "num_train_epochs": self.num_train_epochs,
+            "per_device_train_batch_size": self.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "warmup_steps": int(self.warmup_steps) if self.warmup_steps >= 1 else self.warmup_steps,
+            "lr_scheduler_type": self.lr_scheduler_type,
+            "max_grad_norm": self.max_grad_norm,
+            "bf16": bf16,
+            "fp16": False,
+            "use_cpu": not on_cuda,
+            "gradient_checkpointing": on_cuda if self.gradient_checkpointing is None else self.gradient_checkpointing,
+            "seed": self.seed,
+            "logging_steps": self.logging_steps,
+            "logging_strategy": "steps",
+            "save_strategy": "steps",
+            "save_steps": self.save_steps,
+            "save_total_limit": self.save_total_limit,
+            "report_to": self.report_to,
+            "model_init_kwargs": {"dtype": self.resolved_dtype()},
+        }
+
+    def _build_trl(self, trl_cls, kwargs: dict[str, Any]):
+        allowed = {f.name for f in dataclasses.fields(trl_cls) if f.init}
+        unknown = sorted(set(self.trl_overrides) - allowed)
+        if unknown:
+            raise ValueError(f"trl_overrides has names that {trl_cls.__name__} does not know: {unknown}")
+        return trl_cls(**{**kwargs, **self.trl_overrides})
+
+
+@dataclass
+class DPOTrainingConfig(_TrainingConfig):
+    """DPO on preference pairs (the ER-MedRAG extractor: concise, informative triplets)."""
+
+    beta: float = field(
+        default=0.1,
+        metadata={"help": "DPO temperature: how far the policy may move from the reference model (higher = closer)."},
+    )
+    loss_type: str | list[str] = field(
+        default="sigmoid",
+        metadata={"help": "DPO loss (sigmoid, ipo, hinge, robust, apo_zero, ...) or a list of them, see TRL docs."},
+    )
+    max_length: int | None = field(
+        default=1024,
+        metadata={"help": "Maximum tokens of prompt + completion; longer pairs are truncated (TRL keeps the start)."},
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the reference log-probs once before training, so the reference model need not stay in "
+            "memory (full fine-tuning only; with LoRA the reference is the base model with the adapter disabled)."
+        },
+    )
+
+    def to_trl(self):
+        """The trl.DPOConfig for this run."""
+        from trl import DPOConfig
+
+        kwargs = self._common_trl_kwargs()
+        kwargs.update(
+            beta=self.beta,
+            loss_type=[self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type),
+            max_length=self.max_length,
+            precompute_ref_log_probs=self.precompute_ref_log_probs,
+        )
+        return self._build_trl(DPOConfig, kwargs)
+
+
+@dataclass
+class GRPOTrainingConfig(_TrainingConfig):
+    """GRPO on prompts with verifiable rewards (the ER-MedRAG respondent, Med-R³ stages, MMedAgent)."""
+
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "KL coefficient against the reference model. 0 (TRL's default) loads no reference model; > 0 "
+            "needs the model by path (full fine-tuning) or LoRA (reference = adapter disabled)."
+        },
+    )
+    num_generations: int = field(
+        default=8,
+        metadata={
+            "help": "Completions sampled per prompt (the group). per_device_train_batch_size * "
+            "gradient_accumulation_steps * processes must be divisible by it."
+        },
+    )
+    max_completion_length: int = field(default=512, metadata={"help": "Maximum new tokens per completion."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the generations."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold of the generations."})
+    loss_type: str = field(
+        default="dapo",
+        metadata={"help": "GRPO loss normalisation: dapo (TRL default), grpo, dr_grpo, bnpo, cispo, sapo, ..."},
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={"help": "Advantage scaling by the reward std: group, batch or none (Dr. GRPO)."},
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of each reward function, in the order they are passed to train_grpo; null = all 1. "
+            "Weights passed to train_grpo take precedence."
+        },
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss."}
+    )
+    use_vllm: bool = field(
+        default=False, metadata={"help": "Generate with vLLM (GPU only; install vllm) instead of transformers."}
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "`colocate`: vLLM runs inside each training process and shares its GPU; `server`: a separate "
+            "`trl vllm-serve` process on its own GPU(s), reached at vllm_server_base_url."
+        },
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "Base URL of the `trl vllm-serve` server (server mode), e.g. http://10.0.0.2:8000."},
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "GPU memory fraction vLLM may take in colocate mode."}
+    )
+    log_completions: bool = field(
+        default=False, metadata={"help": "Print a sample of prompts/completions/rewards at each logging step."}
+    )
+
+    def to_trl(self):
+        """The trl.GRPOConfig for this run."""
+        from trl import GRPOConfig
+
+        if self.vllm_mode not in ("colocate", "server"):
+            raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}")
+        kwargs = self._common_trl_kwargs()
+        kwargs.update(
+            beta=self.beta,
+            num_generations=self.num_generations,
+            max_completion_length=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            loss_type=self.loss_type,
+            scale_rewards=self.scale_rewards,
+            reward_weights=self.reward_weights,
+            mask_truncated_completions=self.mask_truncated_completions,
+            use_vllm=self.use_vllm,
+            vllm_mode=self.vllm_mode,
+            vllm_server_base_url=self.vllm_server_base_url,
+            vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+            log_completions=self.log_completions,
+        )
+        return self._build_trl(GRPOConfig, kwargs)
+
+
+C = TypeVar("C", bound=_TrainingConfig)
+
+
+def config_from_dict(data: dict[str, Any], cls: type[C], *, source: str = "config") -> C:
+    """Build `cls` from a flat mapping: unknown keys and missing required keys are errors naming them."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping of field names to values, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"{source}: unknown key(s) for {cls.__name__}: {unknown}. Valid keys: {sorted(fields)} "
+            "(other TRL options go under trl_overrides)"
+        )
+    required = [
+        name
+        for name, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ValueError(f"{source}: missing required key(s) for {cls.__name__}: {missing}")
+    hints = typing.get_type_hints(cls)
+    values = {name: _coerce(value, hints[name], f"{source}: {name}") for name, value in data.items()}
+    return cls(**values)
+
+
+def load_config(path: str | Path, cls: type[C]) -> C:
+    """Read a YAML file (a flat mapping of field names) into the config dataclass `cls`."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"training config not found: {path}")
+    with path.open(encoding="utf-8") as handle:
+        data = yaml.safe_load(handle)
+    if data is None:
+        data = {}
+    return config_from_dict(data, cls, source=str(path))
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Light type fixing for YAML values: PyYAML reads `1e-5` (no dot) as a string; ints are fine as floats."""
+    if value is None:
+        return None
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if float in options and not isinstance(value, bool) and isinstance(value, (int, str)):
+        try:
+            return float(value)
+        except ValueError:
+            if str in options:
+                return value
+            raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if set(options) <= {bool, type(None)} and not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true/false, got {value!r}")
+    return value

@@ -1,0 +1,229 @@
+"""Recorded traces → training data in TRL's conversational formats.
+
+- DPO pairs for the extractor: each recorded extractor call's exact prompt is replayed to sample N
+  alternative extractions; the recorded one and the samples are scored with `extractor_reward` and the best
+  and worst become chosen/rejected when their reward margin is large enough.
+- GRPO prompts for the respondent: each finished ER-MedRAG run with a gold answer is rebuilt from its
+  recorded triplets, with a fraction of distractor triplets from other runs shuffled in (robustness to
+  retrieval noise); the columns carry what the reward functions need.
+
+Exports are resumable and idempotent: every processed trace event is appended to `OUT/log.jsonl` as soon
+as it is done (a killed export loses at most the event in flight and redoes it); the dataset
+(`OUT/dataset`, `datasets.load_from_disk`) and `OUT/data.jsonl` are rebuilt from the log at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+
+from agents import extractor, respondent
+from tools.jsonl import AppendLog, read_records
+from tools.traces import TraceStore
+
+LOG = "log.jsonl"
+ROLE_TO_MESSAGE = {"system": SystemMessage, "human": HumanMessage, "ai": AIMessage}
+ROLE_TO_CHAT = {"system": "system", "human": "user", "ai": "assistant"}
+
+
+def replay_messages(recorded: list[dict[str, str]]) -> list[BaseMessage]:
+    """The recorded prompt as LangChain messages, exactly as it was sent."""
+    return [ROLE_TO_MESSAGE.get(m["role"], HumanMessage)(content=m["content"]) for m in recorded]
+
+
+def chat_format(recorded: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The recorded prompt in the chat format TRL datasets use (system/user/assistant)."""
+    return [{"role": ROLE_TO_CHAT.get(m["role"], "user"), "content": m["content"]} for m in recorded]
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    return asdict(value) if is_dataclass(value) else dict(value)
+
+
+# ------------------------------------------------------------------------------------------------ DPO
+
+
+@dataclass
+class DPOExportConfig:
+    traces: str = field(metadata={"help": "trace database (SQLite) to read"})
+    out: str = field(metadata={"help": "output folder: log.jsonl, data.jsonl, dataset/"})
+    model: str | None = field(default=None, metadata={
+        "help": "chat model that samples alternatives; default: the model recorded for each call"})
+    base_url: str | None = field(default=None, metadata={"help": "server for openai: models"})
+    samples: int = field(default=4, metadata={"help": "alternative extractions sampled per recorded call"})
+    temperature: float = field(default=0.9, metadata={"help": "sampling temperature for the alternatives"})
+    max_new_tokens: int = field(default=96, metadata={"help": "generation budget of one extraction"})
+    margin: float = field(default=0.1, metadata={"help": "minimum reward gap between chosen and rejected"})
+    usefulness: bool = field(default=True, metadata={
+        "help": "score usefulness: does the respondent reach the gold answer from this extraction alone "
+                "(one respondent call per candidate; only for runs with a gold answer)"})
+    limit: int | None = field(default=None, metadata={"help": "process at most this many extractor calls"})
+
+
+def _usefulness(model: Any, run: dict[str, Any], parsed: extractor.Extraction) -> float | None:
+    if not run or not run.get("gold") or not parsed["triplets"]:
+        return None
+    question = run["question"]
+    reply = model.invoke(respondent.build_messages(question["question"], question.get("options"),
+                                                   extractor.render_triplets(parsed["triplets"])),
+                         stop=respondent.STOP)
+    answer = respondent.parse_answer(reply.text, question.get("options"))
+    return 1.0 if answer["answer"] == run["gold"] else 0.0
+
+
+def export_dpo(config: DPOExportConfig, progress: bool = True,
+               reward: Callable[..., Any] | None = None) -> dict[str, int]:
+    """Write extractor preference pairs; returns counts. `reward` defaults to training.rewards.extractor_reward."""
+    from tqdm.auto import tqdm
+
+    from tools.chat_models import load_chat_model
+
+    if reward is None:
+        from training.rewards import extractor_reward as reward
+    store = TraceStore(config.traces)
+    out = Path(config.out)
+    done = {r["event_id"] for r in read_records(out / LOG)}
+    events = [e for e in store.events(agent="extractor") if e["event_id"] not in done]
+    events = events[: config.limit] if config.limit is not None else events
+    models: dict[str, Any] = {}
+
+    def model_for(spec: str) -> Any:
+        if spec not in models:
+            models[spec] = load_chat_model(spec, temperature=config.temperature, base_url=config.base_url,
+                                           max_new_tokens=config.max_new_tokens)
+        return models[spec]
+
+    with AppendLog(out / LOG) as log:
+        for event in tqdm(events, desc="extractor calls", unit="call", disable=not progress):
+            log.write(_dpo_record(event, store.run(event["run_id"]) or {}, model_for(config.model or event["model"]),
+                                  config, reward))
+    return {"processed": len(events), "skipped_done": len(done), **_write_dataset(out, "pair")}
+
+
+def _dpo_record(event: dict[str, Any], run: dict[str, Any], model: Any, config: DPOExportConfig,
+                reward: Callable[..., Any]) -> dict[str, Any]:
+    inputs = event.get("inputs") or {}
+    snippet_id = inputs.get("snippet_id") or (event.get("parsed") or {}).get("snippet_id", "")
+    snippet, question = inputs.get("snippet", ""), inputs.get("question", "")
+    messages = replay_messages(event["messages"])
+    samples = [r.text for r in model.batch([messages] * config.samples, stop=extractor.STOP)] if config.samples else []
+    candidates = [event["completion"], *samples]
+    scored = []
+    for text in dict.fromkeys(candidates):  # identical samples are one candidate
+        parsed = extractor.parse_triplets(text, snippet_id)
+        useful = _usefulness(model, run, parsed) if config.usefulness else None
+        components = _as_dict(reward(text, snippet, question=question, usefulness=useful))
+        scored.append({"completion": text, "reward": components["total"], "components": components})
+    scored.sort(key=lambda c: c["reward"], reverse=True)
+    best, worst = scored[0], scored[-1]
+    pair = None
+    if len(scored) > 1 and best["reward"] - worst["reward"] >= config.margin:
+        pair = {
+            "prompt": chat_format(event["messages"]),
+            "chosen": [{"role": "assistant", "content": best["completion"]}],
+            "rejected": [{"role": "assistant", "content": worst["completion"]}],
+            "chosen_reward": best["reward"], "rejected_reward": worst["reward"],
+            "run_id": event["run_id"], "event_id": event["event_id"], "snippet_id": snippet_id,
+        }
+    return {"event_id": event["event_id"], "pair": pair, "candidates": scored}
+
+
+# ----------------------------------------------------------------------------------------------- GRPO
+
+
+@dataclass
+class GRPOExportConfig:
+    traces: str = field(metadata={"help": "trace database (SQLite) to read"})
+    out: str = field(metadata={"help": "output folder: log.jsonl, data.jsonl, dataset/"})
+    noise_fraction: float = field(default=0.25, metadata={
+        "help": "fraction of each prompt's triplets that are distractors drawn from other runs"})
+    seed: int = field(default=0, metadata={"help": "seed for drawing and shuffling distractors"})
+    limit: int | None = field(default=None, metadata={"help": "process at most this many runs"})
+
+
+def _run_triplets(store: TraceStore, run_id: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    triplets, respondent_event = [], None
+    for event in store.events(run_id=run_id):
+        if event["agent"] == "extractor" and event.get("parsed"):
+            triplets.extend(event["parsed"].get("triplets", []))
+        elif event["agent"] == "respondent":
+            respondent_event = event
+    return triplets, respondent_event
+
+
+def distractor_count(own: int, fraction: float) -> int:
+    """How many distractors make `fraction` of the final list (at least one when noise is asked for)."""
+    if fraction <= 0:
+        return 0
+    return max(1, round(fraction * own / (1 - fraction))) if fraction < 1 else max(own, 1)
+
+
+def export_grpo(config: GRPOExportConfig, progress: bool = True) -> dict[str, int]:
+    """Write respondent prompts with noise injection; returns counts."""
+    from tqdm.auto import tqdm
+
+    if not 0 <= config.noise_fraction < 1:
+        raise ValueError(f"noise_fraction must be in [0, 1), got {config.noise_fraction}")
+    store = TraceStore(config.traces)
+    out = Path(config.out)
+    runs = [r for r in store.runs() if r["graph"] == "er_medrag" and r.get("gold") and r.get("finished_at")]
+    runs.sort(key=lambda r: r["run_id"])
+    per_run = {r["run_id"]: _run_triplets(store, r["run_id"]) for r in runs}
+    done = {r["run_id"] for r in read_records(out / LOG)}
+    todo = [r for r in runs if r["run_id"] not in done]
+    todo = todo[: config.limit] if config.limit is not None else todo
+    with AppendLog(out / LOG) as log:
+        for run in tqdm(todo, desc="runs", unit="run", disable=not progress):
+            log.write(_grpo_record(run, per_run, config))
+    return {"processed": len(todo), "skipped_done": len(done), **_write_dataset(out, "row")}
+
+
+def _grpo_record(run: dict[str, Any], per_run: dict[str, tuple[list, Any]], config: GRPOExportConfig) -> dict:
+    own, respondent_event = per_run[run["run_id"]]
+    rng = random.Random(f"{config.seed}:{run['run_id']}")
+    pool = [t for other, (triplets, _) in sorted(per_run.items()) if other != run["run_id"] for t in triplets]
+    distractors = rng.sample(pool, min(len(pool), distractor_count(len(own), config.noise_fraction)))
+    mixed = [{**t, "distractor": False} for t in own] + [{**t, "distractor": True} for t in distractors]
+    rng.shuffle(mixed)
+    question = run["question"]
+    messages = respondent.build_messages(question["question"], question.get("options"),
+                                         extractor.render_triplets(mixed))
+    row = {
+        "prompt": [{"role": ROLE_TO_CHAT[m.type], "content": m.text} for m in messages],
+        "question": question["question"], "options": question.get("options"), "gold": run["gold"],
+        "triplets": mixed, "n_distractors": len(distractors),
+        "run_id": run["run_id"], "event_id": respondent_event["event_id"] if respondent_event else None,
+        "snippet_ids": sorted({t["snippet_id"] for t in own}),
+    }
+    return {"run_id": run["run_id"], "row": row}
+
+
+# ------------------------------------------------------------------------------------------- dataset
+
+
+def _write_dataset(out: Path, key: str) -> dict[str, int]:
+    """Rebuild `data.jsonl` and `dataset/` from the log (swapped in by rename: never half written)."""
+    from datasets import Dataset
+
+    rows = [r[key] for r in read_records(out / LOG) if r.get(key)]
+    unique = list({(r["event_id"], r["run_id"]): r for r in rows}.values())
+    (out / "data.jsonl.tmp").write_text("".join(json.dumps(r) + "\n" for r in unique), encoding="utf-8")
+    (out / "data.jsonl.tmp").replace(out / "data.jsonl")
+    if unique:
+        staging = Path(tempfile.mkdtemp(prefix=".dataset-", dir=out))
+        Dataset.from_list(unique).save_to_disk(str(staging))
+        shutil.rmtree(out / "dataset", ignore_errors=True)
+        staging.rename(out / "dataset")
+    return {"rows": len(unique)}
+
+
+def iter_exported(out: str | Path) -> Iterable[dict[str, Any]]:
+    """The exported rows, from data.jsonl."""
+    return read_records(Path(out) / "data.jsonl")
