@@ -67,3 +67,52 @@ def test_grpo_export_rebuilds_prompts_with_noise_and_provenance(scripted_traces,
     again = tmp_path / "again"
     export_grpo(GRPOExportConfig(traces=scripted_traces, out=str(again), noise_fraction=0.25), progress=False)
     assert (again / "data.jsonl").read_text() == (tmp_path / "data.jsonl").read_text()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from tests.tiny_model import build_tiny_causal_lm
+
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny"))
+
+
+def test_dpo_export_replays_recorded_prompts_through_a_real_model(scripted_traces, tiny_model, tmp_path):
+    from training.export import DPOExportConfig, export_dpo
+
+    config = DPOExportConfig(traces=scripted_traces, out=str(tmp_path), model=f"hf:{tiny_model}", samples=2,
+                             temperature=1.0, max_new_tokens=16, margin=0.1, limit=4)
+    counts = export_dpo(config, progress=False)
+    assert counts["processed"] == 4 and counts["rows"] >= 1
+    log = list(read_records(tmp_path / "log.jsonl"))
+    store = TraceStore(scripted_traces)
+    for record in log:
+        event = next(e for e in store.events(agent="extractor") if e["event_id"] == record["event_id"])
+        # The recorded completion is always a candidate; the tiny model's samples are the others.
+        assert record["candidates"][0]["completion"] == event["completion"]
+        assert {"structure", "faithfulness", "conciseness", "usefulness", "total"} <= set(
+            record["candidates"][0]["components"])
+    dataset = load_from_disk(str(tmp_path / "dataset"))
+    for row in dataset:
+        assert row["chosen_reward"] - row["rejected_reward"] >= 0.1
+        assert row["prompt"][0]["role"] == "system" and row["prompt"][-1]["role"] == "user"
+        assert row["chosen"][0]["content"].startswith("[{")  # the scripted, well-formed extraction wins
+        event = next(e for e in store.events(agent="extractor") if e["event_id"] == row["event_id"])
+        assert row["prompt"][-1]["content"] == event["messages"][-1]["content"]
+        assert row["snippet_id"] == event["inputs"]["snippet_id"]
+
+
+def test_killed_dpo_export_resumes_without_loss_or_duplicates(scripted_traces, tmp_path):
+    n_events = len(list(TraceStore(scripted_traces).events(agent="extractor")))
+    command = [sys.executable, "-m", "tools.cli", "export", "dpo", "--traces", scripted_traces,
+               "--out", str(tmp_path), "--model", f"{SCRIPTED}?delay=0.3", "--samples", "2"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(read_records(tmp_path / "log.jsonl"))) < 3:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(read_records(tmp_path / "log.jsonl")))
+    assert 3 <= done_before < n_events, "the kill should land mid-export"
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    ids = [r["event_id"] for r in read_records(tmp_path / "log.jsonl")]
+    assert len(ids) == len(set(ids)) == n_events
