@@ -94,13 +94,37 @@ def plot_report(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return paths
 
 
-def write_report(result_dirs: list[str], out_dir: str | Path) -> dict[str, Any]:
+def rag_quality_section(result_dirs: list[str], trace_db: str, corpus_dir: str | None, qrels: str | None,
+                        judge: str | None, base_url: str | None, out: Path) -> str:
+    """ID-based context precision/recall (ragas, offline) and, with a judge model, faithfulness/relevancy."""
+    from evals.rag_quality import judge_metrics, judge_samples, rag_quality
+
+    quality = rag_quality(result_dirs, trace_db, qrels_path=qrels, corpus_dir=corpus_dir)
+    lines = ["", "## RAG quality", "", "Context precision/recall of retrieved passages against gold evidence "
+             "(ragas ID-based metrics; PubMedQA: the question's abstract, BioASQ: its gold snippets).", "",
+             "| system | benchmark | n | context precision | context recall |", "|---|---|---|---|---|"]
+    for g in quality["groups"]:
+        lines.append(f"| {g['system']} | {g['benchmark']} | {g['n']} | {_num(g['context_precision'])} | "
+                     f"{_num(g['context_recall'])} |")
+    if judge:
+        quality["judge"] = judge_metrics(judge_samples(load_rows(result_dirs), trace_db), judge, base_url)
+        lines += ["", f"Judge {judge}: " + ", ".join(f"{k}={_num(v['mean'])} (n={v['n']})" for k, v in quality["judge"]["summary"].items())]
+    (out / "rag_quality.json").write_text(json.dumps(quality, indent=2, default=str))
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result_dirs: list[str], out_dir: str | Path, *, trace_db: str | None = None,
+                 corpus_dir: str | None = None, qrels: str | None = None, judge: str | None = None,
+                 base_url: str | None = None) -> dict[str, Any]:
     rows = load_rows(result_dirs)
     if not rows:
         raise ValueError(f"no results in {', '.join(result_dirs)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(markdown_report(rows), encoding="utf-8")
+    text = markdown_report(rows)
+    if trace_db:
+        text += rag_quality_section(result_dirs, trace_db, corpus_dir, qrels, judge, base_url, out)
+    (out / "report.md").write_text(text, encoding="utf-8")
     summary = {f"{s}|{m}": v for (s, m), v in group_summaries(rows, "system", "model").items()}
     (out / "summary.json").write_text(json.dumps({"overall": summarise(rows), "by_system": summary}, indent=2))
     plots = plot_report(rows, out)

@@ -143,3 +143,15 @@ def test_killed_eval_resumes_without_losing_or_duplicating(shared_data, tmp_path
             continue
         keys.append((row["benchmark"], row["question_id"]))
     assert len(keys) == len(set(keys)) == 24
+
+
+def test_report_adds_rag_quality_from_the_traces(shared_data, tmp_path):
+    out = tmp_path / "run"
+    trace_db = str(tmp_path / "t.sqlite")
+    run_eval(["vanilla_rag"], ["bioasq"], SCRIPTED, out, data_dir=str(shared_data / "benchmarks"), limit=2,
+             trace_db=trace_db)
+    write_report([str(out)], out, trace_db=trace_db, qrels=str(shared_data / "retrieval" / "bioasq_qrels.jsonl"))
+    table = (out / "report.md").read_text()
+    assert "## RAG quality" in table and "| vanilla_rag | bioasq | 2 |" in table
+    quality = json.loads((out / "rag_quality.json").read_text())
+    assert quality["groups"][0]["context_precision"] == 0.0  # the starter index holds no BioASQ snippets

@@ -112,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="markdown table and plots from result folders")
     report.add_argument("results", nargs="+", help="folders written by `ermedrag eval`")
     report.add_argument("--out", default=None, help="where to write report.md and PNGs (default: first folder)")
+    report.add_argument("--trace-db", default=None, help="add RAG quality (context precision/recall) from these traces")
+    report.add_argument("--corpus-dir", default=None, help="corpora folder (PubMedQA gold passages for recall)")
+    report.add_argument("--qrels", default=None, help="BioASQ qrels (default: ERMEDRAG_SHARED_DATA/retrieval/…)")
+    report.add_argument("--judge", default=None, help="judge model for ragas faithfulness/answer relevancy")
+    report.add_argument("--base-url", default=None, help="server of an openai: judge")
     report.set_defaults(handler=_report)
 
     traces = sub.add_parser("traces", help="list or show recorded runs")
@@ -281,7 +286,8 @@ def _train(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from evals.report import write_report
 
-    written = write_report(args.results, args.out or args.results[0])
+    written = write_report(args.results, args.out or args.results[0], trace_db=args.trace_db,
+                           corpus_dir=args.corpus_dir, qrels=args.qrels, judge=args.judge, base_url=args.base_url)
     print(Path(written["report"]).read_text())
     print(f"plots: {', '.join(written['plots'])}")
     return 0
