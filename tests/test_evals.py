@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from evals import benchmarks
 from evals.benchmarks import BadRow, gpqa_row, load_benchmark, mirage_rows, normalise

@@ -7,7 +7,6 @@ not model quality.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SCRIPTED, free_port
+from tests.conftest import REPO, SCRIPTED, free_port, log_tail, stop_process_group
 from tools.traces import TraceStore
 
 pytestmark = pytest.mark.slow
@@ -29,15 +28,11 @@ QUESTION = {
 }
 
 
-def _log_tail(log: Path, chars: int = 6000) -> str:
-    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
-
-
 def _wait_ok(url: str, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"langgraph dev exited with {proc.returncode}:\n{_log_tail(log)}")
+            pytest.fail(f"langgraph dev exited with {proc.returncode}:\n{log_tail(log)}")
         try:
             with urllib.request.urlopen(f"{url}/ok", timeout=2) as response:
                 if response.status == 200:
@@ -45,20 +40,7 @@ def _wait_ok(url: str, proc: subprocess.Popen, log: Path) -> None:
         except OSError:
             pass
         time.sleep(0.5)
-    pytest.fail(f"langgraph dev not up at {url}/ok within {STARTUP_TIMEOUT_S} s:\n{_log_tail(log)}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    except ProcessLookupError:
-        pass
+    pytest.fail(f"langgraph dev not up at {url}/ok within {STARTUP_TIMEOUT_S} s:\n{log_tail(log)}")
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +75,14 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         print(f"\nlanggraph dev up on port {port} in {time.monotonic() - started:.1f} s")
         yield url, trace_db, log
     finally:
-        _stop(proc)
+        stop_process_group(proc)
 
 
 def _stream_run(client, thread_id: str, log: Path, **kwargs) -> list:
     parts = []
     for part in client.runs.stream(thread_id, "er_medrag", input=QUESTION, stream_mode="updates", **kwargs):
         if part.event == "error":
-            pytest.fail(f"run failed: {part.data}\n{_log_tail(log)}")
+            pytest.fail(f"run failed: {part.data}\n{log_tail(log)}")
         parts.append(part)
     return parts
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, log_tail, stop_process_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -27,10 +26,6 @@ QUESTION = {
     "question": "What is the first-line treatment for anaphylaxis?",
     "options": {"A": "Intramuscular epinephrine", "B": "Oral antihistamine", "C": "Inhaled salbutamol"},
 }
-
-
-def _log_tail(log: Path, chars: int = 6000) -> str:
-    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
 
 
 def _get_json(url: str) -> dict | None:
@@ -46,27 +41,14 @@ def _wait_ready(base: str, proc: subprocess.Popen, log: Path) -> list[str]:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"transformers serve exited with {proc.returncode}:\n{_log_tail(log)}")
+            pytest.fail(f"transformers serve exited with {proc.returncode}:\n{log_tail(log)}")
         if _get_json(f"{base}/health"):
             models = _get_json(f"{base}/v1/models") or {}
             ids = [m["id"] for m in models.get("data", [])]
             if ids:
                 return ids
         time.sleep(1)
-    pytest.fail(f"transformers serve not ready at {base} within {STARTUP_TIMEOUT_S} s:\n{_log_tail(log)}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    except ProcessLookupError:
-        pass
+    pytest.fail(f"transformers serve not ready at {base} within {STARTUP_TIMEOUT_S} s:\n{log_tail(log)}")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +79,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         assert str(model_dir) in ids, ids
         yield f"{base}/v1", str(model_dir), log
     finally:
-        _stop(proc)
+        stop_process_group(proc)
 
 
 def test_invoke_reports_text_and_usage(server):
@@ -108,7 +90,7 @@ def test_invoke_reports_text_and_usage(server):
     started = time.monotonic()
     reply = model.invoke("Name one drug used to treat fever.")
     print(f"invoke: {time.monotonic() - started:.1f} s, {reply.usage_metadata}, {reply.text!r}")
-    assert reply.text.strip(), _log_tail(log)
+    assert reply.text.strip(), log_tail(log)
     usage = reply.usage_metadata
     assert usage and usage["input_tokens"] > 0 and 0 < usage["output_tokens"] <= 16
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
@@ -169,7 +151,7 @@ def test_graph_through_openai_backend(server, tmp_path: Path):
     run = store.run(state["run_id"])
     assert run is not None and run["finished_at"] is not None
     events = list(store.events(run_id=state["run_id"]))
-    assert sorted(e["agent"] for e in events) == ["extractor", "extractor", "respondent"], _log_tail(log)
+    assert sorted(e["agent"] for e in events) == ["extractor", "extractor", "respondent"], log_tail(log)
     for event in events:
         assert event["model"] == name  # ChatOpenAI's model_name
         assert isinstance(event["completion"], str)

