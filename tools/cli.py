@@ -85,8 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(handler=_export)
 
     train = sub.add_parser("train", help="train an agent with TRL from an exported dataset (config as YAML)")
-    train.add_argument("kind", choices=["dpo", "grpo"], help="dpo: extractor pairs; grpo: respondent prompts")
+    train.add_argument("kind", choices=["dpo", "grpo", "med-r3"],
+                       help="dpo: extractor pairs; grpo: respondent prompts; med-r3: the Med-R³ stage schedule")
     train.add_argument("--config", required=True, help="YAML of training.config fields (see training/configs/)")
+    train.add_argument("--stages", default="1,2,3", help="med-r3: stages to run, e.g. 1,2,3 or 2 (default 1,2,3)")
     train.set_defaults(handler=_train)
 
     report = sub.add_parser("report", help="markdown table and plots from result folders")
@@ -272,6 +274,12 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.kind == "med-r3":
+        from training.med_r3 import train_med_r3
+
+        summary = train_med_r3(args.config, stages=args.stages)
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
     from training.trainers import train_from_file
 
     summary = train_from_file(args.kind, args.config)
