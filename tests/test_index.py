@@ -166,6 +166,9 @@ def test_retrieve_finds_the_passage_that_answers(built: Built) -> None:
         chunk = chunks[s.chunk_id]
         assert chunk.doc_id == s.doc_id and chunk.start <= s.start < s.end <= chunk.end
         assert s.score == s.score and {"fine", "coarse_rank"} <= set(s.scores)
+    # One window per chunk, chunks in coarse-fusion order.
+    assert len({s.chunk_id for s in snippets}) == 4
+    assert [s.scores["coarse_rank"] for s in snippets] == sorted(s.scores["coarse_rank"] for s in snippets)
     assert [s.score for s in snippets] == sorted((s.score for s in snippets), reverse=True)
 
 
