@@ -243,9 +243,11 @@ def _unknown(collection: Any, chunks: list[Chunk]) -> list[Chunk]:
 
 
 def _vectors(batch: list[Chunk], encoder: str, precomputed: dict[str, np.ndarray] | None) -> np.ndarray:
-    if precomputed is not None and all(c.id in precomputed for c in batch):
-        return np.stack([precomputed[c.id] for c in batch]).astype(np.float32)
-    return encode([f"{c.title}. {c.text}" if c.title else c.text for c in batch], encoder)
+    """Embeddings of a batch: precomputed ones where given, the rest encoded now."""
+    known = precomputed or {}
+    missing = [c for c in batch if c.id not in known]
+    fresh = iter(encode([f"{c.title}. {c.text}" if c.title else c.text for c in missing], encoder)) if missing else None
+    return np.stack([known[c.id] if c.id in known else next(fresh) for c in batch]).astype(np.float32)
 
 
 def _rebuild_bm25(directory: Path, collection: Any) -> int:
