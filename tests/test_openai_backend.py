@@ -153,7 +153,7 @@ def test_graph_through_openai_backend(server, tmp_path: Path):
     events = list(store.events(run_id=state["run_id"]))
     assert sorted(e["agent"] for e in events) == ["extractor", "extractor", "respondent"], log_tail(log)
     for event in events:
-        assert event["model"] == name  # ChatOpenAI's model_name
+        assert event["model"] == spec  # the spec it was built from, as for every backend
         assert isinstance(event["completion"], str)
         assert event["usage"] and event["usage"]["output_tokens"] > 0
         limit = context["respondent_max_new_tokens" if event["agent"] == "respondent" else "extractor_max_new_tokens"]
