@@ -1,0 +1,223 @@
+"""Learning signal on CPU: does training on our own recorded traces move the agents?
+
+The whole loop, with real parts, on PubMedQA-train questions (their abstracts as the corpus):
+  1. index the abstracts; record ER-MedRAG runs with the offline model (train and held-out questions in
+     separate trace databases);
+  2. export GRPO respondent prompts (with distractor triplets) and DPO extractor pairs from the traces;
+  3. measure the base model on held-out prompts; train GRPO (respondent) and DPO (extractor) with LoRA;
+     merge each adapter and measure again on the same held-out prompts with the same greedy decoding.
+Writes benches/results/learning.json (and the curves of both trainings next to it).
+
+    .venv/bin/python benches/learning/learning_signal.py                 # ≈ 45 minutes on 2 cores
+    .venv/bin/python benches/learning/learning_signal.py --smoke         # tiny random model, ~2 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from datasets import load_from_disk  # noqa: E402
+
+from agents import extractor  # noqa: E402
+from evals.benchmarks import Question, load_questions_file  # noqa: E402
+from evals.runner import EvalConfig, run_questions  # noqa: E402
+from tools.chat_models import load_chat_model  # noqa: E402
+from tools.corpus import Document  # noqa: E402
+from tools.index import build_index  # noqa: E402
+from tools.traces import TraceStore  # noqa: E402
+from training import rewards  # noqa: E402
+from training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
+from training.export import (DPOExportConfig, GRPOExportConfig, chat_format, export_dpo,  # noqa: E402
+                             export_grpo)
+from training.trainers import train_dpo, train_grpo  # noqa: E402
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def abstracts_as_documents(questions: list[Question]) -> list[Document]:
+    return [Document(id=f"{q.id}-{i}", title=f"PMID {q.id.removeprefix('pubmedqa-')}", text=text,
+                     source="PubMedQA-train abstract")
+            for q in questions for i, text in enumerate(q.contexts)]
+
+
+def record(questions: list[Question], model: str, index_dir: Path, trace_db: Path, work: Path,
+           args: argparse.Namespace) -> None:
+    import asyncio
+
+    config = EvalConfig(system="er_medrag", model=model, index_dir=str(index_dir), snippets_k=args.snippets,
+                        extractor_max_new_tokens=args.extract_tokens, respondent_max_new_tokens=args.respond_tokens)
+    counts = asyncio.run(run_questions(config, questions, work / f"runs-{trace_db.stem}",
+                                       concurrency=args.concurrency, trace_db=str(trace_db)))
+    log(f"recorded {trace_db.name}: {counts}")
+
+
+def generate(model_spec: str, prompts: list[list[dict[str, str]]], max_new_tokens: int) -> list[str]:
+    """Greedy completions of chat prompts, batched: the same decoding before and after training."""
+    from training.export import replay_messages
+
+    roles = {"system": "system", "user": "human", "assistant": "ai"}
+    model = load_chat_model(model_spec, max_new_tokens=max_new_tokens)
+    messages = [replay_messages([{"role": roles[m["role"]], "content": m["content"]} for m in p]) for p in prompts]
+    return [reply.text for reply in model.batch(messages)]
+
+
+def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
+    columns = {key: [row[key] for row in rows] for key in ("gold", "options", "triplets")}
+    funcs, weights = rewards.respondent_reward_funcs()
+    scores = {f.__name__: f(completions, **columns) for f in funcs}
+    total = [sum(w * scores[f.__name__][i] for f, w in zip(funcs, weights)) for i in range(len(completions))]
+    return {
+        "well_formed_rate": sum(s == 1.0 for s in scores["format_reward"]) / len(completions),
+        "answer_parsed_rate": sum(s > 0 for s in scores["format_reward"]) / len(completions),
+        "accuracy": sum(scores["correctness_reward"]) / len(completions),
+        "mean_reward": sum(total) / len(total),
+        "mean_chars": sum(len(c) for c in completions) / len(completions),
+    }
+
+
+def extractor_metrics(completions: list[str], events: list[dict[str, Any]]) -> dict[str, float]:
+    parsed = [extractor.parse_triplets(c, "s") for c in completions]
+    scored = [rewards.extractor_reward(c, e["inputs"]["snippet"], question=e["inputs"]["question"])
+              for c, e in zip(completions, events)]
+    return {
+        "parseable_rate": sum(p["ok"] for p in parsed) / len(parsed),
+        "strict_json_rate": sum(p["ok"] and p["strict"] for p in parsed) / len(parsed),
+        "mean_reward": sum(s.total for s in scored) / len(scored),
+    }
+
+
+def merged_model(adapter_dir: str, base: str, out: Path) -> str:
+    """The base model with a LoRA adapter merged in, saved as a plain folder for the hf: backend."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir).merge_and_unload()
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return str(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
+    parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "learning"))
+    parser.add_argument("--out", default=str(REPO / "benches" / "results" / "learning.json"))
+    parser.add_argument("--train-questions", type=int, default=32)
+    parser.add_argument("--eval-questions", type=int, default=16)
+    parser.add_argument("--snippets", type=int, default=2)
+    parser.add_argument("--extract-tokens", type=int, default=64)
+    parser.add_argument("--respond-tokens", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--grpo-steps", type=int, default=30)
+    parser.add_argument("--grpo-generations", type=int, default=4)
+    parser.add_argument("--dpo-steps", type=int, default=20)
+    parser.add_argument("--dpo-samples", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
+    args = parser.parse_args()
+    started = time.time()
+
+    work = Path(args.work) / ("smoke" if args.smoke else "full")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    if args.smoke:
+        sys.path.insert(0, str(REPO / "tests"))
+        from tiny_model import build_tiny_causal_lm
+
+        model_path = build_tiny_causal_lm(work / "tiny")
+        args.train_questions, args.eval_questions, args.grpo_steps, args.dpo_steps = 6, 4, 2, 2
+        args.extract_tokens, args.respond_tokens = 16, 24
+    else:
+        from tools.offline_model import offline_model_dir
+
+        model_path = str(offline_model_dir())
+    model = f"hf:{model_path}"
+
+    pool = load_questions_file(Path(args.data) / "benchmarks" / "pubmedqa_train.jsonl")
+    random.Random(0).shuffle(pool)
+    train_q = pool[: args.train_questions]
+    eval_q = pool[args.train_questions: args.train_questions + args.eval_questions]
+    index_dir = work / "index"
+    stats = build_index(abstracts_as_documents(pool), index_dir, progress=False)
+    log(f"indexed {len(pool)} abstracts: {stats['chunks_total']} chunks in {stats['seconds']:.0f}s")
+
+    train_db, eval_db = work / "traces-train.sqlite", work / "traces-eval.sqlite"
+    record(train_q, model, index_dir, train_db, work, args)
+    record(eval_q, model, index_dir, eval_db, work, args)
+
+    for name, db in (("train", train_db), ("eval", eval_db)):
+        counts = export_grpo(GRPOExportConfig(traces=str(db), out=str(work / f"grpo-{name}")), progress=False)
+        log(f"grpo export {name}: {counts}")
+    counts = export_dpo(DPOExportConfig(traces=str(train_db), out=str(work / "dpo-train"), samples=args.dpo_samples,
+                                        temperature=1.0, max_new_tokens=args.extract_tokens, usefulness=False,
+                                        margin=0.0 if args.smoke else 0.1), progress=False)
+    log(f"dpo export: {counts}")
+
+    eval_rows = [dict(r) for r in load_from_disk(str(work / "grpo-eval" / "dataset"))]
+    eval_prompts = [r["prompt"] for r in eval_rows]
+    eval_events = list(TraceStore(eval_db).events(agent="extractor"))
+    extract_prompts = [chat_format(e["messages"]) for e in eval_events]
+
+    before_resp = respondent_metrics(generate(model, eval_prompts, args.respond_tokens), eval_rows)
+    before_ext = extractor_metrics(generate(model, extract_prompts, args.extract_tokens), eval_events)
+    log(f"before: respondent {before_resp}; extractor {before_ext}")
+
+    grpo_started = time.time()
+    funcs, weights = rewards.respondent_reward_funcs()
+    grpo = train_grpo(GRPOTrainingConfig(
+        model=model_path, dataset=str(work / "grpo-train" / "dataset"), output_dir=str(work / "grpo-out"),
+        max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=args.grpo_generations,
+        per_device_train_batch_size=args.grpo_generations, max_completion_length=args.respond_tokens,
+        temperature=1.0, save_steps=10_000), funcs, weights)
+    grpo_minutes = (time.time() - grpo_started) / 60
+    after_resp = respondent_metrics(
+        generate(f"hf:{merged_model(grpo['model_dir'], model_path, work / 'grpo-merged')}", eval_prompts,
+                 args.respond_tokens), eval_rows)
+    log(f"after grpo: {after_resp} ({grpo_minutes:.1f} min)")
+
+    dpo_started = time.time()
+    dpo = train_dpo(DPOTrainingConfig(
+        model=model_path, dataset=str(work / "dpo-train" / "dataset"), output_dir=str(work / "dpo-out"),
+        max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
+        save_steps=10_000))
+    dpo_minutes = (time.time() - dpo_started) / 60
+    after_ext = extractor_metrics(
+        generate(f"hf:{merged_model(dpo['model_dir'], model_path, work / 'dpo-merged')}", extract_prompts,
+                 args.extract_tokens), eval_events)
+    log(f"after dpo: {after_ext} ({dpo_minutes:.1f} min)")
+
+    results_dir = Path(args.out).parent
+    for name, summary in (("grpo_respondent", grpo), ("dpo_extractor", dpo)):
+        if summary.get("plot_path") and not args.smoke:
+            shutil.copy(summary["plot_path"], results_dir / f"learning_{name}_curves.png")
+    result = {
+        "grpo_respondent": {"before": before_resp, "after": after_resp, "steps": grpo["steps"],
+                            "minutes": round(grpo_minutes, 1), "model": "gemma3-270m (base, LoRA)" if not args.smoke
+                            else "tiny random", "train_prompts": args.train_questions,
+                            "eval_prompts": len(eval_rows), "num_generations": args.grpo_generations},
+        "dpo_extractor": {"before": before_ext, "after": after_ext, "steps": dpo["steps"],
+                          "minutes": round(dpo_minutes, 1), "pairs": counts["rows"],
+                          "eval_prompts": len(eval_events)},
+        "decoding": "greedy, same prompts and token budgets before and after",
+        "total_minutes": round((time.time() - started) / 60, 1),
+        "command": "python benches/learning/learning_signal.py " + " ".join(sys.argv[1:]),
+    }
+    out = Path(args.out) if not args.smoke else work / "learning.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
