@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 
@@ -223,7 +223,3 @@ def _write_dataset(out: Path, key: str) -> dict[str, int]:
         staging.rename(out / "dataset")
     return {"rows": len(unique)}
 
-
-def iter_exported(out: str | Path) -> Iterable[dict[str, Any]]:
-    """The exported rows, from data.jsonl."""
-    return read_records(Path(out) / "data.jsonl")
