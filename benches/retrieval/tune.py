@@ -1,0 +1,116 @@
+"""Choose tools.retrieval's default coarse-stage settings on the tuning split of the BioASQ qrels (never the
+held-out questions retrieval_bench.py reports), on the passages setting: BM25's tokenisation and
+parameters, then the coarse stage's settings one at a time around the defaults. Writes benches/results/retrieval_tuning.json.
+
+    .venv/bin/python benches/retrieval/tune.py --queries 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from common import CACHE, DEFAULT_DATA, REPO, run_system, set_threads
+from data import SharedData, split_qrels
+from scoring import DEPTH, passage_metrics
+
+# BM25 alone, built in memory over the index's chunks: tokenisation and (k1, b).
+BM25_VARIANTS: list[dict] = [
+    {"stem": False, "k1": 1.5, "b": 0.75},
+    {"stem": True, "k1": 1.5, "b": 0.75},  # bm25s defaults
+    {"stem": True, "k1": 1.2, "b": 0.75},
+    {"stem": True, "k1": 1.5, "b": 0.9},
+    {"stem": True, "k1": 1.2, "b": 1.0},  # tools.index.BM25_PARAMS
+    {"stem": True, "k1": 1.5, "b": 1.0},
+    {"stem": False, "k1": 1.2, "b": 1.0},
+]
+# The coarse stage (tools.retrieval.RetrievalConfig), one setting varied at a time around the defaults.
+VARIANTS: list[dict] = [
+    {"fusion": "rrf", "feedback_chunks": 0},
+    {"fusion": "rrf", "rrf_k": 10, "feedback_chunks": 0},
+    {"feedback_chunks": 0, "bm25_weight": 0.5},
+    {"feedback_chunks": 0},
+    {"feedback_chunks": 0, "bm25_weight": 0.7},
+    {},  # the defaults
+    {"bm25_weight": 0.5},
+    {"bm25_weight": 0.7},
+    {"feedback_chunks": 2},
+    {"feedback_chunks": 5},
+    {"expansion_terms": 10},
+    {"expansion_terms": 20},
+    {"expansion_weight": 1.0},
+    {"expansion_weight": 0.0},
+    {"feedback_vector_weight": 0.0},
+    {"feedback_vector_weight": 1.0},
+    {"fetch_k": 300},
+]
+
+
+def bm25_variants(index, questions: list[dict]) -> list[dict]:
+    import bm25s
+
+    from tools.index import _stemmer, chunk_texts  # noqa: PLC2701
+
+    ids, texts = chunk_texts(index.collection)
+    rows = []
+    for variant in BM25_VARIANTS:
+        stemmer = _stemmer() if variant["stem"] else None
+        tokenize = lambda t, s=stemmer: bm25s.tokenize(t, stopwords="en", stemmer=s, show_progress=False)  # noqa: E731
+        retriever = bm25s.BM25(k1=variant["k1"], b=variant["b"])
+        retriever.index(tokenize(texts), show_progress=False)
+
+        def search(text: str, r=retriever, s=stemmer) -> list[str]:
+            terms = [t for t in bm25s.tokenize([text], stopwords="en", stemmer=s, show_progress=False,
+                                               return_ids=False)[0] if t in r.vocab_dict]
+            if not terms:
+                return []
+            found, _ = r.retrieve([terms], k=DEPTH, show_progress=False, n_threads=1)
+            return list(dict.fromkeys(ids[int(i)].rsplit("#", 1)[0] for i in found[0]))
+
+        rows.append({"bm25": variant, **run_system(json.dumps(variant), search, score, questions, [])})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def score(question: dict, ranked: list[str]) -> dict[str, float]:
+    return passage_metrics(ranked, set(question["gold"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=DEFAULT_DATA)
+    parser.add_argument("--index-dir", default=str(CACHE / "passages-index"), help="built by retrieval_bench.py")
+    parser.add_argument("--queries", type=int, default=400, help="tuning questions used")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=str(REPO / "benches/results/retrieval_tuning.json"))
+    args = parser.parse_args()
+    set_threads(args.threads)
+
+    from tools.index import BM25_PARAMS, open_index
+    from tools.retrieval import RetrievalConfig, coarse_hybrid
+
+    tuning, _ = split_qrels(SharedData(Path(args.data)), args.seed)
+    questions = tuning[:args.queries]
+    index = open_index(args.index_dir)
+    bm25_rows = bm25_variants(index, questions)
+    rows = []
+    for changes in VARIANTS:
+        config = dataclasses.replace(RetrievalConfig(), **changes)
+        search = lambda text, c=config: list(dict.fromkeys(  # noqa: E731
+            h.chunk_id.rsplit("#", 1)[0] for h in coarse_hybrid(index, " ".join(text.split()), DEPTH, c)))
+        t0 = time.perf_counter()
+        row = {"changes": changes, **run_system(json.dumps(changes), search, score, questions, tuning[-3:])}
+        rows.append(row)
+        print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    Path(args.out).write_text(json.dumps({"questions": len(questions), "split": "tuning", "seed": args.seed,
+                                          "defaults": dataclasses.asdict(RetrievalConfig()), "bm25_params": BM25_PARAMS,
+                                          "bm25_variants": bm25_rows, "variants": rows},
+                                         indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
