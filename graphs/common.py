@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -16,6 +16,7 @@ from agents.base import call_agent
 
 from tools.chat_models import DEFAULT_MODEL, load_chat_model
 from tools.index import Index, cached_index
+from tools.retrieval import DEFAULT_CONFIG, RetrievalConfig
 from tools.retrieval import retrieve as retrieve_snippets
 from tools.traces import TraceStore, default_trace_db
 from tools.cache import shared_resource
@@ -54,7 +55,10 @@ class Context:
     chroma_url: str = env("ERMEDRAG_CHROMA_URL", "")
     """A Chroma server (http://host:port) instead of the embedded store. Env ERMEDRAG_CHROMA_URL."""
     coarse_k: int = env_int("ERMEDRAG_COARSE_K", 8)
-    """Chunks kept by the coarse (BM25 + dense, RRF) stage."""
+    """Chunks kept by the coarse stage (BM25 + dense fused, pseudo-relevance feedback). Env ERMEDRAG_COARSE_K."""
+    reranker: str = env("ERMEDRAG_RERANKER", "")
+    """Cross-encoder (HF id or folder, e.g. ncbi/MedCPT-Cross-Encoder) re-scoring the coarse chunks; empty = off.
+    Env ERMEDRAG_RERANKER."""
     snippets_k: int = env_int("ERMEDRAG_SNIPPETS_K", 4)
     """Snippets kept by the fine stage: one extractor call each."""
     temperature: float = env_float("ERMEDRAG_TEMPERATURE", 0.0)
@@ -86,6 +90,13 @@ def index_for(ctx: Context) -> Index:
     from tools.starter_kb import starter_index_dir
 
     return cached_index(str(starter_index_dir()), None)
+
+
+def retrieval_config(ctx: Context) -> RetrievalConfig:
+    """The tuned defaults, with the context's reranker when one is set (over at least its coarse chunks)."""
+    if not ctx.reranker:
+        return DEFAULT_CONFIG
+    return replace(DEFAULT_CONFIG, reranker=ctx.reranker, rerank_k=max(ctx.coarse_k, DEFAULT_CONFIG.rerank_k))
 
 
 def trace_store(ctx: Context) -> TraceStore:
@@ -128,7 +139,8 @@ def begin_run(state: Mapping[str, Any], ctx: Context, graph_name: str) -> dict[s
 def retrieve_evidence(ctx: Context, question: str) -> dict[str, Any]:
     """Coarse-to-fine retrieval as a state update (snippets as plain dicts, with the stage's timing)."""
     started = time.perf_counter()
-    snippets = retrieve_snippets(index_for(ctx), question, k=ctx.snippets_k, coarse_k=ctx.coarse_k)
+    snippets = retrieve_snippets(index_for(ctx), question, k=ctx.snippets_k, coarse_k=ctx.coarse_k,
+                                 config=retrieval_config(ctx))
     return {"snippets": [s.to_dict() for s in snippets], "timings": {"retrieve_s": time.perf_counter() - started}}
 
 

@@ -21,7 +21,8 @@ from typing_extensions import TypedDict
 from agents import reasoner
 from agents.base import call_agent
 from agents.respondent import Answer
-from graphs.common import (Context, env_int, begin_run, chat_model, index_for, sampling, trace_store)
+from graphs.common import (Context, env_int, begin_run, chat_model, index_for, retrieval_config, sampling,
+                           trace_store)
 from graphs.er_medrag import InputState
 from tools.retrieval import retrieve as retrieve_snippets
 
@@ -103,7 +104,8 @@ def search(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
     ctx = runtime.context
     started = time.perf_counter()
     snippets = [s.to_dict() for s in retrieve_snippets(index_for(ctx), state["pending_query"], k=ctx.search_k,
-                                                          coarse_k=max(ctx.coarse_k, ctx.search_k))]
+                                                          coarse_k=max(ctx.coarse_k, ctx.search_k),
+                                                          config=retrieval_config(ctx))]
     documents = reasoner.render_documents(snippets)
     return {
         "transcript": state["transcript"] + documents,

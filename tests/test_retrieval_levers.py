@@ -143,3 +143,19 @@ def test_chroma_server_mode_gives_what_embedded_gives(index_dir: Path, tmp_path:
             assert [s.id for s in retrieve(served, question, k=4)] == [s.id for s in retrieve(embedded, question, k=4)]
     finally:
         stop_process_group(server)
+
+
+def test_the_graphs_use_the_reranker_named_in_their_context(index_dir: Path, tmp_path: Path) -> None:
+    from graphs.common import Context, retrieval_config, retrieve_evidence
+
+    model = str(_tiny_cross_encoder(tmp_path / "cross-encoder"))
+    question = "first-line treatment of anaphylaxis"
+    plain = Context(index_dir=str(index_dir), coarse_k=6, snippets_k=6)
+    reranked = Context(index_dir=str(index_dir), coarse_k=6, snippets_k=6, reranker=model)
+    assert retrieval_config(plain) == DEFAULT_CONFIG
+    assert retrieval_config(reranked).reranker == model and retrieval_config(reranked).rerank_k >= 6
+    index = open_index(index_dir)
+    # coarse_hybrid re-scores its fused list (all 8 passages here) before keeping coarse_k
+    expected = cross_encoder_rerank(index, question, coarse_hybrid(index, question, 100), model, top=20)[:6]
+    got = retrieve_evidence(reranked, question)["snippets"]
+    assert [s["chunk_id"] for s in got] == [h.chunk_id for h in expected]

@@ -75,6 +75,38 @@ def bm25_variants(index, questions: list[dict]) -> list[dict]:
     return rows
 
 
+def hnsw_vs_exact(index, questions: list[dict]) -> dict:
+    """Chroma's HNSW (its default ef_search) against exact cosine search over the same vectors: how many
+    of the exact top-100 chunks HNSW returns, and the time of each."""
+    import numpy as np
+
+    from tools.index import encode
+    from tools.retrieval import dense_search
+
+    ids, vectors = [], []
+    for offset in range(0, index.size, 5000):
+        page = index.collection.get(include=["embeddings"], limit=5000, offset=offset)
+        ids.extend(page["ids"])
+        vectors.append(np.asarray(page["embeddings"], dtype=np.float32))
+    matrix = np.concatenate(vectors)
+    overlap, hnsw_ms, exact_ms = [], [], []
+    for q in questions:
+        vector = encode([q["question"]])[0]
+        t0 = time.perf_counter()
+        approx = {h.chunk_id for h in dense_search(index, q["question"], DEPTH, vector)}
+        t1 = time.perf_counter()
+        exact = {ids[i] for i in np.argpartition(-(matrix @ vector), DEPTH)[:DEPTH]}
+        t2 = time.perf_counter()
+        overlap.append(len(approx & exact) / DEPTH)
+        hnsw_ms.append(1000 * (t1 - t0))
+        exact_ms.append(1000 * (t2 - t1))
+    row = {"recall_of_exact_top100": round(float(np.mean(overlap)), 4),
+           "hnsw_p50_ms": round(float(np.median(hnsw_ms)), 1), "exact_numpy_p50_ms": round(float(np.median(exact_ms)), 1),
+           "configuration": index.collection.configuration_json.get("hnsw")}
+    print("hnsw vs exact:", json.dumps(row), flush=True)
+    return row
+
+
 def score(question: dict, ranked: list[str]) -> dict[str, float]:
     return passage_metrics(ranked, set(question["gold"]))
 
@@ -96,6 +128,7 @@ def main() -> None:
     tuning, _ = split_qrels(SharedData(Path(args.data)), args.seed)
     questions = tuning[:args.queries]
     index = open_index(args.index_dir)
+    hnsw = hnsw_vs_exact(index, questions)
     bm25_rows = bm25_variants(index, questions)
     rows = []
     for changes in VARIANTS:
@@ -108,7 +141,7 @@ def main() -> None:
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     Path(args.out).write_text(json.dumps({"questions": len(questions), "split": "tuning", "seed": args.seed,
                                           "defaults": dataclasses.asdict(RetrievalConfig()), "bm25_params": BM25_PARAMS,
-                                          "bm25_variants": bm25_rows, "variants": rows},
+                                          "bm25_variants": bm25_rows, "variants": rows, "hnsw": hnsw},
                                          indent=2) + "\n")
 
 

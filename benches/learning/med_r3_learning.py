@@ -1,0 +1,170 @@
+"""Med-R³ progressive RL on CPU: does each stage move what it rewards?
+
+PubMedQA-train questions, their abstracts as the searchable corpus (gold evidence = the question's own
+abstract). The three stages of `training.med_r3.train_med_r3` (1 reasoning without search, 2 retrieval,
+3 joint) run in order with LoRA on the offline model, each from the previous stage's merged model. Before and
+after each stage, the same held-out prompts are rolled out greedily in that stage's mode (with or without the
+search loop) and scored with that stage's own reward functions and weights. Writes
+benches/results/med_r3_learning.json and one curves plot per stage.
+
+    .venv/bin/python benches/learning/med_r3_learning.py            # ≈ 40 minutes on 2 cores
+    .venv/bin/python benches/learning/med_r3_learning.py --smoke    # tiny random model, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from learning_signal import abstracts_as_documents, log  # noqa: E402
+
+from evals.benchmarks import load_questions_file  # noqa: E402
+from tools.index import build_index, open_index  # noqa: E402
+from training.med_r3 import (STAGES, MedR3TrainingConfig, index_search, med_r3_dataset,  # noqa: E402
+                             med_r3_format_reward, retrieval_hit_reward, run_search_rollouts, stage_rewards, stage_start_model,
+                             train_med_r3)
+
+
+def rows_for(questions, index_ids: set[str]) -> list[dict[str, Any]]:
+    """Med-R³ questions whose gold evidence is the question's own abstract passages in the index."""
+    return [{"id": q.id, "question": q.question, "options": q.options, "gold": q.answer, "benchmark": q.benchmark,
+             "gold_evidence": [f"{q.id}-{i}" for i in range(len(q.contexts)) if f"{q.id}-{i}" in index_ids]}
+            for q in questions]
+
+
+def evaluate(model_dir: str, rows: list[dict[str, Any]], stage: int, search, args: argparse.Namespace) -> dict:
+    """Greedy rollouts of the held-out prompts in `stage`'s mode, scored with `stage`'s rewards and weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dataset = med_r3_dataset(rows)
+    prompt_ids = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"] for r in dataset]
+    generation = GenerationConfig(do_sample=False, max_new_tokens=args.step_tokens,
+                                  eos_token_id=model.generation_config.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    rollouts = []
+    with torch.no_grad():
+        for start in range(0, len(prompt_ids), args.eval_batch):
+            rollouts += run_search_rollouts(model, tokenizer, prompt_ids[start:start + args.eval_batch],
+                                            generation_config=generation, search=search,
+                                            step_max_new_tokens=args.step_tokens,
+                                            max_total_tokens=args.completion_tokens)
+    columns = {key: [r[key] for r in dataset] for key in ("gold", "options", "gold_evidence")}
+    columns["model_text"] = [r.model_text for r in rollouts]
+    columns["retrieved_ids"] = [r.retrieved_ids for r in rollouts]
+    completions = [[{"role": "assistant", "content": tokenizer.decode(r.completion_ids, skip_special_tokens=True)}]
+                   for r in rollouts]
+    funcs, weights = stage_rewards(stage)
+    scores = {f.__name__: f(completions, **columns) for f in funcs}
+    total = [sum(w * (scores[f.__name__][i] or 0.0) for f, w in zip(funcs, weights)) for i in range(len(rows))]
+    formats = med_r3_format_reward(completions, **columns)
+    hits = [h for h in retrieval_hit_reward(completions, **columns) if h is not None]
+    del model
+    n = len(rows)
+    return {
+        "mean_reward": round(sum(total) / n, 4),
+        "format_rate": round(sum(f == 1.0 for f in formats) / n, 4),
+        "answer_parsed_rate": round(sum(f > 0 for f in formats) / n, 4),
+        "searches_per_question": round(sum(len(r.searches) for r in rollouts) / n, 3),
+        "retrieval_hit_rate": round(sum(hits) / len(hits), 4) if hits else 0.0,
+        "mean_model_tokens": round(sum(r.generated_tokens for r in rollouts) / n, 1),
+        "ended": {why: sum(r.ended == why for r in rollouts) for why in sorted({r.ended for r in rollouts})},
+        "rewards": {name: round(sum(v or 0.0 for v in values) / n, 4) for name, values in scores.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
+    parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "med_r3"))
+    parser.add_argument("--out", default=str(REPO / "benches" / "results" / "med_r3_learning.json"))
+    parser.add_argument("--train-questions", type=int, default=24)
+    parser.add_argument("--eval-questions", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=8, help="GRPO steps per stage")
+    parser.add_argument("--generations", type=int, default=4, help="completions per prompt (GRPO group)")
+    parser.add_argument("--step-tokens", type=int, default=96, help="tokens per generation step")
+    parser.add_argument("--completion-tokens", type=int, default=192, help="model-written tokens per rollout")
+    parser.add_argument("--eval-batch", type=int, default=6)
+    parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
+    args = parser.parse_args()
+    started = time.time()
+
+    work = Path(args.work) / ("smoke" if args.smoke else "full")
+    shutil.rmtree(work / "train", ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        sys.path.insert(0, str(REPO / "tests"))
+        from tiny_model import build_tiny_causal_lm
+
+        model_path = build_tiny_causal_lm(work / "tiny")
+        args.train_questions, args.eval_questions, args.steps = 4, 3, 1
+        args.generations, args.step_tokens, args.completion_tokens = 2, 16, 32
+    else:
+        from tools.offline_model import offline_model_dir
+
+        model_path = str(offline_model_dir())
+
+    pool = load_questions_file(Path(args.data) / "benchmarks" / "pubmedqa_train.jsonl")
+    random.Random(0).shuffle(pool)
+    index_dir = work / "index"
+    stats = build_index(abstracts_as_documents(pool), index_dir, progress=False)
+    index = open_index(index_dir)
+    log(f"indexed {len(pool)} abstracts: {stats['chunks_total']} chunks ({stats['chunks_added']} new, "
+        f"{stats['seconds']:.0f} s)")
+    index_ids = {cid.rsplit("#", 1)[0] for cid in index.bm25_ids}
+    train_rows = rows_for(pool[:args.train_questions], index_ids)
+    eval_rows = rows_for(pool[args.train_questions:args.train_questions + args.eval_questions], index_ids)
+    med_r3_dataset(train_rows).save_to_disk(str(work / "train-dataset"))
+    search = index_search(index, k=5)
+
+    config = MedR3TrainingConfig(
+        model=model_path, dataset=str(work / "train-dataset"), output_dir=str(work / "train"), index_dir=str(index_dir),
+        max_steps=args.steps, learning_rate=1e-4, num_generations=args.generations,
+        per_device_train_batch_size=args.generations, max_completion_length=args.completion_tokens,
+        step_max_new_tokens=args.step_tokens, temperature=1.0, save_steps=10_000, mask_truncated_completions=False)
+    result: dict[str, Any] = {}
+    results_dir = Path(args.out).parent
+    for stage in STAGES:
+        searching = search if STAGES[stage].search else None
+        before_model = stage_start_model(config, stage)
+        before = evaluate(before_model, eval_rows, stage, searching, args)
+        log(f"stage {stage} before: {json.dumps(before)}")
+        stage_started = time.time()
+        summary = train_med_r3(config, stages=[stage])["stages"][stage]
+        minutes = (time.time() - stage_started) / 60
+        after = evaluate(summary["model_dir"], eval_rows, stage, searching, args)
+        log(f"stage {stage} after ({minutes:.1f} min): {json.dumps(after)}")
+        result[f"stage{stage}"] = {"name": STAGES[stage].name, "search": STAGES[stage].search, "before": before,
+                                   "after": after, "steps": summary["steps"], "minutes": round(minutes, 1),
+                                   "reward_weights": dict(zip(summary["reward_functions"], summary["reward_weights"]))}
+        if summary.get("plot_path") and not args.smoke:
+            shutil.copy(summary["plot_path"], results_dir / f"med_r3_stage{stage}_curves.png")
+    result.update({
+        "model": "tiny random (smoke)" if args.smoke else "gemma3-270m (base, LoRA per stage, merged between stages)",
+        "train_prompts": len(train_rows), "eval_prompts": len(eval_rows), "num_generations": args.generations,
+        "step_tokens": args.step_tokens, "completion_tokens": args.completion_tokens,
+        "decoding": "greedy, same held-out prompts before and after each stage, in the stage's mode",
+        "total_minutes": round((time.time() - started) / 60, 1),
+        "command": "python benches/learning/med_r3_learning.py " + " ".join(sys.argv[1:]),
+    })
+    out = Path(args.out) if not args.smoke else work / "med_r3_learning.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
