@@ -87,6 +87,14 @@ def has_answer_tag(completions, **kwargs) -> list[float]:
     return [1.0 if "<answer>" in completion[-1]["content"] else 0.0 for completion in completions]
 
 
+SEEN_COMPLETIONS: list[str] = []
+
+
+def records_completions(completions, **kwargs) -> list[float]:
+    SEEN_COMPLETIONS.extend(completion[-1]["content"] for completion in completions)
+    return [float(len(completion[-1]["content"]) % 3) for completion in completions]
+
+
 def length_score(completions, gold, options, **kwargs) -> list[float]:
     SEEN_COLUMNS.append({"gold": list(gold), "options": list(options)})
     return [min(len(completion[-1]["content"]), 60) / 60 for completion in completions]
@@ -201,6 +209,18 @@ def test_grpo_lora_logs_every_reward_component(tiny_model, grpo_dataset, tmp_pat
     assert all(o["A"] == "metformin" for seen in SEEN_COLUMNS for o in seen["options"])
     assert_adapter_trained(config.output_dir)
     assert_plot(config.output_dir)
+
+
+def test_grpo_rollouts_end_at_the_stop_string(tiny_model, grpo_dataset, tmp_path):
+    """As the app's respondent stops at </answer>; "e" stands in for it because a random tiny model writes it
+    within a few tokens, and nothing may follow the token that completed it."""
+    SEEN_COMPLETIONS.clear()
+    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo", per_device_train_batch_size=4,
+                   num_generations=4, max_completion_length=32, stop_strings=["e"])
+    assert train_grpo(config, [records_completions])["steps"] == 3
+    stopped = [text for text in SEEN_COMPLETIONS if "e" in text]
+    assert len(SEEN_COMPLETIONS) == 12 and stopped
+    assert all(len(text) - text.index("e") <= 12 for text in stopped), stopped  # within the last token
 
 
 def test_grpo_full_finetune_with_kl_uses_reference_model(tiny_model, grpo_dataset, tmp_path):

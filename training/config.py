@@ -291,6 +291,14 @@ class GRPOTrainingConfig(_TrainingConfig):
     log_completions: bool = field(
         default=False, metadata={"help": "Print a sample of prompts/completions/rewards at each logging step."}
     )
+    stop_strings: list[str] = field(
+        default_factory=lambda: ["</answer>"],
+        metadata={
+            "help": "A rollout ends at the first of these strings, which stays in the completion: the respondent "
+            "stops at </answer> in the app, so it does in training (else it is graded on text the app never "
+            "generates). transformers: a rollout function; vLLM: its stop list. [] = EOS or the length budget."
+        },
+    )
 
     def to_trl(self):
         """The trl.GRPOConfig for this run."""
@@ -315,6 +323,8 @@ class GRPOTrainingConfig(_TrainingConfig):
             vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
             log_completions=self.log_completions,
         )
+        if self.use_vllm and self.stop_strings:
+            kwargs["generation_kwargs"] = {"stop": list(self.stop_strings), "include_stop_str_in_output": True}
         return self._build_trl(GRPOConfig, kwargs)
 
 

@@ -526,10 +526,12 @@ def _generate_step(model: Any, tokenizer: Any, contexts: list[list[int]], budget
 def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *,
                         generation_config: Any, search: SearchFn | None, max_searches: int = MAX_SEARCHES,
                         step_max_new_tokens: int = 256, max_total_tokens: int = 1024,
-                        logits_processor: Sequence[Any] | None = None) -> list[Rollout]:
+                        logits_processor: Sequence[Any] | None = None,
+                        end_stops: Sequence[str] = (ANSWER_STOP,)) -> list[Rollout]:
     """The Med-R³ loop for a batch of tokenised prompts, with `model.generate` (call under `torch.no_grad`).
-    `search=None` disables retrieval: generation then stops only at `</answer>`, EOS or the budget."""
-    stops = [SEARCH_STOP, ANSWER_STOP] if search is not None else [ANSWER_STOP]
+    `search=None` disables retrieval: generation then stops only at an `end_stops` string (kept in the
+    completion), EOS or the budget."""
+    stops = [SEARCH_STOP, *end_stops] if search is not None else list(end_stops)
     rollouts = [Rollout() for _ in prompt_ids]
     active = list(range(len(rollouts)))
     while active:
@@ -571,12 +573,14 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
 
 def make_med_r3_rollout(search: SearchFn | None, *, max_searches: int = MAX_SEARCHES,
                         step_max_new_tokens: int = 256, max_total_tokens: int | None = None,
-                        logits_processor: Sequence[Any] | None = None) -> Callable[[list, Any], dict[str, Any]]:
+                        logits_processor: Sequence[Any] | None = None,
+                        end_stops: Sequence[str] = (ANSWER_STOP,)) -> Callable[[list, Any], dict[str, Any]]:
     """A TRL `rollout_func(prompts, trainer) -> dict` running the search loop with the trainer's model.
 
     Returns `prompt_ids`, `completion_ids`, `logprobs` (None: TRL recomputes them), `env_mask` and, per
     completion, `model_text`, `retrieved_ids`, `searches`. `max_total_tokens` defaults to the trainer's
-    `max_completion_length`; `logits_processor` (transformers LogitsProcessors) constrains sampling."""
+    `max_completion_length`; `logits_processor` (transformers LogitsProcessors) constrains sampling. With
+    `search=None` it is a plain rollout that ends at an `end_stops` string (`train_grpo`'s `stop_strings`)."""
     import torch
 
     def med_r3_rollout(prompts: list, trainer: Any) -> dict[str, Any]:
@@ -604,7 +608,7 @@ def make_med_r3_rollout(search: SearchFn | None, *, max_searches: int = MAX_SEAR
             rollouts = run_search_rollouts(model, tokenizer, prompt_ids, generation_config=trainer.generation_config,
                                            search=search, max_searches=max_searches,
                                            step_max_new_tokens=step_max_new_tokens, max_total_tokens=total,
-                                           logits_processor=logits_processor)
+                                           logits_processor=logits_processor, end_stops=end_stops)
         return {
             "prompt_ids": prompt_ids,
             "completion_ids": [r.completion_ids for r in rollouts],
@@ -741,7 +745,8 @@ def train_stage(config: MedR3TrainingConfig, stage: int, *, logits_processor: Se
         search = index_search(index, k=staged.search_k, coarse_k=staged.coarse_k)
     rollout = make_med_r3_rollout(search, max_searches=staged.max_searches,
                                   step_max_new_tokens=staged.step_max_new_tokens,
-                                  max_total_tokens=staged.max_completion_length, logits_processor=logits_processor)
+                                  max_total_tokens=staged.max_completion_length, logits_processor=logits_processor,
+                                  end_stops=staged.stop_strings or (ANSWER_STOP,))
     dataset = _load_dataset(staged.dataset)
     if "prompt" not in dataset.column_names:
         raise ValueError(f"Med-R³ dataset {staged.dataset} has no `prompt` column; it has {dataset.column_names} "

@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -136,16 +137,25 @@ def train_grpo(
     args = config.to_trl()
     args.reward_weights = [float(w) for w in weights] if weights is not None else None
     recorder = MetricsRecorder(Path(config.output_dir) / METRICS_FILE)
+    extra: dict[str, Any] = {}
+    if config.stop_strings and not config.use_vllm:  # vLLM stops by itself (GRPOTrainingConfig.to_trl)
+        from training.med_r3 import make_med_r3_rollout
+
+        extra["rollout_func"] = make_med_r3_rollout(None, end_stops=config.stop_strings,
+                                                    step_max_new_tokens=config.max_completion_length)
     # By path, so that beta > 0 without LoRA can rebuild the reference model (TRL reloads it from the path).
-    trainer = GRPOTrainer(
-        model=model_path,
-        reward_funcs=reward_funcs,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=config.lora_config(),
-        callbacks=[recorder],
-    )
+    with warnings.catch_warnings():  # rollout_func is marked experimental in TRL 1.16
+        warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
+        trainer = GRPOTrainer(
+            model=model_path,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=config.lora_config(),
+            callbacks=[recorder],
+            **extra,
+        )
     summary = _run(trainer, config, recorder, kind="grpo")
     summary["reward_functions"] = list(trainer.reward_func_names)
     return summary

@@ -10,6 +10,7 @@ Writes benches/results/learning.json (and the curves of both trainings next to i
 
     .venv/bin/python benches/learning/learning_signal.py                 # ≈ 45 minutes on 2 cores
     .venv/bin/python benches/learning/learning_signal.py --smoke         # tiny random model, ~2 minutes
+    .venv/bin/python benches/learning/learning_signal.py --reuse --parts grpo   # rerun one training only
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from datasets import load_from_disk  # noqa: E402
 
-from agents import extractor  # noqa: E402
+from agents import extractor, respondent  # noqa: E402
 from evals.benchmarks import Question, load_questions_file  # noqa: E402
 from evals.runner import EvalConfig, run_questions  # noqa: E402
 from tools.chat_models import load_chat_model  # noqa: E402
@@ -64,14 +65,16 @@ def record(questions: list[Question], model: str, index_dir: Path, trace_db: Pat
     log(f"recorded {trace_db.name}: {counts}")
 
 
-def generate(model_spec: str, prompts: list[list[dict[str, str]]], max_new_tokens: int) -> list[str]:
-    """Greedy completions of chat prompts, batched: the same decoding before and after training."""
+def generate(model_spec: str, prompts: list[list[dict[str, str]]], max_new_tokens: int, stop: list[str]) -> list[str]:
+    """Greedy completions of chat prompts, batched, ending at the agent's stop strings as in the app (the
+    matched one put back, as `agents.base.call_agent` does): the same decoding before and after training."""
     from training.export import replay_messages
 
     roles = {"system": "system", "user": "human", "assistant": "ai"}
     model = load_chat_model(model_spec, max_new_tokens=max_new_tokens)
     messages = [replay_messages([{"role": roles[m["role"]], "content": m["content"]} for m in p]) for p in prompts]
-    return [reply.text for reply in model.batch(messages)]
+    replies = model.batch(messages, stop=stop)
+    return [reply.text + (reply.response_metadata.get("stop_sequence") or "") for reply in replies]
 
 
 def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -115,6 +118,9 @@ def main() -> None:
     parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
     parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "learning"))
     parser.add_argument("--out", default=str(REPO / "benches" / "results" / "learning.json"))
+    parser.add_argument("--parts", default="grpo,dpo", help="which trainings to run: grpo, dpo or both")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the work folder's index, traces and exports from an earlier run (same sizes)")
     parser.add_argument("--train-questions", type=int, default=32)
     parser.add_argument("--eval-questions", type=int, default=16)
     parser.add_argument("--snippets", type=int, default=2)
@@ -123,15 +129,20 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--grpo-steps", type=int, default=30)
     parser.add_argument("--grpo-generations", type=int, default=4)
+    parser.add_argument("--grpo-temperature", type=float, default=0.7,
+                        help="sampling temperature of GRPO rollouts (at 1.0 nearly every sample of the base 270M "
+                             "model leaves the format, a group's rewards are equal and GRPO learns nothing)")
     parser.add_argument("--dpo-steps", type=int, default=20)
     parser.add_argument("--dpo-samples", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     started = time.time()
 
     work = Path(args.work) / ("smoke" if args.smoke else "full")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    if not args.reuse:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         sys.path.insert(0, str(REPO / "tests"))
         from tiny_model import build_tiny_causal_lm
@@ -145,6 +156,67 @@ def main() -> None:
         model_path = str(offline_model_dir())
     model = f"hf:{model_path}"
 
+    train_db, eval_db = work / "traces-train.sqlite", work / "traces-eval.sqlite"
+    if not (args.reuse and (work / "dpo-train" / "dataset").exists()):
+        prepare(args, work, model, train_db, eval_db)
+
+    eval_rows = [dict(r) for r in load_from_disk(str(work / "grpo-eval" / "dataset"))]
+    eval_prompts = [r["prompt"] for r in eval_rows]
+    eval_events = list(TraceStore(eval_db).events(agent="extractor"))
+    extract_prompts = [chat_format(e["messages"]) for e in eval_events]
+    out = Path(args.out) if not args.smoke else work / "learning.json"
+    result = json.loads(out.read_text()) if out.exists() else {}
+    results_dir = Path(args.out).parent
+
+    if "grpo" in parts:
+        before = respondent_metrics(generate(model, eval_prompts, args.respond_tokens, respondent.STOP), eval_rows)
+        log(f"before: respondent {before}")
+        grpo_started = time.time()
+        funcs, weights = rewards.respondent_reward_funcs()
+        grpo = train_grpo(GRPOTrainingConfig(
+            model=model_path, dataset=str(work / "grpo-train" / "dataset"), output_dir=str(work / "grpo-out"),
+            max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=args.grpo_generations,
+            per_device_train_batch_size=args.grpo_generations, max_completion_length=args.respond_tokens,
+            temperature=args.grpo_temperature, save_steps=10_000), funcs, weights)
+        grpo_minutes = (time.time() - grpo_started) / 60
+        after = respondent_metrics(
+            generate(f"hf:{merged_model(grpo['model_dir'], model_path, work / 'grpo-merged')}", eval_prompts,
+                     args.respond_tokens, respondent.STOP), eval_rows)
+        log(f"after grpo: {after} ({grpo_minutes:.1f} min)")
+        result["grpo_respondent"] = {
+            "before": before, "after": after, "steps": grpo["steps"], "minutes": round(grpo_minutes, 1),
+            "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
+            "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
+            "num_generations": args.grpo_generations, "temperature": args.grpo_temperature}
+        if grpo.get("plot_path") and not args.smoke:
+            shutil.copy(grpo["plot_path"], results_dir / "learning_grpo_respondent_curves.png")
+
+    if "dpo" in parts:
+        before = extractor_metrics(generate(model, extract_prompts, args.extract_tokens, extractor.STOP), eval_events)
+        log(f"before: extractor {before}")
+        dpo_started = time.time()
+        dpo = train_dpo(DPOTrainingConfig(
+            model=model_path, dataset=str(work / "dpo-train" / "dataset"), output_dir=str(work / "dpo-out"),
+            max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
+            save_steps=10_000))
+        dpo_minutes = (time.time() - dpo_started) / 60
+        after = extractor_metrics(
+            generate(f"hf:{merged_model(dpo['model_dir'], model_path, work / 'dpo-merged')}", extract_prompts,
+                     args.extract_tokens, extractor.STOP), eval_events)
+        log(f"after dpo: {after} ({dpo_minutes:.1f} min)")
+        result["dpo_extractor"] = {"before": before, "after": after, "steps": dpo["steps"],
+                                   "minutes": round(dpo_minutes, 1),
+                                   "pairs": len(load_from_disk(str(work / "dpo-train" / "dataset"))),
+                                   "eval_prompts": len(eval_events)}
+        if dpo.get("plot_path") and not args.smoke:
+            shutil.copy(dpo["plot_path"], results_dir / "learning_dpo_extractor_curves.png")
+
+    result["decoding"] = "greedy, same prompts and token budgets before and after"
+    write_result(result, out, started)
+
+
+def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, eval_db: Path) -> None:
+    """Index the abstracts, record graph runs, and export GRPO prompts and DPO pairs from them."""
     pool = load_questions_file(Path(args.data) / "benchmarks" / "pubmedqa_train.jsonl")
     random.Random(0).shuffle(pool)
     train_q = pool[: args.train_questions]
@@ -152,11 +224,8 @@ def main() -> None:
     index_dir = work / "index"
     stats = build_index(abstracts_as_documents(pool), index_dir, progress=False)
     log(f"indexed {len(pool)} abstracts: {stats['chunks_total']} chunks in {stats['seconds']:.0f}s")
-
-    train_db, eval_db = work / "traces-train.sqlite", work / "traces-eval.sqlite"
     record(train_q, model, index_dir, train_db, work, args)
     record(eval_q, model, index_dir, eval_db, work, args)
-
     for name, db in (("train", train_db), ("eval", eval_db)):
         counts = export_grpo(GRPOExportConfig(traces=str(db), out=str(work / f"grpo-{name}")), progress=False)
         log(f"grpo export {name}: {counts}")
@@ -165,56 +234,12 @@ def main() -> None:
                                         margin=0.0 if args.smoke else 0.1), progress=False)
     log(f"dpo export: {counts}")
 
-    eval_rows = [dict(r) for r in load_from_disk(str(work / "grpo-eval" / "dataset"))]
-    eval_prompts = [r["prompt"] for r in eval_rows]
-    eval_events = list(TraceStore(eval_db).events(agent="extractor"))
-    extract_prompts = [chat_format(e["messages"]) for e in eval_events]
 
-    before_resp = respondent_metrics(generate(model, eval_prompts, args.respond_tokens), eval_rows)
-    before_ext = extractor_metrics(generate(model, extract_prompts, args.extract_tokens), eval_events)
-    log(f"before: respondent {before_resp}; extractor {before_ext}")
-
-    grpo_started = time.time()
-    funcs, weights = rewards.respondent_reward_funcs()
-    grpo = train_grpo(GRPOTrainingConfig(
-        model=model_path, dataset=str(work / "grpo-train" / "dataset"), output_dir=str(work / "grpo-out"),
-        max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=args.grpo_generations,
-        per_device_train_batch_size=args.grpo_generations, max_completion_length=args.respond_tokens,
-        temperature=1.0, save_steps=10_000), funcs, weights)
-    grpo_minutes = (time.time() - grpo_started) / 60
-    after_resp = respondent_metrics(
-        generate(f"hf:{merged_model(grpo['model_dir'], model_path, work / 'grpo-merged')}", eval_prompts,
-                 args.respond_tokens), eval_rows)
-    log(f"after grpo: {after_resp} ({grpo_minutes:.1f} min)")
-
-    dpo_started = time.time()
-    dpo = train_dpo(DPOTrainingConfig(
-        model=model_path, dataset=str(work / "dpo-train" / "dataset"), output_dir=str(work / "dpo-out"),
-        max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
-        save_steps=10_000))
-    dpo_minutes = (time.time() - dpo_started) / 60
-    after_ext = extractor_metrics(
-        generate(f"hf:{merged_model(dpo['model_dir'], model_path, work / 'dpo-merged')}", extract_prompts,
-                 args.extract_tokens), eval_events)
-    log(f"after dpo: {after_ext} ({dpo_minutes:.1f} min)")
-
-    results_dir = Path(args.out).parent
-    for name, summary in (("grpo_respondent", grpo), ("dpo_extractor", dpo)):
-        if summary.get("plot_path") and not args.smoke:
-            shutil.copy(summary["plot_path"], results_dir / f"learning_{name}_curves.png")
-    result = {
-        "grpo_respondent": {"before": before_resp, "after": after_resp, "steps": grpo["steps"],
-                            "minutes": round(grpo_minutes, 1), "model": "gemma3-270m (base, LoRA)" if not args.smoke
-                            else "tiny random", "train_prompts": args.train_questions,
-                            "eval_prompts": len(eval_rows), "num_generations": args.grpo_generations},
-        "dpo_extractor": {"before": before_ext, "after": after_ext, "steps": dpo["steps"],
-                          "minutes": round(dpo_minutes, 1), "pairs": counts["rows"],
-                          "eval_prompts": len(eval_events)},
-        "decoding": "greedy, same prompts and token budgets before and after",
-        "total_minutes": round((time.time() - started) / 60, 1),
-        "command": "python benches/learning/learning_signal.py " + " ".join(sys.argv[1:]),
-    }
-    out = Path(args.out) if not args.smoke else work / "learning.json"
+def write_result(result: dict[str, Any], out: Path, started: float) -> None:
+    """Add the run's total minutes and command line, write the JSON and print it."""
+    script = Path(sys.argv[0]).resolve().relative_to(REPO)
+    result.update(total_minutes=round((time.time() - started) / 60, 1),
+                  command=" ".join(["python", str(script), *sys.argv[1:]]))
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

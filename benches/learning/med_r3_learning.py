@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from learning_signal import abstracts_as_documents, log  # noqa: E402
+from learning_signal import abstracts_as_documents, log, write_result  # noqa: E402
 
 from evals.benchmarks import load_questions_file  # noqa: E402
 from tools.index import build_index, open_index  # noqa: E402
@@ -98,6 +98,9 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (GRPO group)")
     parser.add_argument("--step-tokens", type=int, default=96, help="tokens per generation step")
     parser.add_argument("--completion-tokens", type=int, default=192, help="model-written tokens per rollout")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="sampling temperature of training rollouts (at 1.0 the base 270M model leaves the format "
+                             "in nearly every sample, so a group's rewards are all equal and GRPO learns nothing)")
     parser.add_argument("--eval-batch", type=int, default=6)
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
@@ -135,7 +138,7 @@ def main() -> None:
         model=model_path, dataset=str(work / "train-dataset"), output_dir=str(work / "train"), index_dir=str(index_dir),
         max_steps=args.steps, learning_rate=1e-4, num_generations=args.generations,
         per_device_train_batch_size=args.generations, max_completion_length=args.completion_tokens,
-        step_max_new_tokens=args.step_tokens, temperature=1.0, save_steps=10_000, mask_truncated_completions=False)
+        step_max_new_tokens=args.step_tokens, temperature=args.temperature, save_steps=10_000, mask_truncated_completions=False)
     result: dict[str, Any] = {}
     results_dir = Path(args.out).parent
     for stage in STAGES:
@@ -156,14 +159,10 @@ def main() -> None:
     result.update({
         "model": "tiny random (smoke)" if args.smoke else "gemma3-270m (base, LoRA per stage, merged between stages)",
         "train_prompts": len(train_rows), "eval_prompts": len(eval_rows), "num_generations": args.generations,
-        "step_tokens": args.step_tokens, "completion_tokens": args.completion_tokens,
+        "step_tokens": args.step_tokens, "temperature": args.temperature, "completion_tokens": args.completion_tokens,
         "decoding": "greedy, same held-out prompts before and after each stage, in the stage's mode",
-        "total_minutes": round((time.time() - started) / 60, 1),
-        "command": "python benches/learning/med_r3_learning.py " + " ".join(sys.argv[1:]),
     })
-    out = Path(args.out) if not args.smoke else work / "med_r3_learning.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(result, Path(args.out) if not args.smoke else work / "med_r3_learning.json", started)
 
 
 if __name__ == "__main__":
