@@ -1,6 +1,7 @@
 """Choose tools.retrieval's default coarse-stage settings on the tuning split of the BioASQ qrels (never the
-held-out questions retrieval_bench.py reports), on the passages setting: BM25's tokenisation and
-parameters, then the coarse stage's settings one at a time around the defaults. Writes benches/results/retrieval_tuning.json.
+held-out questions retrieval_bench.py reports): on the passages setting, BM25's tokenisation and
+parameters, HNSW against exact search, then the coarse stage's settings one at a time around the defaults;
+on the long-documents setting, how many sentence windows one chunk may give. Writes benches/results/retrieval_tuning.json.
 
     .venv/bin/python benches/retrieval/tune.py --queries 400
 """
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 from common import CACHE, DEFAULT_DATA, REPO, run_system, set_threads
-from data import SharedData, split_qrels
+from data import SharedData, Span, split_qrels
 from scoring import DEPTH, passage_metrics
 
 # BM25 alone, built in memory over the index's chunks: tokenisation and (k1, b).
@@ -107,6 +108,33 @@ def hnsw_vs_exact(index, questions: list[dict]) -> dict:
     return row
 
 
+FINE_VARIANTS: list[dict] = [{"windows_per_chunk": 1}, {"windows_per_chunk": 2}, {"windows_per_chunk": 3},
+                             {"windows_per_chunk": 5}, {"windows_per_chunk": 3, "min_relative_score": 0.25}]
+
+
+def fine_variants(index_dir: str, data: SharedData, questions: list[dict]) -> list[dict]:
+    """The fine stage on the long-documents index (where chunks hold several passages): how many windows a
+    chunk may give, scored as retrieval_bench.py scores that setting."""
+    from data import long_documents, load_passages
+    from scoring import snippet_metrics
+    from tools.index import open_index
+    from tools.retrieval import clean_query, coarse_hybrid, fine_sentence_windows
+
+    _, spans = long_documents(load_passages(data))
+    index = open_index(index_dir)
+    rows = []
+    for changes in FINE_VARIANTS:
+        def search(text: str, c=changes) -> list:
+            query = clean_query(text)
+            return [Span(s.doc_id, s.start, s.end)
+                    for s in fine_sentence_windows(index, query, coarse_hybrid(index, query, DEPTH), DEPTH, **c)]
+
+        score_spans = lambda q, found: snippet_metrics(found, [spans[g] for g in q["gold"]])  # noqa: E731
+        rows.append({"fine": changes, **run_system(json.dumps(changes), search, score_spans, questions, [])})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def score(question: dict, ranked: list[str]) -> dict[str, float]:
     return passage_metrics(ranked, set(question["gold"]))
 
@@ -115,7 +143,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA)
     parser.add_argument("--index-dir", default=str(CACHE / "passages-index"), help="built by retrieval_bench.py")
+    parser.add_argument("--long-documents-index", default=str(CACHE / "longdocs-index"),
+                        help="built by retrieval_bench.py (the fine-stage variants run on it)")
     parser.add_argument("--queries", type=int, default=400, help="tuning questions used")
+    parser.add_argument("--fine-queries", type=int, default=150, help="tuning questions for the fine-stage variants")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "benches/results/retrieval_tuning.json"))
@@ -125,7 +156,8 @@ def main() -> None:
     from tools.index import BM25_PARAMS, open_index
     from tools.retrieval import RetrievalConfig, coarse_hybrid
 
-    tuning, _ = split_qrels(SharedData(Path(args.data)), args.seed)
+    data = SharedData(Path(args.data))
+    tuning, _ = split_qrels(data, args.seed)
     questions = tuning[:args.queries]
     index = open_index(args.index_dir)
     hnsw = hnsw_vs_exact(index, questions)
@@ -139,9 +171,11 @@ def main() -> None:
         row = {"changes": changes, **run_system(json.dumps(changes), search, score, questions, tuning[-3:])}
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    fine_rows = fine_variants(args.long_documents_index, data, tuning[:args.fine_queries])
     Path(args.out).write_text(json.dumps({"questions": len(questions), "split": "tuning", "seed": args.seed,
                                           "defaults": dataclasses.asdict(RetrievalConfig()), "bm25_params": BM25_PARAMS,
-                                          "bm25_variants": bm25_rows, "variants": rows, "hnsw": hnsw},
+                                          "bm25_variants": bm25_rows, "variants": rows, "hnsw": hnsw,
+                                          "fine_long_documents": {"questions": args.fine_queries, "variants": fine_rows}},
                                          indent=2) + "\n")
 
 
