@@ -82,3 +82,28 @@ def test_loop_runs_on_the_real_offline_model(tmp_path):
     assert set(state["answer"]) == {"answer", "reasoning", "ok", "well_formed", "error"}
     run = TraceStore(_context(tmp_path)["trace_db"]).run(state["run_id"])
     assert json.dumps(run["answer"]) and run["answer"]["transcript"] == state["transcript"]
+
+
+def test_recorded_runs_export_as_med_r3_prompts_replayed_exactly(tmp_path):
+    from datasets import load_from_disk
+
+    from agents.reasoner import build_messages
+    from training.export import MedR3ExportConfig, chat_format, export_med_r3
+
+    ctx = _context(tmp_path)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"id": "q1", "question": QUESTION["question"], "options": QUESTION["options"],
+                                     "answer": "A"}) + "\n")
+    states = [graph.invoke(QUESTION, context=ctx) for _ in range(2)]
+    graph.invoke({**QUESTION, "gold": None}, context=ctx)  # no gold: nothing to reward, not exported
+    config = MedR3ExportConfig(traces=ctx["trace_db"], out=str(tmp_path / "export"), questions=[str(questions)])
+    assert export_med_r3(config, progress=False) == {"processed": 2, "skipped_done": 0, "rows": 2}
+    rows = sorted(load_from_disk(str(tmp_path / "export" / "dataset")), key=lambda r: r["run_id"])
+    assert [r["run_id"] for r in rows] == sorted(s["run_id"] for s in states)
+    first_call = next(TraceStore(ctx["trace_db"]).events(run_id=rows[0]["run_id"], agent="reasoner"))
+    assert rows[0]["prompt"] == chat_format(first_call["messages"])  # the recorded prompt, not a rebuilt one
+    assert rows[0]["prompt"][-1]["content"] == build_messages(QUESTION["question"], QUESTION["options"], "")[-1].text
+    assert rows[0]["event_id"] == first_call["event_id"]
+    assert (rows[0]["gold"], rows[0]["options"]["A"], rows[0]["gold_evidence"]) == ("A", "Metformin", [])
+    # resumable and idempotent: a rerun adds nothing
+    assert export_med_r3(config, progress=False) == {"processed": 0, "skipped_done": 2, "rows": 2}

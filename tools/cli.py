@@ -69,8 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_batch_args(record)
     record.set_defaults(handler=_record)
 
-    export = sub.add_parser("export", help="recorded traces → DPO pairs (extractor) or GRPO prompts (respondent)")
-    export.add_argument("kind", choices=["dpo", "grpo"])
+    export = sub.add_parser("export", help="recorded traces → DPO pairs (extractor), GRPO prompts (respondent) "
+                                           "or Med-R³ prompts (replayed from med_r3 runs)")
+    export.add_argument("kind", choices=["dpo", "grpo", "med-r3"])
     export.add_argument("--traces", default=None, help="trace database (default: ERMEDRAG_TRACE_DB or the cache)")
     export.add_argument("--out", required=True, help="output folder (rerun with the same folder to resume)")
     export.add_argument("--model", default=None, help="dpo: model that samples alternatives (default: recorded)")
@@ -80,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--margin", type=float, default=0.1, help="dpo: minimum reward gap of a pair")
     export.add_argument("--no-usefulness", action="store_true", help="dpo: skip the respondent usefulness check")
     export.add_argument("--noise", type=float, default=0.25, help="grpo: fraction of distractor triplets")
+    export.add_argument("--questions", nargs="*", default=[],
+                        help="med-r3: benchmark JSONL files the runs came from (gold evidence for the retrieval reward)")
+    export.add_argument("--qrels", default=None, help="med-r3: bioasq_qrels.jsonl for BioASQ questions")
+    export.add_argument("--corpus-dir", default=None, help="med-r3: corpora folder (exact PubMedQA passage ids)")
     export.add_argument("--seed", type=int, default=0)
     export.add_argument("--limit", type=int, default=None)
     export.set_defaults(handler=_export)
@@ -257,7 +262,8 @@ def _record(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from tools.traces import default_trace_db
-    from training.export import DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo
+    from training.export import (DPOExportConfig, GRPOExportConfig, MedR3ExportConfig, export_dpo, export_grpo,
+                                 export_med_r3)
 
     traces = args.traces or default_trace_db()
     if not Path(traces).exists():
@@ -266,6 +272,9 @@ def _export(args: argparse.Namespace) -> int:
         counts = export_dpo(DPOExportConfig(
             traces=traces, out=args.out, model=args.model, base_url=args.base_url, samples=args.samples,
             temperature=args.temperature, margin=args.margin, usefulness=not args.no_usefulness, limit=args.limit))
+    elif args.kind == "med-r3":
+        counts = export_med_r3(MedR3ExportConfig(traces=traces, out=args.out, questions=args.questions,
+                                                 qrels=args.qrels, corpus_dir=args.corpus_dir, limit=args.limit))
     else:
         counts = export_grpo(GRPOExportConfig(traces=traces, out=args.out, noise_fraction=args.noise,
                                               seed=args.seed, limit=args.limit))

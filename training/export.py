@@ -205,6 +205,69 @@ def _grpo_record(run: dict[str, Any], per_run: dict[str, tuple[list, Any]], conf
     return {"run_id": run["run_id"], "row": row}
 
 
+@dataclass
+class MedR3ExportConfig:
+    traces: str = field(metadata={"help": "trace database (SQLite) to read"})
+    out: str = field(metadata={"help": "output folder: log.jsonl, data.jsonl, dataset/"})
+    questions: list[str] = field(default_factory=list, metadata={
+        "help": "benchmark JSONL files the runs' questions came from: a run whose question text matches one gets "
+                "that question's gold evidence (PubMedQA abstract, BioASQ snippets) for the retrieval reward"})
+    qrels: str | None = field(default=None, metadata={"help": "bioasq_qrels.jsonl, for BioASQ questions"})
+    corpus_dir: str | None = field(default=None, metadata={"help": "corpora folder, for exact PubMedQA ids"})
+    limit: int | None = field(default=None, metadata={"help": "process at most this many runs"})
+
+
+def export_med_r3(config: MedR3ExportConfig, progress: bool = True) -> dict[str, int]:
+    """Med-R³ GRPO prompts replayed from recorded `med_r3` runs: each finished run with a gold answer gives its
+    first reasoner prompt exactly as recorded, with the columns `training.med_r3` rewards read (`gold`,
+    `options`, `gold_evidence`) and provenance. Resumable like the other exports."""
+    from tqdm.auto import tqdm
+
+    store = TraceStore(config.traces)
+    out = Path(config.out)
+    evidence = _gold_evidence_by_question(config)
+    runs = sorted((r for r in store.runs() if r["graph"] == "med_r3" and r.get("gold") and r.get("finished_at")),
+                  key=lambda r: r["run_id"])
+    done = {r["run_id"] for r in read_records(out / LOG)}
+    todo = [r for r in runs if r["run_id"] not in done]
+    todo = todo[: config.limit] if config.limit is not None else todo
+    with AppendLog(out / LOG) as log:
+        for run in tqdm(todo, desc="runs", unit="run", disable=not progress):
+            log.write({"run_id": run["run_id"], "row": _med_r3_row(store, run, evidence)})
+    return {"processed": len(todo), "skipped_done": len(done), **_write_dataset(out, "row")}
+
+
+def _med_r3_row(store: TraceStore, run: dict[str, Any], evidence: dict[str, tuple[str, list[str]]]
+                ) -> dict[str, Any] | None:
+    """The run's first reasoner call (empty transcript) as a prompt; None when the run has none."""
+    first = next((e for e in store.events(run_id=run["run_id"], agent="reasoner")
+                  if not (e.get("inputs") or {}).get("transcript")), None)
+    if first is None:
+        return None
+    question = run["question"]
+    benchmark, gold_evidence = evidence.get(_question_key(question["question"]), ("", []))
+    options = question.get("options")
+    return {"prompt": chat_format(first["messages"]), "gold": run["gold"],
+            "options": {str(k): str(v) for k, v in options.items()} if options else None,
+            "gold_evidence": gold_evidence, "id": run["run_id"], "benchmark": benchmark,
+            "run_id": run["run_id"], "event_id": first["event_id"]}
+
+
+def _question_key(text: str) -> str:
+    return " ".join(str(text).split()).lower()
+
+
+def _gold_evidence_by_question(config: MedR3ExportConfig) -> dict[str, tuple[str, list[str]]]:
+    from evals.benchmarks import load_questions_file
+    from training.med_r3 import question_gold_evidence
+
+    found = {}
+    for path in config.questions:
+        for q in load_questions_file(path):
+            found[_question_key(q.question)] = (q.benchmark, question_gold_evidence(q, config.qrels, config.corpus_dir))
+    return found
+
+
 # ------------------------------------------------------------------------------------------- dataset
 
 
