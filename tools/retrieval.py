@@ -218,16 +218,26 @@ def cross_encoder_rerank(index: Index, query: str, hits: list[ChunkHit], model: 
     return reranked + hits[top:]
 
 
-def split_sentences(text: str) -> list[tuple[int, int]]:
-    """(start, end) character spans of sentences; bullet lists and newlines also end a sentence."""
+def _spans_between(separator: str, text: str) -> list[tuple[int, int]]:
+    """(start, end) spans of the non-blank pieces of `text` between matches of `separator`."""
     spans, start = [], 0
-    for match in re.finditer(rf"{SENTENCE_END.pattern}|\n+|\s+-\s+(?=[A-Z])", text):
+    for match in re.finditer(separator, text):
         if text[start:match.start()].strip():
             spans.append((start, match.start()))
         start = match.end()
     if text[start:].strip():
         spans.append((start, len(text)))
     return spans
+
+
+def split_sentences(text: str) -> list[tuple[int, int]]:
+    """(start, end) character spans of sentences; bullet lists and newlines also end a sentence."""
+    return _spans_between(rf"{SENTENCE_END.pattern}|\n+|\s+-\s+(?=[A-Z])", text)
+
+
+def paragraphs(text: str) -> list[tuple[int, int]]:
+    """(start, end) spans of the text between blank lines."""
+    return _spans_between(r"\n\s*\n", text)
 
 
 def sentence_windows(text: str, window: int = 1, max_chars: int = 600) -> list[tuple[int, int]]:
@@ -240,18 +250,6 @@ def sentence_windows(text: str, window: int = 1, max_chars: int = 600) -> list[t
             first, last = spans[max(0, i - window)][0], spans[min(len(spans) - 1, i + window)][1]
             out.append((first, min(last, first + max_chars)))
     return out or [(0, min(len(text), max_chars))]
-
-
-def paragraphs(text: str) -> list[tuple[int, int]]:
-    """(start, end) spans of the text between blank lines."""
-    spans, start = [], 0
-    for match in re.finditer(r"\n\s*\n", text):
-        if text[start:match.start()].strip():
-            spans.append((start, match.start()))
-        start = match.end()
-    if text[start:].strip():
-        spans.append((start, len(text)))
-    return spans
 
 
 def fine_sentence_windows(
