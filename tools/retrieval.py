@@ -52,11 +52,6 @@ class Snippet:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def query_terms(bm25, query: str) -> list[str]:
-    """The query's stemmed terms that the BM25 vocabulary knows (bm25s rejects unknown ones)."""
-    return [t for t in bm25_tokenize([query], as_strings=True)[0] if t in bm25.vocab_dict]
-
-
 @dataclass(frozen=True)
 class RetrievalConfig:
     """How the coarse stage ranks chunks. Defaults were chosen on the BioASQ tuning split of

@@ -106,26 +106,32 @@ def _build(index_dir: Path, documents: list[Document], vectors: dict[str, np.nda
              "fresh_encoded": stats[0]["chunks_added"] if fresh else 0,
              "fresh_embed_seconds": round(stats[0]["embed_seconds"], 1) if fresh else 0.0}
     record = {"fingerprint": fingerprint, "index": index, "calls": stats, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    record["bm25"] = bm25_fingerprint()  # build_index used the current BM25 settings
     (index_dir / "bench.json").write_text(json.dumps(record, indent=2))
-    refresh_bm25(index_dir)
     return record
 
 
 def refresh_bm25(index_dir: Path) -> None:
     """Rebuild only the BM25 part when its parameters or the stemmer changed since the index was built."""
-    from importlib.metadata import version
-
     from tools.index import BM25_PARAMS, _manifest, rebuild_bm25  # noqa: PLC2701
 
     record_path = index_dir / "bench.json"
     record = json.loads(record_path.read_text())
-    wanted = {"params": BM25_PARAMS, "stemmer": version("PyStemmer")}
+    wanted = bm25_fingerprint()
     if record.get("bm25") == wanted and _manifest(index_dir).get("bm25") == BM25_PARAMS:
         return
     t0 = time.perf_counter()
     rebuild_bm25(index_dir)
     print(f"{index_dir}: BM25 rebuilt with {wanted} in {time.perf_counter() - t0:.0f} s")
     record_path.write_text(json.dumps({**record, "bm25": wanted}, indent=2))
+
+
+def bm25_fingerprint() -> dict:
+    from importlib.metadata import version
+
+    from tools.index import BM25_PARAMS
+
+    return {"params": BM25_PARAMS, "stemmer": version("PyStemmer")}
 
 
 def fingerprint(files: list[Path]) -> dict:

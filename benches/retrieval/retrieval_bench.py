@@ -34,7 +34,6 @@ from data import SharedData, long_documents, load_passages, passage_vectors, sin
 from indexes import ensure_index, fingerprint
 from scoring import passage_metrics, snippet_metrics
 
-import numpy as np  # noqa: E402
 
 PASSAGE_CHUNK_SIZE = 1024  # tokens: 99.3% of passages stay one chunk (512 would split 1,720)
 LONG_DOC_CHUNK_SIZE = 256  # build_index's default: the documents are chunked as the project does for users
