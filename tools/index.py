@@ -265,14 +265,19 @@ def rebuild_bm25(directory: str | os.PathLike[str], chroma_url: str | None = Non
     return total
 
 
+def bm25_texts(got: dict[str, Any]) -> list[str]:
+    """What BM25 indexes for each chunk of a Chroma `get` result (documents and metadatas): title. text"""
+    return [f"{m.get('title', '')}. {d}" for d, m in zip(got["documents"], got["metadatas"])]
+
+
 def chunk_texts(collection: Any) -> tuple[list[str], list[str]]:
-    """(ids, f"{title}. {text}") of every chunk in a collection: what BM25 indexes."""
+    """(ids, BM25 texts) of every chunk in a collection."""
     ids: list[str] = []
     texts: list[str] = []
     for offset in range(0, collection.count(), 5000):
         page = collection.get(include=["documents", "metadatas"], limit=5000, offset=offset)
         ids.extend(page["ids"])
-        texts.extend(f"{m.get('title', '')}. {d}" for d, m in zip(page["documents"], page["metadatas"]))
+        texts.extend(bm25_texts(page))
     return ids, texts
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from tools.cache import shared_resource
-from tools.index import Index, bm25_tokenize, encode
+from tools.index import Index, bm25_texts, bm25_tokenize, encode
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9(\[\"'])")
 MAX_QUERY_CHARS = 2_000
@@ -155,7 +155,7 @@ def feedback_query(index: Index, terms: list[str], vector: np.ndarray, feedback:
     """Pseudo-relevance feedback: the question's terms plus the feedback chunks' most frequent other terms
     (length-normalised frequency), and the query vector moved towards the chunks' mean vector."""
     got = index.collection.get(ids=list(feedback), include=["documents", "metadatas", "embeddings"])
-    texts = [f"{m.get('title', '')}. {d}" for d, m in zip(got["documents"], got["metadatas"])]
+    texts = bm25_texts(got)
     weights = dict.fromkeys(terms, 1.0)
     mass: dict[str, float] = {}
     for tokens in bm25_tokenize(texts, as_strings=True) if texts else []:
@@ -355,7 +355,7 @@ def retrieve(
     config: RetrievalConfig = DEFAULT_CONFIG,
     query_vector: np.ndarray | None = None,
 ) -> list[Snippet]:
-    """The default pipeline: coarse hybrid over chunks, then the best sentence window of each chunk."""
+    """The default pipeline: coarse hybrid over chunks, then their best sentence windows (up to 3 a chunk)."""
     query = clean_query(query)
     if not query:
         return []

@@ -45,15 +45,13 @@ def make_systems(index: Any) -> dict[str, System]:
     from dataclasses import replace
 
     from tools.index import Index
-    from tools.retrieval import (DEFAULT_CONFIG, ChunkHit, RetrievalConfig, coarse_hybrid, dense_search, retrieve,
-                                 rrf_fuse)
+    from tools.retrieval import (DEFAULT_CONFIG, ChunkHit, RetrievalConfig, bm25_search, coarse_hybrid, dense_search,
+                                 retrieve, rrf_fuse)
 
     bm25, bm25_ids = default_bm25(index)
     baseline_index = Index(index.directory, index.encoder, index.collection, bm25, bm25_ids)
 
     def bm25_hits(query: str, k: int) -> list[ChunkHit]:
-        from tools.retrieval import bm25_search
-
         return bm25_search(baseline_index, query, k)
 
     def medrag_rrf(query: str) -> list[Span]:
