@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.respondent import EXAMPLE
+from agents.respondent import EXAMPLE, parse_answer
 from training.rewards import (
     DEFAULT_RESPONDENT_WEIGHTS,
     ExtractorReward,
@@ -136,8 +136,9 @@ def test_format_well_formed_scores_one():
     "<think>a</think><answer>B",  # unclosed (stopped at the stop string)
     "<think>a</think>Final answer: B",  # lenient form
 ])
-def test_format_off_but_answer_parseable_scores_half(completion):
-    assert score(format_reward, completion) == 0.5
+def test_format_off_scores_zero_even_when_an_answer_parses(completion):
+    assert parse_answer(completion)["ok"]
+    assert score(format_reward, completion) == 0.0
 
 
 @pytest.mark.parametrize("completion", [
@@ -239,7 +240,7 @@ def test_called_exactly_as_grpo_trainer_calls_them():
         assert len(out) == n and all(isinstance(v, float) and math.isfinite(v) for v in out)
         table[fn.__name__] = out
     assert table["correctness_reward"] == [1.0, 0.0, 0.0, 0.0]
-    assert table["format_reward"] == [1.0, 0.0, 0.5, 0.0]
+    assert table["format_reward"] == [1.0, 0.0, 0.0, 0.0]
     assert table["length_penalty"] == [0.0, 0.0, 0.0, -1.0]
     assert table["evidence_use_reward"] == [1.0, 0.0, 0.0, 0.0]
 

@@ -16,7 +16,7 @@ taken for the model's. Dataset columns used: `gold` (option key or free text), `
 | reward | default weight | value |
 |---|---|---|
 | `correctness_reward` | 1.0 | 1.0 if the completion's answer equals `gold`, else 0.0 (see `answer_matches`) |
-| `format_reward` | 0.5 | 1.0 well formed; 0.5 an answer parses but the format is off; 0.0 no answer |
+| `format_reward` | 0.5 | 1.0 well formed, else 0.0 (no partial credit: see below) |
 | `length_penalty` | 0.2 | 0.0 up to `soft_chars`, linearly down to -`max_penalty` at `max_chars` and beyond |
 | `evidence_use_reward` | 0.2 | 1.0 if correct and grounded in a triplet the reasoning refers to, else 0.0 |
 
@@ -26,8 +26,10 @@ taken for the model's. Dataset columns used: `gold` (option key or free text), `
   of at least 0.8 (`FREE_TEXT_F1`).
 - Well formed: nothing but whitespace outside exactly one `<think>…</think>` followed by exactly one
   `<answer>…</answer>` whose content is not blank (tags are case-insensitive; the reasoning may be empty).
-  "An answer parses" is `parse_answer(...)["ok"]`: an unclosed `<answer>`, an "Answer: B" line, a second
-  answer, or text after `</answer>` all land at 0.5 when an answer can still be read.
+  An unclosed `<answer>`, an "Answer: B" line, a bare `<answer>B</answer>`, a second answer or text after
+  `</answer>` score 0.0, though the app's parser still reads an answer from them. A half credit for those
+  was tried: GRPO on Gemma 3 270M dropped the reasoning within two steps and kept 7-token bare answers
+  (benches/learning: well-formed rate 0.56 → 0), as a bare answer was never cut off by the token budget.
 - Length is counted in characters of the completion (`make_length_penalty(max_chars=1500,
   max_penalty=1.0, soft_chars=None)`; `soft_chars` defaults to two thirds of `max_chars`, i.e. 1000).
 - Evidence use: 0.0 unless the answer is correct and `triplets` is non-empty. Then 1.0 when some triplet
@@ -266,16 +268,8 @@ def is_well_formed(text: str) -> bool:
 
 
 def format_reward(completions: list, **kwargs: Any) -> list[float]:
-    """1.0 well formed (`is_well_formed`); 0.5 not, but `parse_answer` still reads an answer; else 0.0."""
-    rewards = []
-    for i, completion in enumerate(completions):
-        text = completion_text(completion)
-        if is_well_formed(text):
-            rewards.append(1.0)
-            continue
-        parsed = _parse(text, _options(_column(kwargs, "options", i)))
-        rewards.append(0.5 if parsed.get("ok") else 0.0)
-    return rewards
+    """1.0 well formed (`is_well_formed`), else 0.0."""
+    return [1.0 if is_well_formed(completion_text(completion)) else 0.0 for completion in completions]
 
 
 def make_length_penalty(max_chars: int = 1500, max_penalty: float = 1.0,
