@@ -25,6 +25,7 @@ from training.rewards import (
     length_penalty,
     make_length_penalty,
     respondent_reward_funcs,
+    well_formed_correctness_reward,
 )
 
 OPTIONS = {"A": "Vitamin C", "B": "Vitamin D", "C": "Vitamin B12"}
@@ -154,6 +155,14 @@ def test_two_answers_and_trailing_text_are_still_judged_on_the_first_answer_for_
     assert score(correctness_reward, "<think>a</think><answer>B</answer> or maybe A") == 1.0
 
 
+
+def test_training_correctness_counts_only_well_formed_answers():
+    bare, unclosed_think = "<answer>B</answer>", "<think>rickets fits\n<answer>B</answer>"
+    assert [score(correctness_reward, c) for c in (GOOD, bare, unclosed_think)] == [1.0, 1.0, 1.0]
+    assert [score(well_formed_correctness_reward, c) for c in (GOOD, bare, unclosed_think)] == [1.0, 0.0, 0.0]
+    assert score(well_formed_correctness_reward, GOOD.replace(">B<", ">A<")) == 0.0
+
+
 # --- length penalty ------------------------------------------------------------------------------------
 
 
@@ -205,8 +214,9 @@ def test_evidence_use_on_free_text_answers():
 
 def test_respondent_reward_funcs_defaults_and_overrides():
     funcs, weights = respondent_reward_funcs()
-    assert [f.__name__ for f in funcs] == ["correctness_reward", "format_reward", "length_penalty",
+    assert [f.__name__ for f in funcs] == ["well_formed_correctness_reward", "format_reward", "length_penalty",
                                            "evidence_use_reward"]
+    assert respondent_reward_funcs(correctness_requires_format=False)[0][0] is correctness_reward
     assert weights == [1.0, 0.5, 0.2, 0.2] == list(DEFAULT_RESPONDENT_WEIGHTS.values())
     _, weights = respondent_reward_funcs({"format": 0.0, "evidence": 1.0})
     assert weights == [1.0, 0.0, 0.2, 1.0]
@@ -239,7 +249,7 @@ def test_called_exactly_as_grpo_trainer_calls_them():
         out = fn(prompts=[prompt] * n, completions=completions, completion_ids=[[1, 2, 3]] * n, **reward_kwargs)
         assert len(out) == n and all(isinstance(v, float) and math.isfinite(v) for v in out)
         table[fn.__name__] = out
-    assert table["correctness_reward"] == [1.0, 0.0, 0.0, 0.0]
+    assert table["well_formed_correctness_reward"] == [1.0, 0.0, 0.0, 0.0]
     assert table["format_reward"] == [1.0, 0.0, 0.0, 0.0]
     assert table["length_penalty"] == [0.0, 0.0, 0.0, -1.0]
     assert table["evidence_use_reward"] == [1.0, 0.0, 0.0, 0.0]

@@ -15,7 +15,7 @@ taken for the model's. Dataset columns used: `gold` (option key or free text), `
 
 | reward | default weight | value |
 |---|---|---|
-| `correctness_reward` | 1.0 | 1.0 if the completion's answer equals `gold`, else 0.0 (see `answer_matches`) |
+| `well_formed_correctness_reward` | 1.0 | 1.0 if the completion is well formed and its answer equals `gold`, else 0.0 (`correctness_reward` without the format gate: `respondent_reward_funcs(correctness_requires_format=False)`) |
 | `format_reward` | 0.5 | 1.0 well formed, else 0.0 (no partial credit: see below) |
 | `length_penalty` | 0.2 | 0.0 up to `soft_chars`, linearly down to -`max_penalty` at `max_chars` and beyond |
 | `evidence_use_reward` | 0.2 | 1.0 if correct and grounded in a triplet the reasoning refers to, else 0.0 |
@@ -254,6 +254,15 @@ def correctness_reward(completions: list, **kwargs: Any) -> list[float]:
     return rewards
 
 
+def well_formed_correctness_reward(completions: list, **kwargs: Any) -> list[float]:
+    """`correctness_reward`, but 0.0 for a completion that is not well formed (`is_well_formed`): during
+    training an answer counts only in the trained format. Without this gate, sampled bare answers
+    (`<answer>yes</answer>`) that happened to be right out-scored reasoning that the token budget cut
+    short, and GRPO dropped the reasoning within three steps (benches/learning)."""
+    return [value if is_well_formed(completion_text(completion)) else 0.0
+            for value, completion in zip(correctness_reward(completions, **kwargs), completions)]
+
+
 def is_well_formed(text: str) -> bool:
     """Only whitespace outside one `<think>…</think>` followed by one non-blank `<answer>…</answer>`."""
     low = str(text or "")[:MAX_TEXT_CHARS].lower()
@@ -349,18 +358,20 @@ def evidence_use_reward(completions: list, **kwargs: Any) -> list[float]:
 DEFAULT_RESPONDENT_WEIGHTS: dict[str, float] = {"correctness": 1.0, "format": 0.5, "length": 0.2, "evidence": 0.2}
 
 
-def respondent_reward_funcs(weights: dict[str, float] | None = None, *,
-                            max_chars: int = 1500) -> tuple[list[RewardFunc], list[float]]:
+def respondent_reward_funcs(weights: dict[str, float] | None = None, *, max_chars: int = 1500,
+                            correctness_requires_format: bool = True) -> tuple[list[RewardFunc], list[float]]:
     """The respondent's reward functions and their weights, for `GRPOTrainer(reward_funcs=...)` and
     `GRPOConfig(reward_weights=...)`. `weights` overrides some of `DEFAULT_RESPONDENT_WEIGHTS` (keys
-    correctness, format, length, evidence); `max_chars` sets the length penalty's hard limit."""
+    correctness, format, length, evidence); `max_chars` sets the length penalty's hard limit. Correctness
+    is `well_formed_correctness_reward` unless `correctness_requires_format` is False."""
     unknown = set(weights or {}) - set(DEFAULT_RESPONDENT_WEIGHTS)
     if unknown:
         raise ValueError(f"unknown reward weights {sorted(unknown)}; known: {sorted(DEFAULT_RESPONDENT_WEIGHTS)}")
     merged = {**DEFAULT_RESPONDENT_WEIGHTS, **(weights or {})}
     if any(not isinstance(w, (int, float)) or not math.isfinite(w) for w in merged.values()):
         raise ValueError(f"reward weights must be finite numbers, got {merged}")
-    funcs = {"correctness": correctness_reward, "format": format_reward,
+    correctness = well_formed_correctness_reward if correctness_requires_format else correctness_reward
+    funcs = {"correctness": correctness, "format": format_reward,
              "length": length_penalty if max_chars == 1500 else make_length_penalty(max_chars),
              "evidence": evidence_use_reward}
     return [funcs[name] for name in merged], [float(merged[name]) for name in merged]

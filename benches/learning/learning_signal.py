@@ -86,7 +86,8 @@ def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> di
         "well_formed_rate": sum(s == 1.0 for s in scores["format_reward"]) / len(completions),
         "answer_parsed_rate": sum(respondent.parse_answer(c, o)["ok"] for c, o in zip(completions, columns["options"]))
         / len(completions),
-        "accuracy": sum(scores["correctness_reward"]) / len(completions),
+        # what the app would score: any answer its parser reads, well formed or not
+        "accuracy": sum(rewards.correctness_reward(completions, **columns)) / len(completions),
         "mean_reward": sum(total) / len(total),
         "mean_chars": sum(len(c) for c in completions) / len(completions),
     }
