@@ -303,7 +303,9 @@ def test_rollout_masks_exactly_the_inserted_documents(tiny_model, tiny_index, tm
     assert out["prompt_ids"] == prompt_ids and out["logprobs"] is None
     expected_docs = [render_documents([s.to_dict() for s in retrieve(index, q, k=SEARCH_K, coarse_k=8)])
                      for q in QUERIES]
-    ids, mask = out["completion_ids"][0], out["env_mask"][0]
+    # every script ends at </answer>: the rollout closes it with EOS, so TRL counts it terminated, not truncated
+    assert all(ids[-1] == tokenizer.eos_token_id and m[-1] == 1 for ids, m in zip(out["completion_ids"], out["env_mask"]))
+    ids, mask = out["completion_ids"][0][:-1], out["env_mask"][0][:-1]
     assert len(ids) == len(mask)
     runs = zero_runs(mask)
     assert len(runs) == 2
@@ -320,7 +322,7 @@ def test_rollout_masks_exactly_the_inserted_documents(tiny_model, tiny_index, tm
     # a model-written <document> is the model's own text: not masked; no search, no mask at all
     for row in (1, 2):
         assert out["env_mask"][row] == [1] * len(out["completion_ids"][row])
-        assert tokenizer.decode(out["completion_ids"][row]) == SCRIPTS[row][0]
+        assert tokenizer.decode(out["completion_ids"][row][:-1]) == SCRIPTS[row][0]
     assert search_format_reward([msg("")] * 3, model_text=out["model_text"]) == [1.0, 0.0, 0.0]
     assert med_r3_penalties([msg("")] * 3, model_text=out["model_text"])[1] == -1.0
 

@@ -221,6 +221,8 @@ def test_grpo_rollouts_end_at_the_stop_string(tiny_model, grpo_dataset, tmp_path
     stopped = [text for text in SEEN_COMPLETIONS if "e" in text]
     assert len(SEEN_COMPLETIONS) == 12 and stopped
     assert all(len(text) - text.index("e") <= 12 for text in stopped), stopped  # within the last token
+    # a completion ended by its stop string counts as terminated for TRL, not truncated
+    assert any(r["completions/clipped_ratio"] < 1.0 for r in step_records(read_metrics(config.output_dir)))
 
 
 def test_grpo_full_finetune_with_kl_uses_reference_model(tiny_model, grpo_dataset, tmp_path):

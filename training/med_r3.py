@@ -532,6 +532,8 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
     `search=None` disables retrieval: generation then stops only at an `end_stops` string (kept in the
     completion), EOS or the budget."""
     stops = [SEARCH_STOP, *end_stops] if search is not None else list(end_stops)
+    eos = generation_config.eos_token_id if generation_config.eos_token_id is not None else tokenizer.eos_token_id
+    eos_id = eos[0] if isinstance(eos, (list, tuple)) else eos
     rollouts = [Rollout() for _ in prompt_ids]
     active = list(range(len(rollouts)))
     while active:
@@ -548,6 +550,11 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
             rollout.generated_tokens += len(tokens)
             if why != SEARCH_STOP:
                 rollout.ended = {"eos": "eos", "budget": "budget"}.get(why, "answer")
+                if rollout.ended == "answer" and eos_id is not None:
+                    # TRL counts a completion without a final EOS as truncated (clipped_ratio, and
+                    # mask_truncated_completions would drop it from the loss); ending here is the model's choice
+                    rollout.completion_ids.append(eos_id)
+                    rollout.env_mask.append(1)
                 continue
             raw = tokenizer.decode(tokens, skip_special_tokens=False)
             query = reasoner.parse_step(raw[: raw.index(SEARCH_STOP) + len(SEARCH_STOP)])["query"]
