@@ -269,7 +269,8 @@ class GRPOTrainingConfig(_TrainingConfig):
         },
     )
     mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss."}
+        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss. With "
+                                 "vLLM, a completion that ended at a stop string has no EOS and counts as cut."}
     )
     use_vllm: bool = field(
         default=False, metadata={"help": "Generate with vLLM (GPU only; install vllm) instead of transformers."}
@@ -296,7 +297,8 @@ class GRPOTrainingConfig(_TrainingConfig):
         metadata={
             "help": "A rollout ends at the first of these strings, which stays in the completion: the respondent "
             "stops at </answer> in the app, so it does in training (else it is graded on text the app never "
-            "generates). transformers: a rollout function; vLLM: its stop list. [] = EOS or the length budget."
+            "generates). transformers: a rollout function, which closes such a completion with EOS so TRL counts "
+            "it terminated; vLLM: its stop list. [] = EOS or the length budget."
         },
     )
 
