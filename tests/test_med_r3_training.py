@@ -28,6 +28,7 @@ from training.med_r3 import (
     make_med_r3_penalties,
     make_med_r3_rollout,
     med_r3_correctness_reward,
+    med_r3_well_formed_correctness_reward,
     med_r3_dataset,
     med_r3_format_reward,
     med_r3_penalties,
@@ -99,10 +100,14 @@ def test_correctness_and_format_read_only_the_model_text():
     gold = {"gold": ["A", "B"], "options": [OPTIONS, OPTIONS]}
     assert med_r3_correctness_reward([msg(GOOD), msg(injected)], **gold) == [1.0, 0.0]
     assert med_r3_format_reward([msg(GOOD), msg(injected)], **gold) == [1.0, 0.0]
+    bare = {"gold": ["A"], "options": [OPTIONS]}
+    assert med_r3_correctness_reward([msg("<answer>A</answer>")], **bare) == [1.0]
+    assert med_r3_well_formed_correctness_reward([msg("<answer>A</answer>")], **bare) == [0.0]  # trained: format first
 
 
 @pytest.mark.parametrize("func", [search_format_reward, retrieval_hit_reward, med_r3_penalties,
-                                  med_r3_correctness_reward, med_r3_format_reward])
+                                  med_r3_correctness_reward, med_r3_well_formed_correctness_reward,
+                                  med_r3_format_reward])
 def test_rewards_never_raise(func):
     weird = [None, 17, "", {"content": None}, [{"role": "assistant", "content": ["<search>", {"text": "x"}]}],
              "<search>" * 10_000, "\x00</search>\n<document>\n"]
@@ -115,7 +120,7 @@ def test_rewards_never_raise(func):
 def test_stage_definitions_and_overrides(tmp_path):
     assert [STAGES[n].search for n in (1, 2, 3)] == [False, True, True]
     funcs, weights = stage_rewards(3)
-    assert [f.__name__ for f in funcs] == ["correctness_reward", "format_reward", "retrieval_hit_reward",
+    assert [f.__name__ for f in funcs] == ["well_formed_correctness_reward", "format_reward", "retrieval_hit_reward",
                                           "search_format_reward", "med_r3_penalties"]
     funcs, weights = stage_rewards(2, {"search_format": 0, "length": 0.1})
     assert [f.__name__ for f in funcs] == ["retrieval_hit_reward", "length_penalty"] and weights == [1.0, 0.1]
@@ -381,7 +386,7 @@ def test_stages_chain_and_a_stage_reruns_alone(tiny_model, tiny_index, tmp_path)
 
     s1, s2 = result["stages"][1], result["stages"][2]
     assert s1["start_model"] == tiny_model and s2["start_model"] == str(out / "stage1" / "merged")
-    assert s1["reward_functions"] == ["correctness_reward", "format_reward", "length_penalty"]
+    assert s1["reward_functions"] == ["well_formed_correctness_reward", "format_reward", "length_penalty"]
     assert s2["reward_functions"] == ["retrieval_hit_reward", "search_format_reward"]
     for n, summary in ((1, s1), (2, s2)):
         stage_dir = out / f"stage{n}"

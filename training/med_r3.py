@@ -28,15 +28,16 @@ chat template's response schema and inserts results as `tool` turns, while Med-R
 control of stop strings and of the token sequence, and works without vLLM (the rollout calls the trainer's
 own model through `trl.models.utils.unwrap_model_for_generation`, as TRL's transformers path does).
 Limits: generation is transformers' `generate` (no vLLM: `use_vllm: true` is refused) and no sampling
-log-probs are returned (TRL recomputes them); a completion that ended at `</answer>` has no EOS token, so TRL
-counts it in `completions/clipped_ratio`, and `mask_truncated_completions: true` (which would drop it) is
-refused.
+log-probs are returned (TRL recomputes them). A rollout that ended at `</answer>` is closed with an EOS
+token, so TRL counts it terminated; one cut by the token budget, or ended by a search beyond the limit or an
+empty query, has none and counts as truncated (`completions/clipped_ratio`; `mask_truncated_completions: true`
+leaves those out of the loss).
 
 Reward functions (TRL signature `f(completions, **kwargs) -> list[float | None]`; none raises on any input):
 
 | reward | name in the config | value |
 |---|---|---|
-| `correctness_reward` | correctness | `training.rewards.correctness_reward` on the model's own text (documents removed) |
+| `well_formed_correctness_reward` | correctness | `training.rewards.well_formed_correctness_reward` on the model's own text (documents removed): an answer counts only in a well-formed reply, else stage 1 learns to skip its reasoning |
 | `format_reward` | format | `training.rewards.format_reward` on the model's own text |
 | `length_penalty` | length | `training.rewards.make_length_penalty(max_chars)` on the model's own text |
 | `retrieval_hit_reward` | retrieval_hit | share of the row's `gold_evidence` doc ids among the retrieved doc ids; None without gold evidence |
@@ -91,6 +92,7 @@ from training.rewards import (
     correctness_reward,
     format_reward,
     make_length_penalty,
+    well_formed_correctness_reward,
 )
 
 logger = logging.getLogger(__name__)
@@ -202,7 +204,8 @@ def _on_model_text(func: RewardFunc) -> RewardFunc:
     return wrapped
 
 
-med_r3_correctness_reward = _on_model_text(correctness_reward)
+med_r3_correctness_reward = _on_model_text(correctness_reward)  # plain: what evaluation counts
+med_r3_well_formed_correctness_reward = _on_model_text(well_formed_correctness_reward)  # what training rewards
 med_r3_format_reward = _on_model_text(format_reward)
 
 
@@ -323,7 +326,7 @@ def reward_registry(max_chars: int = 3000, max_think_chars: int = 2000,
                     max_searches: int = MAX_SEARCHES) -> dict[str, RewardFunc]:
     """Every reward a stage may use, by its config name."""
     return {
-        "correctness": med_r3_correctness_reward,
+        "correctness": med_r3_well_formed_correctness_reward,
         "format": med_r3_format_reward,
         "length": _on_model_text(make_length_penalty(max_chars)),
         "retrieval_hit": retrieval_hit_reward,
@@ -666,9 +669,6 @@ def _check(config: MedR3TrainingConfig, stage: int) -> None:
     if config.use_vllm:
         raise ValueError("Med-R³ rollouts generate with transformers inside the rollout function; use_vllm is not "
                          "supported (set use_vllm: false)")
-    if config.mask_truncated_completions:
-        raise ValueError("mask_truncated_completions would drop every completion that ended at </answer> (no EOS "
-                         "token): set it to false for Med-R³")
     if config.reward_weights is not None:
         raise ValueError("Med-R³ weights rewards per stage: use stage_overrides: {N: {rewards: {name: weight}}} "
                          "instead of reward_weights")
