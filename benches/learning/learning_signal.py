@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--extract-tokens", type=int, default=64)
     parser.add_argument("--respond-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--grpo-steps", type=int, default=30)
+    parser.add_argument("--grpo-steps", type=int, default=50)
     parser.add_argument("--grpo-generations", type=int, default=4)
     parser.add_argument("--grpo-temperature", type=float, default=0.7,
                         help="sampling temperature of GRPO rollouts (at 1.0 nearly every sample of the base 270M "
