@@ -155,7 +155,6 @@ def test_two_answers_and_trailing_text_are_still_judged_on_the_first_answer_for_
     assert score(correctness_reward, "<think>a</think><answer>B</answer> or maybe A") == 1.0
 
 
-
 def test_training_correctness_counts_only_well_formed_answers():
     bare, unclosed_think = "<answer>B</answer>", "<think>rickets fits\n<answer>B</answer>"
     assert [score(correctness_reward, c) for c in (GOOD, bare, unclosed_think)] == [1.0, 1.0, 1.0]

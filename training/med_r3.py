@@ -489,6 +489,12 @@ class _StopOnStrings(StoppingCriteria):
         return done
 
 
+def _eos_ids(generation_config: Any, tokenizer: Any) -> list[int]:
+    """The generation config's EOS token ids (the tokenizer's when it has none)."""
+    eos = generation_config.eos_token_id if generation_config.eos_token_id is not None else tokenizer.eos_token_id
+    return [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+
 def _generate_step(model: Any, tokenizer: Any, contexts: list[list[int]], budgets: list[int],
                    generation_config: Any, stops: list[str], logits_processor: Sequence[Any] | None,
                    ) -> list[tuple[list[int], str]]:
@@ -503,8 +509,7 @@ def _generate_step(model: Any, tokenizer: Any, contexts: list[list[int]], budget
     device = next(model.parameters()).device
     config = copy.deepcopy(generation_config)
     config.max_new_tokens = max(budgets)
-    eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
-    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
+    eos_ids = set(_eos_ids(config, tokenizer))
     criterion = _StopOnStrings(tokenizer, stops, width)
     output = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                             generation_config=config, stopping_criteria=StoppingCriteriaList([criterion]),
@@ -535,8 +540,7 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
     `search=None` disables retrieval: generation then stops only at an `end_stops` string (kept in the
     completion), EOS or the budget."""
     stops = [SEARCH_STOP, *end_stops] if search is not None else list(end_stops)
-    eos = generation_config.eos_token_id if generation_config.eos_token_id is not None else tokenizer.eos_token_id
-    eos_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+    eos_id = next(iter(_eos_ids(generation_config, tokenizer)), None)
     rollouts = [Rollout() for _ in prompt_ids]
     active = list(range(len(rollouts)))
     while active:
