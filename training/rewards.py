@@ -258,7 +258,7 @@ def well_formed_correctness_reward(completions: list, **kwargs: Any) -> list[flo
     """`correctness_reward`, but 0.0 for a completion that is not well formed (`is_well_formed`): during
     training an answer counts only in the trained format. Without this gate, sampled bare answers
     (`<answer>yes</answer>`) that happened to be right out-scored reasoning that the token budget cut
-    short, and GRPO dropped the reasoning within three steps (benches/learning)."""
+    short, and GRPO dropped the reasoning (benches/README, learning_signal)."""
     return [value if is_well_formed(completion_text(completion)) else 0.0
             for value, completion in zip(correctness_reward(completions, **kwargs), completions)]
 
