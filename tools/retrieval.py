@@ -1,6 +1,6 @@
 """Coarse-to-fine hybrid retrieval.
 
-    coarse: BM25 and dense search over chunks, fused with reciprocal-rank fusion (RRF)
+    coarse: BM25 and dense search over chunks, score-fused, with one round of pseudo-relevance feedback
     fine:   split the best coarse chunks into sentence windows, re-score them, keep the best k snippets
 
 Each stage is a plain function; `retrieve` composes them, so a stage can be swapped without touching the
@@ -125,6 +125,15 @@ def rrf_fuse(rankings: dict[str, list[ChunkHit]], k: int, rrf_k: int = 60,
     return [ChunkHit(cid, scores[cid], ranks[cid]) for cid in best]
 
 
+def min_max(hits: Sequence[ChunkHit]) -> dict[str, float]:
+    """Each hit's score scaled to [0, 1] over the list (lowest 0, highest 1)."""
+    if not hits:
+        return {}
+    values = np.array([h.score for h in hits])
+    low, span = float(values.min()), max(float(values.max() - values.min()), 1e-9)
+    return {h.chunk_id: (h.score - low) / span for h in hits}
+
+
 def score_fuse(rankings: dict[str, list[ChunkHit]], k: int, weights: dict[str, float]) -> list[ChunkHit]:
     """Convex combination of min-max normalised scores (a chunk missing from a list scores 0 there).
 
@@ -132,12 +141,9 @@ def score_fuse(rankings: dict[str, list[ChunkHit]], k: int, weights: dict[str, f
     scores: dict[str, float] = {}
     ranks: dict[str, dict[str, int]] = {}
     for name, hits in rankings.items():
-        if not hits:
-            continue
-        values = np.array([h.score for h in hits])
-        low, span = float(values.min()), max(float(values.max() - values.min()), 1e-9)
+        normalised = min_max(hits)
         for rank, hit in enumerate(hits, 1):
-            scores[hit.chunk_id] = scores.get(hit.chunk_id, 0.0) + weights[name] * (hit.score - low) / span
+            scores[hit.chunk_id] = scores.get(hit.chunk_id, 0.0) + weights[name] * normalised[hit.chunk_id]
             ranks.setdefault(hit.chunk_id, {})[name] = rank
     best = sorted(scores, key=scores.get, reverse=True)[:k]
     return [ChunkHit(cid, scores[cid], ranks[cid]) for cid in best]

@@ -77,6 +77,11 @@ def generate(model_spec: str, prompts: list[list[dict[str, str]]], max_new_token
     return [reply.text + (reply.response_metadata.get("stop_sequence") or "") for reply in replies]
 
 
+def answer_parsed_rate(texts: list[str], options: list[dict[str, str] | None]) -> float:
+    """Share of texts from which the app's answer parser reads an answer, well formed or not."""
+    return sum(respondent.parse_answer(t, o)["ok"] for t, o in zip(texts, options)) / max(len(texts), 1)
+
+
 def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
     columns = {key: [row[key] for row in rows] for key in ("gold", "options", "triplets")}
     funcs, weights = rewards.respondent_reward_funcs()
@@ -84,8 +89,7 @@ def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> di
     total = [sum(w * scores[f.__name__][i] for f, w in zip(funcs, weights)) for i in range(len(completions))]
     return {
         "well_formed_rate": sum(s == 1.0 for s in scores["format_reward"]) / len(completions),
-        "answer_parsed_rate": sum(respondent.parse_answer(c, o)["ok"] for c, o in zip(completions, columns["options"]))
-        / len(completions),
+        "answer_parsed_rate": answer_parsed_rate(completions, columns["options"]),
         # what the app would score: any answer its parser reads, well formed or not
         "accuracy": sum(rewards.correctness_reward(completions, **columns)) / len(completions),
         "mean_reward": sum(total) / len(total),

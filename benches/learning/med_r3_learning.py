@@ -27,9 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from learning_signal import abstracts_as_documents, log, write_result  # noqa: E402
+from learning_signal import abstracts_as_documents, answer_parsed_rate, log, write_result  # noqa: E402
 
-from agents import respondent  # noqa: E402
 from evals.benchmarks import load_questions_file  # noqa: E402
 from tools.index import build_index, open_index  # noqa: E402
 from training.med_r3 import (STAGES, MedR3TrainingConfig, index_search, med_r3_correctness_reward,  # noqa: E402
@@ -79,8 +78,7 @@ def evaluate(model_dir: str, rows: list[dict[str, Any]], stage: int, search, arg
     return {
         "mean_reward": round(sum(total) / n, 4),
         "format_rate": round(sum(f == 1.0 for f in formats) / n, 4),
-        "answer_parsed_rate": round(sum(respondent.parse_answer(t, o)["ok"]
-                                        for t, o in zip(columns["model_text"], columns["options"])) / n, 4),
+        "answer_parsed_rate": round(answer_parsed_rate(columns["model_text"], columns["options"]), 4),
         "accuracy": round(sum(med_r3_correctness_reward(completions, **columns)) / n, 4),
         "searches_per_question": round(sum(len(r.searches) for r in rollouts) / n, 3),
         "retrieval_hit_rate": round(sum(hits) / len(hits), 4) if hits else 0.0,

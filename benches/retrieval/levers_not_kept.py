@@ -24,33 +24,16 @@ from typing import Callable
 import numpy as np
 from common import CACHE, DEFAULT_DATA, REPO, run_system, set_threads
 from data import SharedData, split_qrels
-from scoring import DEPTH, passage_metrics
+from scoring import DEPTH, passage_ids, passage_of, score_passages
 
 Features = dict[str, dict[str, float]]  # chunk id -> feature -> value
-
-
-def passage_ids(chunk_ids: list[str]) -> list[str]:
-    return list(dict.fromkeys(c.rsplit("#", 1)[0] for c in chunk_ids))
-
-
-def score(question: dict, ranked: list[str]) -> dict[str, float]:
-    return passage_metrics(ranked, set(question["gold"]))
-
-
-def normalised(hits: list) -> dict[str, float]:
-    """Min-max over the list, as tools.retrieval.score_fuse does."""
-    if not hits:
-        return {}
-    values = np.array([h.score for h in hits])
-    low, span = float(values.min()), max(float(values.max() - values.min()), 1e-9)
-    return {h.chunk_id: (h.score - low) / span for h in hits}
 
 
 def two_pass_features(index, query: str, vector: np.ndarray) -> Features:
     """Every candidate of the default coarse stage's two passes with each list's normalised score (0 where
     absent) and the dense cosines: the inputs the learned fusion may weigh."""
     from tools.retrieval import (DEFAULT_CONFIG, bm25_search, bm25_weighted_search, dense_search, feedback_query,
-                                 fuse, query_terms)
+                                 fuse, min_max, query_terms)
 
     k = max(DEFAULT_CONFIG.fetch_k, 2 * DEPTH)  # as coarse_hybrid fetches for DEPTH results
     bm25_1, dense_1 = bm25_search(index, query, k), dense_search(index, query, k, vector)
@@ -61,7 +44,7 @@ def two_pass_features(index, query: str, vector: np.ndarray) -> Features:
     lists = {"bm25_1": bm25_1, "dense_1": dense_1, "bm25_2": bm25_2, "dense_2": dense_2}
     features: Features = {}
     for name, hits in lists.items():
-        for chunk_id, value in normalised(hits).items():
+        for chunk_id, value in min_max(hits).items():
             features.setdefault(chunk_id, dict.fromkeys(lists, 0.0))[name] = value
     for name in ("dense_1", "dense_2"):
         for hit in lists[name]:
@@ -120,7 +103,7 @@ def learned_fusion(train: list[tuple[dict, Features]]) -> tuple[Callable[[str, F
     from sklearn.linear_model import LogisticRegression
 
     x = [[row[f] for f in FEATURES] for _, feats in train for row in feats.values()]
-    y = [cid.rsplit("#", 1)[0] in q["gold"] for q, feats in train for cid in feats]
+    y = [passage_of(cid) in q["gold"] for q, feats in train for cid in feats]
     weights = LogisticRegression(max_iter=2000).fit(np.array(x), np.array(y)).coef_[0]
 
     def rank(query: str, features: Features) -> list[str]:
@@ -143,7 +126,7 @@ def train_query_adapter(index, train: list[dict], vectors: np.ndarray, epochs: i
     matrix = torch.tensor(np.concatenate(pages))
     rows: dict[str, list[int]] = {}
     for i, cid in enumerate(ids):
-        rows.setdefault(cid.rsplit("#", 1)[0], []).append(i)
+        rows.setdefault(passage_of(cid), []).append(i)
     positives = [[r for g in q["gold"] for r in rows.get(g, [])] for q in train]
     queries = torch.tensor(vectors)
     identity = torch.eye(matrix.shape[1])
@@ -191,7 +174,7 @@ def main() -> None:
     results: dict[str, dict] = {}
 
     def measure(name: str, search: Callable[[str], list[str]], **extra) -> None:
-        results[name] = {**run_system(name, search, score, scored, []), **extra}
+        results[name] = {**run_system(name, search, score_passages, scored, []), **extra}
         print(name, json.dumps(results[name]), flush=True)
 
     measure("default", lambda text: passage_ids([h.chunk_id for h in coarse_hybrid(

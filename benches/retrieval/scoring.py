@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from data import Span
 
 DEPTH = 100  # results ranked per query (mrr@100)
 MIN_OVERLAP = 0.5
+
+
+def passage_of(chunk_id: str) -> str:
+    """The passage id of a chunk id (`passage#start-end`)."""
+    return chunk_id.rsplit("#", 1)[0]
+
+
+def passage_ids(chunk_ids: Iterable[str]) -> list[str]:
+    """The passages of ranked chunk ids, each once, in rank order."""
+    return list(dict.fromkeys(map(passage_of, chunk_ids)))
+
+
+def score_passages(question: dict, ranked: list[str]) -> dict[str, float]:
+    """`passage_metrics` against a qrels question's gold passages."""
+    return passage_metrics(ranked, set(question["gold"]))
 
 
 def passage_metrics(ranked: Sequence[str], gold: set[str]) -> dict[str, float]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from common import CACHE, DEFAULT_DATA, REPO, run_system, set_threads
 from data import SharedData, Span, split_qrels
-from scoring import DEPTH, passage_metrics
+from scoring import DEPTH, passage_ids, score_passages
 
 # BM25 alone, built in memory over the index's chunks: tokenisation and (k1, b).
 BM25_VARIANTS: list[dict] = [
@@ -69,9 +69,9 @@ def bm25_variants(index, questions: list[dict]) -> list[dict]:
             if not terms:
                 return []
             found, _ = r.retrieve([terms], k=DEPTH, show_progress=False, n_threads=1)
-            return list(dict.fromkeys(ids[int(i)].rsplit("#", 1)[0] for i in found[0]))
+            return passage_ids(ids[int(i)] for i in found[0])
 
-        rows.append({"bm25": variant, **run_system(json.dumps(variant), search, score, questions, [])})
+        rows.append({"bm25": variant, **run_system(json.dumps(variant), search, score_passages, questions, [])})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -135,10 +135,6 @@ def fine_variants(index_dir: str, data: SharedData, questions: list[dict]) -> li
     return rows
 
 
-def score(question: dict, ranked: list[str]) -> dict[str, float]:
-    return passage_metrics(ranked, set(question["gold"]))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA)
@@ -165,10 +161,10 @@ def main() -> None:
     rows = []
     for changes in VARIANTS:
         config = dataclasses.replace(RetrievalConfig(), **changes)
-        search = lambda text, c=config: list(dict.fromkeys(  # noqa: E731
-            h.chunk_id.rsplit("#", 1)[0] for h in coarse_hybrid(index, " ".join(text.split()), DEPTH, c)))
+        search = lambda text, c=config: passage_ids(  # noqa: E731
+            h.chunk_id for h in coarse_hybrid(index, " ".join(text.split()), DEPTH, c))
         t0 = time.perf_counter()
-        row = {"changes": changes, **run_system(json.dumps(changes), search, score, questions, tuning[-3:])}
+        row = {"changes": changes, **run_system(json.dumps(changes), search, score_passages, questions, tuning[-3:])}
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     fine_rows = fine_variants(args.long_documents_index, data, tuning[:args.fine_queries])
