@@ -1,17 +1,9 @@
-"""What every agent shares: call a chat model once and record what happened as a trace event."""
+"""What every agent's prompt shares: bounded input fields and the message layout. No I/O here: the call itself
+is `ermedrag.tools.agent_calls.call_agent`."""
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, TypeVar
-
-from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
-
-from tools.chat_models import continuation_kwargs, model_name
-from tools.traces import TraceEvent
-
-Parsed = TypeVar("Parsed")
 
 MAX_INPUT_CHARS = 8_000  # one field of a prompt (question, snippet); longer input is cut, never rejected
 
@@ -24,45 +16,3 @@ def chat_messages(system: str, user: str, example: tuple[str, str] | None = None
     """System prompt, an optional worked example as a previous turn (small models copy its shape), the input."""
     shot = [HumanMessage(content=example[0]), AIMessage(content=example[1])] if example else []
     return [SystemMessage(content=system), *shot, HumanMessage(content=user)]
-
-
-def call_agent(
-    model: BaseChatModel,
-    messages: list[BaseMessage],
-    parse: Callable[[str], Parsed],
-    *,
-    agent: str,
-    node: str,
-    run_id: str,
-    sampling: dict[str, Any],
-    gold: str | None = None,
-    stop: list[str] | None = None,
-    inputs: dict[str, Any] | None = None,
-) -> tuple[Parsed, TraceEvent]:
-    """Invoke `model` once, parse its completion (parsers never raise) and describe the call as an event."""
-    started = time.perf_counter()
-    reply = model.invoke(messages, stop=stop, **continuation_kwargs(model, messages))
-    latency = time.perf_counter() - started
-    completion = reply.text
-    # The stop string that ended generation is not part of the reply (OpenAI semantics); put it back so the
-    # parser sees a closed tag. Backends that do not report it (OpenAI servers) leave it to the parser.
-    matched_stop = reply.response_metadata.get("stop_sequence")
-    if matched_stop and stop and matched_stop in stop:
-        completion += matched_stop
-    parsed = parse(completion)
-    event = TraceEvent(
-        run_id=run_id,
-        node=node,
-        agent=agent,
-        model=sampling.get("model") or model_name(model),
-        sampling=sampling,
-        messages=[{"role": m.type, "content": m.text} for m in messages],
-        completion=completion,
-        parsed=parsed,
-        usage=dict(reply.usage_metadata) if reply.usage_metadata else None,
-        logprobs=(reply.response_metadata.get("logprobs") or {}).get("content"),
-        latency_s=latency,
-        gold=gold,
-        inputs=inputs,
-    )
-    return parsed, event

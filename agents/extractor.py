@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any, TypedDict
 
-from agents.base import chat_messages, clip
+from ermedrag.agents.base import chat_messages, clip
 
 SYSTEM_PROMPT = """You extract medical evidence. Read the snippet and write the facts in it that help answer the question, as a JSON list of triplets:
 [{"condition": "<patient group, disease or situation>", "relation": "<how they connect: causes, treats, indicates, increases, ...>", "conclusion": "<the outcome or fact>"}]

@@ -9,10 +9,10 @@ inside retrieved documents is neutralised so it can neither close the document n
 from __future__ import annotations
 
 import re
-from typing import TypedDict
+from typing import Literal, TypedDict
 
-from agents.base import chat_messages, clip
-from agents.respondent import Answer, format_options, parse_answer
+from ermedrag.agents.base import chat_messages, clip
+from ermedrag.agents.respondent import Answer, format_options, parse_answer
 
 SYSTEM_PROMPT = """You are a careful physician answering a medical question. Think step by step inside <think></think>. When you need medical knowledge you do not have, write a search query as <search>query</search> and stop; the search results will appear inside <document></document> and you continue thinking. Search at most a few times. Finally give only the answer inside <answer></answer>: the option letter for a multiple-choice question, otherwise a short answer."""
 
@@ -61,6 +61,22 @@ def parse_step(segment: str) -> Step:
     cleaned = " ".join(query.group(1).split())[:MAX_QUERY_CHARS] if query else ""
     return Step(query=cleaned or None, forged_document="<document>" in text.lower(),
                 answered="<answer>" in text.lower())
+
+
+LoopAction = Literal["search", "no_search", "search_budget", "token_budget"]
+
+
+def after_step(query: str | None, *, searches_done: int, generated_tokens: int, max_searches: int,
+               max_total_tokens: int) -> LoopAction:
+    """The one rule of the reason ↔ search loop (its graph and its training rollout): run the search the step
+    closed while searches and tokens are left; otherwise say why the loop stops."""
+    if not query:
+        return "no_search"
+    if searches_done >= max_searches:
+        return "search_budget"
+    if generated_tokens >= max_total_tokens:
+        return "token_budget"
+    return "search"
 
 
 def neutralise(text: str) -> str:

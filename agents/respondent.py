@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from typing import TypedDict
 
-from agents.base import chat_messages, clip
-from agents.extractor import NO_EVIDENCE
+from ermedrag.agents.base import chat_messages, clip
+from ermedrag.agents.extractor import NO_EVIDENCE
 
 SYSTEM_PROMPT = """You are a careful physician answering a medical question. Use the evidence triplets when they are relevant and ignore those that are not.
 First reason briefly inside <think></think>, then give only the final answer inside <answer></answer>: the option letter for a multiple-choice question, otherwise a short answer."""

@@ -1,4 +1,4 @@
-"""A scripted reply function for graph-wiring tests and the Studio smoke test (`scripted:agents.scripted`).
+"""A scripted reply function for graph-wiring tests and the Studio smoke test (`scripted:ermedrag.agents.scripted`).
 
 It answers each agent in that agent's format without any model: the extractor gets one triplet made from
 the snippet's first words, the respondent always picks the first option. Never use it for results.

@@ -23,10 +23,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from evals.benchmarks import Question  # noqa: E402
-from evals.runner import EvalConfig, run_questions, systems  # noqa: E402
+from ermedrag.tools.benchmarks import Question  # noqa: E402
+from ermedrag.evals.runner import EvalConfig, run_questions, systems  # noqa: E402
 
 
 def free_port() -> int:

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from evals.metrics import group_summaries, summarise
-from evals.runner import RESULTS
-from tools.jsonl import read_records
+from ermedrag.evals.metrics import group_summaries, summarise
+from ermedrag.evals.runner import RESULTS
+from ermedrag.tools.jsonl import read_records
 
 
 def load_rows(result_dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
@@ -97,7 +97,7 @@ def plot_report(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 def rag_quality_section(result_dirs: list[str], trace_db: str, corpus_dir: str | None, qrels: str | None,
                         judge: str | None, base_url: str | None, out: Path) -> str:
     """ID-based context precision/recall (ragas, offline) and, with a judge model, faithfulness/relevancy."""
-    from evals.rag_quality import judge_metrics, judge_samples, rag_quality
+    from ermedrag.evals.rag_quality import judge_metrics, judge_samples, rag_quality
 
     quality = rag_quality(result_dirs, trace_db, qrels_path=qrels, corpus_dir=corpus_dir)
     lines = ["", "## RAG quality", "", "Context precision/recall of retrieved passages against gold evidence "

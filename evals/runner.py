@@ -17,18 +17,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from evals.benchmarks import BadRow, Question, load_benchmark, load_questions_file
-from tools.jsonl import AppendLog, read_records
-from tools.traces import TraceStore, default_trace_db
+from ermedrag.tools.benchmarks import BadRow, Question, load_benchmark, load_questions_file
+from ermedrag.tools.jsonl import AppendLog, read_records
+from ermedrag.tools.traces import TraceStore, default_trace_db
 
 RESULTS = "results.jsonl"
 BAD_ROWS = "bad_rows.jsonl"
 
 
 def systems() -> dict[str, Any]:
-    from graphs.baselines import cot, vanilla_rag
-    from graphs.er_medrag import graph
-    from graphs.med_r3 import graph as med_r3
+    from ermedrag.graphs.baselines import cot, vanilla_rag
+    from ermedrag.graphs.er_medrag import graph
+    from ermedrag.graphs.med_r3 import graph as med_r3
 
     return {"er_medrag": graph, "vanilla_rag": vanilla_rag, "cot": cot, "med_r3": med_r3}
 

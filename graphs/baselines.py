@@ -11,9 +11,9 @@ from typing import Any
 from langgraph.graph import END, START, StateGraph
 from langgraph.runtime import Runtime
 
-from agents.respondent import render_snippets
-from graphs.common import Context, begin_run, respond_with, retrieve_evidence
-from graphs.er_medrag import InputState, State
+from ermedrag.agents.respondent import render_snippets
+from ermedrag.graphs.common import Context, begin_run, respond_with, retrieve_evidence
+from ermedrag.graphs.er_medrag import InputState, State
 
 NO_RETRIEVAL = "(none: answer from your own knowledge)"
 

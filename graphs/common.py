@@ -11,15 +11,15 @@ from typing import Any, Mapping
 
 from langchain_core.language_models.chat_models import BaseChatModel
 
-from agents import respondent
-from agents.base import call_agent
+from ermedrag.agents import respondent
+from ermedrag.tools.agent_calls import call_agent
 
-from tools.chat_models import DEFAULT_MODEL, load_chat_model
-from tools.index import Index, cached_index
-from tools.retrieval import DEFAULT_CONFIG, RetrievalConfig
-from tools.retrieval import retrieve as retrieve_snippets
-from tools.traces import TraceStore, default_trace_db
-from tools.cache import shared_resource
+from ermedrag.tools.chat_models import DEFAULT_MODEL, load_chat_model
+from ermedrag.tools.index import Index, cached_index
+from ermedrag.tools.retrieval import DEFAULT_CONFIG, RetrievalConfig
+from ermedrag.tools.retrieval import retrieve as retrieve_snippets
+from ermedrag.tools.traces import TraceStore, default_trace_db
+from ermedrag.tools.cache import shared_resource
 
 MAX_OPTIONS = 26
 
@@ -87,7 +87,7 @@ def _cached_chat_model(spec: str, base_url: str | None, temperature: float, max_
 def index_for(ctx: Context) -> Index:
     if ctx.index_dir:
         return cached_index(str(Path(ctx.index_dir).expanduser()), ctx.chroma_url or None)
-    from tools.starter_kb import starter_index_dir
+    from ermedrag.tools.starter_kb import starter_index_dir
 
     return cached_index(str(starter_index_dir()), None)
 

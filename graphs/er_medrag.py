@@ -15,9 +15,9 @@ from langgraph.runtime import Runtime
 from langgraph.types import Send
 from typing_extensions import TypedDict
 
-from agents import extractor, respondent
-from agents.base import call_agent
-from graphs.common import Context, begin_run, chat_model, respond_with, retrieve_evidence, sampling, trace_store
+from ermedrag.agents import extractor, respondent
+from ermedrag.tools.agent_calls import call_agent
+from ermedrag.graphs.common import Context, begin_run, chat_model, respond_with, retrieve_evidence, sampling, trace_store
 
 GRAPH_NAME = "er_medrag"
 

@@ -18,13 +18,13 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.runtime import Runtime
 from typing_extensions import TypedDict
 
-from agents import reasoner
-from agents.base import call_agent
-from agents.respondent import Answer
-from graphs.common import (Context, env_int, begin_run, chat_model, index_for, retrieval_config, sampling,
+from ermedrag.agents import reasoner
+from ermedrag.tools.agent_calls import call_agent
+from ermedrag.agents.respondent import Answer
+from ermedrag.graphs.common import (Context, env_int, begin_run, chat_model, index_for, retrieval_config, sampling,
                            trace_store)
-from graphs.er_medrag import InputState
-from tools.retrieval import retrieve as retrieve_snippets
+from ermedrag.graphs.er_medrag import InputState
+from ermedrag.tools.retrieval import search as search_index
 
 GRAPH_NAME = "med_r3"
 
@@ -95,17 +95,17 @@ def reason(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
 
 def after_reason(state: State, runtime: Runtime[MedR3Context]) -> Literal["search", "finish"]:
     ctx = runtime.context
-    wants_search = state.get("pending_query") and len(state.get("searches", [])) < ctx.max_searches
-    has_budget = state["generated_tokens"] < ctx.max_total_tokens
-    return "search" if wants_search and has_budget else "finish"
+    action = reasoner.after_step(state.get("pending_query"), searches_done=len(state.get("searches", [])),
+                                 generated_tokens=state["generated_tokens"], max_searches=ctx.max_searches,
+                                 max_total_tokens=ctx.max_total_tokens)
+    return "search" if action == "search" else "finish"
 
 
 def search(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
     ctx = runtime.context
     started = time.perf_counter()
-    snippets = [s.to_dict() for s in retrieve_snippets(index_for(ctx), state["pending_query"], k=ctx.search_k,
-                                                          coarse_k=max(ctx.coarse_k, ctx.search_k),
-                                                          config=retrieval_config(ctx))]
+    snippets = search_index(index_for(ctx), state["pending_query"], k=ctx.search_k, coarse_k=ctx.coarse_k,
+                            config=retrieval_config(ctx))
     documents = reasoner.render_documents(snippets)
     return {
         "transcript": state["transcript"] + documents,

@@ -23,7 +23,7 @@ for name, value in {
     os.environ.setdefault(name, value)
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTED = "scripted:agents.scripted"
+SCRIPTED = "scripted:ermedrag.agents.scripted"
 
 
 @pytest.fixture(scope="session")

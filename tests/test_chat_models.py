@@ -8,9 +8,9 @@ import time
 import pytest
 from langchain_core.messages import HumanMessage
 
-from graphs.er_medrag import graph
-from tools.chat_models import ModelSpecError, hf_generator, load_chat_model, parse_model_spec
-from tools.traces import TraceStore
+from ermedrag.graphs.er_medrag import graph
+from ermedrag.tools.chat_models import ModelSpecError, hf_generator, load_chat_model, parse_model_spec
+from ermedrag.tools.traces import TraceStore
 
 OFFLINE = "offline:gemma3-270m"
 
@@ -44,7 +44,7 @@ def test_vllm_backend_without_vllm_says_how_to_install():
 
 
 def test_scripted_calls_overlap_in_async_and_thread_batches():
-    model = load_chat_model("scripted:agents.scripted", delay_s=0.5)
+    model = load_chat_model("scripted:ermedrag.agents.scripted", delay_s=0.5)
     prompts = [[HumanMessage(content=f"Question {i}?\nA. x\nB. y")] for i in range(6)]
     started = time.perf_counter()
     replies = asyncio.run(model.abatch(prompts))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, SCRIPTED
-from tools.traces import TraceStore
+from ermedrag.tools.traces import TraceStore
 
 TIMEOUT_S = 300  # the first ask on a fresh machine builds the starter index (72 passages)
 QUESTION = "What is the first-line treatment for anaphylaxis?"
@@ -27,7 +27,7 @@ OPTIONS = ["-o", "A=Intramuscular epinephrine", "-o", "B=Oral antihistamine", "-
 def _entry_point() -> list[str]:
     """The installed `ermedrag` console script beside this interpreter, else the module."""
     script = Path(sys.executable).with_name("ermedrag")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ermedrag"]
 
 
 def ermedrag(*args: str, trace_db: Path) -> subprocess.CompletedProcess[str]:

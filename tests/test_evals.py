@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 
-from evals import benchmarks
-from evals.benchmarks import BadRow, gpqa_row, load_benchmark, mirage_rows, normalise
-from evals.metrics import answer_entropy, summarise, wilson_interval
-from evals.report import write_report
-from evals.runner import RESULTS, done_keys, run_eval
+from ermedrag.tools import benchmarks
+from ermedrag.tools.benchmarks import BadRow, gpqa_row, load_benchmark, mirage_rows, normalise
+from ermedrag.evals.metrics import answer_entropy, summarise, wilson_interval
+from ermedrag.evals.report import write_report
+from ermedrag.evals.runner import RESULTS, done_keys, run_eval
 from tests.conftest import SCRIPTED
 
 EXPECTED_SIZES = {"medqa": 1273, "medmcqa": 4183, "pubmedqa": 500, "mmlu_med": 1089, "mmlu_pro": 1535,
@@ -116,13 +116,13 @@ def test_runner_records_resumes_and_reports(shared_data, tmp_path):
     assert all(r["run_id"] and r["ok"] for r in rows)
     written = write_report([str(out)], out)
     table = Path(written["report"]).read_text()
-    assert "| cot | scripted:agents.scripted |" in table and "(n=3)" in table
+    assert "| cot | scripted:ermedrag.agents.scripted |" in table and "(n=3)" in table
     assert all(Path(p).stat().st_size > 1000 for p in written["plots"])
 
 
 def test_killed_eval_resumes_without_losing_or_duplicating(shared_data, tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "tools.cli", "eval", "--system", "cot", "--bench", "medqa,mmlu_med",
+    command = [sys.executable, "-m", "ermedrag", "eval", "--system", "cot", "--bench", "medqa,mmlu_med",
                "--limit", "12", "--concurrency", "2", "--model", f"{SCRIPTED}?delay=0.4", "--out", str(out),
                "--data", str(shared_data / "benchmarks"), "--trace-db", str(tmp_path / "t.sqlite")]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

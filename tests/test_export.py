@@ -11,11 +11,11 @@ import time
 import pytest
 from datasets import load_from_disk
 
-from graphs.er_medrag import graph
+from ermedrag.graphs.er_medrag import graph
 from tests.conftest import SCRIPTED
-from tools.jsonl import read_records
-from tools.traces import TraceStore
-from training.export import GRPOExportConfig, distractor_count, export_grpo
+from ermedrag.tools.jsonl import read_records
+from ermedrag.tools.traces import TraceStore
+from ermedrag.training.export import GRPOExportConfig, distractor_count, export_grpo
 
 QUESTIONS = [
     ("Which drug is first-line for type 2 diabetes?", {"A": "Metformin", "B": "Insulin"}, "A"),
@@ -69,13 +69,13 @@ def test_grpo_export_rebuilds_prompts_with_noise_and_provenance(scripted_traces,
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from tests.tiny_model import build_tiny_causal_lm
+    from ermedrag.testing import build_tiny_causal_lm
 
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny"))
 
 
 def test_dpo_export_replays_recorded_prompts_through_a_real_model(scripted_traces, tiny_model, tmp_path):
-    from training.export import DPOExportConfig, export_dpo
+    from ermedrag.training.export import DPOExportConfig, export_dpo
 
     config = DPOExportConfig(traces=scripted_traces, out=str(tmp_path), model=f"hf:{tiny_model}", samples=2,
                              temperature=1.0, max_new_tokens=16, margin=0.1, limit=4)
@@ -101,7 +101,7 @@ def test_dpo_export_replays_recorded_prompts_through_a_real_model(scripted_trace
 
 def test_killed_dpo_export_resumes_without_loss_or_duplicates(scripted_traces, tmp_path):
     n_events = len(list(TraceStore(scripted_traces).events(agent="extractor")))
-    command = [sys.executable, "-m", "tools.cli", "export", "dpo", "--traces", scripted_traces,
+    command = [sys.executable, "-m", "ermedrag", "export", "dpo", "--traces", scripted_traces,
                "--out", str(tmp_path), "--model", f"{SCRIPTED}?delay=0.3", "--samples", "2"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import pytest
 
-from graphs.er_medrag import graph
+from ermedrag.graphs.er_medrag import graph
 from tests.conftest import SCRIPTED
-from tools.traces import TraceStore
+from ermedrag.tools.traces import TraceStore
 
 QUESTION = {
     "question": "Which drug is first-line for type 2 diabetes with normal kidney function?",
@@ -83,7 +83,7 @@ def test_unknown_model_provider_is_a_clear_error(scripted_context):
 
 
 def test_baselines_share_the_harness(scripted_context):
-    from graphs.baselines import cot, vanilla_rag
+    from ermedrag.graphs.baselines import cot, vanilla_rag
 
     cot_state = cot.invoke(QUESTION, context=scripted_context)
     rag_state = vanilla_rag.invoke(QUESTION, context=scripted_context)

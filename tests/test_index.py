@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tools.corpus import CorpusError, Document, chunk_documents, read_documents
-from tools.index import Index, IndexUnavailable, build_index, open_index
-from tools.retrieval import bm25_search, retrieve
+from ermedrag.tools.corpus import CorpusError, Document, chunk_documents, read_documents
+from ermedrag.tools.index import Index, IndexUnavailable, build_index, open_index
+from ermedrag.tools.retrieval import bm25_search, retrieve
 
 MEDQUAD_N = 300
 PUBMEDQA_N = 100
@@ -35,8 +35,8 @@ SUBPROCESS_TIMEOUT_S = 240
 
 REOPEN_SCRIPT = """
 import json, sys
-from tools.index import open_index
-from tools.retrieval import retrieve
+from ermedrag.tools.index import open_index
+from ermedrag.tools.retrieval import retrieve
 index = open_index(sys.argv[1])
 snippets = retrieve(index, sys.argv[2])
 print(json.dumps({"size": index.size, "ids": [s.id for s in snippets]}))
@@ -217,7 +217,7 @@ def test_cli_index_of_a_corrupt_file_exits_2_and_keeps_the_index(built: Built, i
     bad = _corrupt_file(tmp_path)
     manifest = (built.directory / "manifest.json").read_bytes()
     size = open_index(built.directory).size
-    proc = _run("-m", "tools.cli", "index", str(bad), "--index-dir", str(built.directory), timeout=120)
+    proc = _run("-m", "ermedrag", "index", str(bad), "--index-dir", str(built.directory), timeout=120)
     assert proc.returncode == 2, (proc.stdout, proc.stderr[-3000:])
     assert f"{bad}:3:" in proc.stderr and "not valid JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -332,7 +332,7 @@ def test_changed_settings_for_an_existing_index_are_refused(tmp_path: Path) -> N
                                                    r"-l6-v2, chunk_size=256, chunk_overlap=32"):
             build_index(docs, directory, progress=False, **settings)
     assert (directory / "manifest.json").read_bytes() == manifest
-    proc = _run("-m", "tools.cli", "index", str(corpus), "--index-dir", str(directory), "--chunk-size", "128",
+    proc = _run("-m", "ermedrag", "index", str(corpus), "--index-dir", str(directory), "--chunk-size", "128",
                 timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert str(directory) in proc.stderr and "chunk_size=256" in proc.stderr and "Traceback" not in proc.stderr
@@ -359,7 +359,7 @@ def test_open_index_with_a_lost_chroma_store_names_the_dir(tmp_path: Path) -> No
 
 
 def test_graph_run_with_a_missing_index_dir_names_it(tmp_path: Path, scripted_context: dict[str, str]) -> None:
-    from graphs.er_medrag import graph
+    from ermedrag.graphs.er_medrag import graph
 
     missing = tmp_path / "missing-index"
     with pytest.raises(IndexUnavailable, match=re.escape(str(missing))):

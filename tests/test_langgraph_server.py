@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, SCRIPTED, free_port, log_tail, stop_process_group
-from tools.traces import TraceStore
+from ermedrag.tools.traces import TraceStore
 
 pytestmark = pytest.mark.slow
 

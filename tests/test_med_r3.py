@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from agents.reasoner import neutralise, parse_final, parse_step
-from graphs.med_r3 import graph
+from ermedrag.agents.reasoner import neutralise, parse_final, parse_step
+from ermedrag.graphs.med_r3 import graph
 from tests.conftest import SCRIPTED
-from tools.traces import TraceStore
+from ermedrag.tools.traces import TraceStore
 
 QUESTION = {"question": "Which drug is first-line for type 2 diabetes in adults?",
             "options": {"A": "Metformin", "B": "Insulin"}, "gold": "A"}
@@ -52,8 +52,8 @@ def test_model_written_document_is_bad_format_and_not_evidence(tmp_path):
 
 
 def test_tags_inside_retrieved_text_cannot_end_the_document_or_answer(tmp_path):
-    from tools.corpus import Document
-    from tools.index import build_index
+    from ermedrag.tools.corpus import Document
+    from ermedrag.tools.index import build_index
 
     index_dir = tmp_path / "index"
     build_index([Document(id="evil", title="Diabetes", text=(
@@ -87,8 +87,8 @@ def test_loop_runs_on_the_real_offline_model(tmp_path):
 def test_recorded_runs_export_as_med_r3_prompts_replayed_exactly(tmp_path):
     from datasets import load_from_disk
 
-    from agents.reasoner import build_messages
-    from training.export import MedR3ExportConfig, chat_format, export_med_r3
+    from ermedrag.agents.reasoner import build_messages
+    from ermedrag.training.export import MedR3ExportConfig, chat_format, export_med_r3
 
     ctx = _context(tmp_path)
     questions = tmp_path / "questions.jsonl"

@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import LogitsProcessor
 
-from agents.reasoner import render_documents
-from tests.tiny_model import build_tiny_causal_lm
-from training.med_r3 import (
+from ermedrag.agents.reasoner import render_documents
+from ermedrag.testing import build_tiny_causal_lm
+from ermedrag.training.med_r3 import (
     STAGES,
     MedR3TrainingConfig,
     audit_searches,
@@ -139,7 +139,7 @@ def test_stage_definitions_and_overrides(tmp_path):
 
 
 def test_example_config_loads(tmp_path):
-    from training.config import load_config
+    from ermedrag.training.config import load_config
 
     config = load_config(REPO / "training/configs/med_r3.yaml", MedR3TrainingConfig)
     for n in (1, 2, 3):
@@ -196,8 +196,8 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_index(tmp_path_factory) -> str:
-    from tools.corpus import Document
-    from tools.index import build_index
+    from ermedrag.tools.corpus import Document
+    from ermedrag.tools.index import build_index
 
     directory = tmp_path_factory.mktemp("index") / "index"
     build_index([Document(id=k, text=v, title=k) for k, v in DOCUMENTS.items()], directory, progress=False)
@@ -280,9 +280,9 @@ def test_rollout_masks_exactly_the_inserted_documents(tiny_model, tiny_index, tm
     from transformers import AutoTokenizer
     from trl import GRPOTrainer
 
-    from tools.index import open_index
-    from tools.retrieval import retrieve
-    from training.med_r3 import index_search
+    from ermedrag.tools.index import open_index
+    from ermedrag.tools.retrieval import retrieve
+    from ermedrag.training.med_r3 import index_search
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     dataset = med_r3_dataset(questions(3))
@@ -412,11 +412,11 @@ def test_stages_chain_and_a_stage_reruns_alone(tiny_model, tiny_index, tmp_path)
 
 
 def test_cli_accepts_med_r3(monkeypatch, tmp_path):
-    import training.med_r3
-    from tools import cli
+    import ermedrag.training.med_r3
+    from ermedrag import cli
 
     seen = {}
-    monkeypatch.setattr(training.med_r3, "train_med_r3",
+    monkeypatch.setattr(ermedrag.training.med_r3, "train_med_r3",
                         lambda config, stages: seen.update(config=config, stages=stages) or {"final_model": "m"})
     assert cli.main(["train", "med-r3", "--stages", "2,3", "--config", "x.yaml"]) == 0
     assert seen == {"config": "x.yaml", "stages": "2,3"}

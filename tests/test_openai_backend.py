@@ -54,7 +54,7 @@ def _wait_ready(base: str, proc: subprocess.Popen, log: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     """(base_url, model name) of `transformers serve` pinned to the offline model, stopped afterwards."""
-    from tools.offline_model import offline_model_dir
+    from ermedrag.tools.offline_model import offline_model_dir
 
     model_dir = offline_model_dir()  # converts the GGUF on first use (~90 s), then cached
     workdir = tmp_path_factory.mktemp("transformers-serve")
@@ -83,7 +83,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_invoke_reports_text_and_usage(server):
-    from tools.chat_models import load_chat_model
+    from ermedrag.tools.chat_models import load_chat_model
 
     base_url, name, log = server
     model = load_chat_model(f"openai:{name}", base_url=base_url, max_new_tokens=16)
@@ -99,7 +99,7 @@ def test_invoke_reports_text_and_usage(server):
 
 def test_concurrent_calls_complete(server):
     """abatch sends the calls concurrently; on CPU the server may serialise them, so times are only printed."""
-    from tools.chat_models import load_chat_model
+    from ermedrag.tools.chat_models import load_chat_model
 
     base_url, name, _ = server
     model = load_chat_model(f"openai:{name}", base_url=base_url, max_new_tokens=8)
@@ -120,8 +120,8 @@ def test_concurrent_calls_complete(server):
 
 
 def test_graph_through_openai_backend(server, tmp_path: Path):
-    from graphs.er_medrag import graph
-    from tools.traces import TraceStore
+    from ermedrag.graphs.er_medrag import graph
+    from ermedrag.tools.traces import TraceStore
 
     base_url, name, log = server
     spec = f"openai:{name}"

@@ -7,8 +7,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.extractor import parse_triplets, render_triplets
-from agents.respondent import normalise_answer, parse_answer
+from ermedrag.agents.extractor import parse_triplets, render_triplets
+from ermedrag.agents.respondent import normalise_answer, parse_answer
 
 OPTIONS = {"A": "Metformin", "B": "Insulin", "C": "Glipizide"}
 YES_NO = {"A": "yes", "B": "no", "C": "maybe"}

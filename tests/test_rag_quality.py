@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from langchain_core.embeddings import Embeddings
 
-from evals import rag_quality as rq
-from tools.traces import TraceEvent, TraceStore
+from ermedrag.evals import rag_quality as rq
+from ermedrag.tools import gold_evidence as ge
+from ermedrag.tools.traces import TraceEvent, TraceStore
 
 JUDGE = "scripted:tests.test_rag_quality"
 QUESTION = "Does aspirin inhibit cyclooxygenase?"
@@ -61,7 +62,7 @@ def respondent_run(store: TraceStore, run_id: str, graph: str, evidence: str) ->
 
 
 def row(system: str, benchmark: str, question_id: str, run_id: str | None) -> dict:
-    return {"config": {"system": system, "model": "scripted:agents.scripted"}, "benchmark": benchmark,
+    return {"config": {"system": system, "model": "scripted:ermedrag.agents.scripted"}, "benchmark": benchmark,
             "question_id": question_id, "run_id": run_id, "gold": "A", "answer": "A", "ok": True, "correct": True}
 
 
@@ -75,7 +76,7 @@ def fixture_data(tmp_path: Path) -> dict[str, Path]:
     ]) + "\n")
     corpora = tmp_path / "corpora"
     corpora.mkdir()
-    with gzip.open(corpora / rq.PUBMEDQA_CORPUS, "wt") as handle:
+    with gzip.open(corpora / ge.PUBMEDQA_CORPUS, "wt") as handle:
         for pid, pmid in [("pubmed-111-0", "111"), ("pubmed-111-1", "111"), ("pubmed-111-2", "111"),
                           ("pubmed-111-3", "111"), ("pubmed-1112-0", "1112")]:
             handle.write(json.dumps({"id": pid, "title": "t", "text": "x", "pmid": pmid}) + "\n")
@@ -111,8 +112,8 @@ def fixture_data(tmp_path: Path) -> dict[str, Path]:
 
 
 def test_doc_id_strips_the_span():
-    assert rq.doc_id("pubmed-21645374-0@12-240") == "pubmed-21645374-0"
-    assert rq.doc_id("bioasq-23f0d2db77a8") == "bioasq-23f0d2db77a8"
+    assert ge.doc_id("pubmed-21645374-0@12-240") == "pubmed-21645374-0"
+    assert ge.doc_id("bioasq-23f0d2db77a8") == "bioasq-23f0d2db77a8"
 
 
 def test_retrieved_ids_from_extractor_events_and_evidence(fixture_data):
@@ -125,25 +126,25 @@ def test_retrieved_ids_from_extractor_events_and_evidence(fixture_data):
 
 
 def test_gold_evidence_rules(fixture_data):
-    pubmed = rq.gold_evidence("pubmedqa-111", "pubmedqa")
-    assert pubmed == rq.GoldEvidence(prefix="pubmed-111-") and not pubmed.complete
+    pubmed = ge.gold_evidence("pubmedqa-111", "pubmedqa")
+    assert pubmed == ge.GoldEvidence(prefix="pubmed-111-") and not pubmed.complete
     assert "pubmed-111-7" in pubmed and "pubmed-1112-0" not in pubmed
     assert pubmed.reference_ids(["pubmed-111-2", "pubmed-1112-0", "pubmed-111-0"]) == ["pubmed-111-0", "pubmed-111-2"]
-    expanded = rq.gold_evidence("pubmedqa-111", "pubmedqa_test", corpus_dir=fixture_data["corpora"])
+    expanded = ge.gold_evidence("pubmedqa-111", "pubmedqa_test", corpus_dir=fixture_data["corpora"])
     assert expanded.complete and expanded.ids == {f"pubmed-111-{i}" for i in range(4)}
-    bioasq = rq.gold_evidence("bioasq-aaa", "bioasq", qrels_path=fixture_data["qrels"])
+    bioasq = ge.gold_evidence("bioasq-aaa", "bioasq", qrels_path=fixture_data["qrels"])
     assert bioasq.ids == {"bioasq-g1", "bioasq-g2", "bioasq-g3"} and bioasq.complete
-    assert rq.gold_evidence("bioasq-ccc", "bioasq", qrels_path=fixture_data["qrels"]) is None
-    assert rq.gold_evidence("medqa-1", "medqa") is None
-    assert rq.gold_evidence("not-a-pubmed-id", "pubmedqa") is None
+    assert ge.gold_evidence("bioasq-ccc", "bioasq", qrels_path=fixture_data["qrels"]) is None
+    assert ge.gold_evidence("medqa-1", "medqa") is None
+    assert ge.gold_evidence("not-a-pubmed-id", "pubmedqa") is None
 
 
 def test_bioasq_without_qrels_says_what_is_missing(monkeypatch, tmp_path):
     monkeypatch.delenv("ERMEDRAG_SHARED_DATA", raising=False)
     with pytest.raises(FileNotFoundError, match="qrels"):
-        rq.gold_evidence("bioasq-aaa", "bioasq")
+        ge.gold_evidence("bioasq-aaa", "bioasq")
     with pytest.raises(FileNotFoundError, match="qrels"):
-        rq.gold_evidence("bioasq-aaa", "bioasq", qrels_path=tmp_path / "absent.jsonl")
+        ge.gold_evidence("bioasq-aaa", "bioasq", qrels_path=tmp_path / "absent.jsonl")
 
 
 def test_ragas_id_metrics_are_used():
@@ -173,9 +174,9 @@ def test_id_scores_exact_and_equal_to_fallback():
 
 def test_context_scores_prefix_rule_has_no_recall():
     retrieved = ["pubmed-111-0", "pubmed-1112-0", "pubmed-111-2", "bioasq-x"]
-    assert rq.context_scores(retrieved, rq.GoldEvidence(prefix="pubmed-111-")) == {
+    assert rq.context_scores(retrieved, ge.GoldEvidence(prefix="pubmed-111-")) == {
         "context_precision": 0.5, "context_recall": None}
-    gold = rq.GoldEvidence(ids=frozenset(f"pubmed-111-{i}" for i in range(4)))
+    gold = ge.GoldEvidence(ids=frozenset(f"pubmed-111-{i}" for i in range(4)))
     assert rq.context_scores(retrieved, gold) == {"context_precision": 0.5, "context_recall": 0.5}
 
 
@@ -194,7 +195,7 @@ def test_rag_quality_hand_computed(fixture_data):
     assert er_bioasq["n"] == 2 and er_bioasq["n_recall"] == 2
     assert er_bioasq["context_precision"] == pytest.approx((2 / 3 + 1) / 2)
     assert er_bioasq["context_recall"] == pytest.approx((2 / 3 + 1) / 2)
-    assert er_bioasq["models"] == ["scripted:agents.scripted"]
+    assert er_bioasq["models"] == ["scripted:ermedrag.agents.scripted"]
     vanilla = groups["vanilla_rag", "bioasq"]
     assert (vanilla["n"], vanilla["context_precision"], vanilla["context_recall"]) == (1, 0.5, pytest.approx(1 / 3))
     pubmed = groups["er_medrag", "pubmedqa"]
@@ -215,22 +216,22 @@ def test_rag_quality_without_corpus_or_qrels(fixture_data, monkeypatch):
 
 
 def test_shared_pubmedqa_gold(shared_data):
-    gold = rq.gold_evidence("pubmedqa-21645374", "pubmedqa")
+    gold = ge.gold_evidence("pubmedqa-21645374", "pubmedqa")
     assert gold.prefix == "pubmed-21645374-"
-    expanded = rq.gold_evidence("pubmedqa-21645374", "pubmedqa", corpus_dir=shared_data / "corpora")
+    expanded = ge.gold_evidence("pubmedqa-21645374", "pubmedqa", corpus_dir=shared_data / "corpora")
     assert {"pubmed-21645374-0", "pubmed-21645374-1"} <= expanded.ids
     assert all(i.startswith("pubmed-21645374-") for i in expanded.ids)
     questions = [json.loads(line) for line in (shared_data / "benchmarks" / "pubmedqa_test.jsonl").open()]
-    passages = rq.pubmedqa_passages(str(shared_data / "corpora"))
+    passages = ge.pubmedqa_passages(str(shared_data / "corpora"))
     assert all(q["id"] == f"pubmedqa-{q['pmid']}" and passages.get(q["pmid"]) for q in questions)
 
 
 def test_shared_bioasq_gold(shared_data):
-    qrels = shared_data / rq.QRELS_FILE
-    gold = rq.gold_evidence("bioasq-6402c910201352f04a00000c", "bioasq", qrels_path=qrels)
+    qrels = shared_data / ge.QRELS_FILE
+    gold = ge.gold_evidence("bioasq-6402c910201352f04a00000c", "bioasq", qrels_path=qrels)
     assert gold.ids == {"bioasq-23f0d2db77a8"}
     questions = [json.loads(line) for line in (shared_data / "benchmarks" / "bioasq_yesno.jsonl").open()]
-    golds = [rq.gold_evidence(q["id"], "bioasq", qrels_path=qrels) for q in questions]
+    golds = [ge.gold_evidence(q["id"], "bioasq", qrels_path=qrels) for q in questions]
     assert all(g is not None and g.ids for g in golds)
     with gzip.open(shared_data / "corpora" / "bioasq_snippets.jsonl.gz", "rt") as handle:
         corpus_ids = {json.loads(line)["id"] for line in handle}

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import free_port, log_tail, stop_process_group
-from tools.corpus import Document
-from tools.index import build_index, open_index
-from tools.retrieval import (DEFAULT_CONFIG, PLAIN_RRF, ChunkHit, RetrievalConfig, bm25_search, bm25_weighted_search,
+from ermedrag.tools.corpus import Document
+from ermedrag.tools.index import build_index, open_index
+from ermedrag.tools.retrieval import (DEFAULT_CONFIG, PLAIN_RRF, ChunkHit, RetrievalConfig, bm25_search, bm25_weighted_search,
                              coarse_hybrid, cross_encoder_rerank, retrieve, retrieve_many)
 
 # The feedback case: only the first passage says "zorbitine"; the others share its other terms or none.
@@ -92,7 +92,7 @@ def _tiny_cross_encoder(folder: Path) -> Path:
     """A cross-encoder with random weights built from a config, with the packaged MiniLM's tokenizer."""
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from tools.index import DEFAULT_ENCODER, encoder_path
+    from ermedrag.tools.index import DEFAULT_ENCODER, encoder_path
 
     tokenizer = AutoTokenizer.from_pretrained(encoder_path(DEFAULT_ENCODER))
     config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -146,7 +146,7 @@ def test_chroma_server_mode_gives_what_embedded_gives(index_dir: Path, tmp_path:
 
 
 def test_the_graphs_use_the_reranker_named_in_their_context(index_dir: Path, tmp_path: Path) -> None:
-    from graphs.common import Context, retrieval_config, retrieve_evidence
+    from ermedrag.graphs.common import Context, retrieval_config, retrieve_evidence
 
     model = str(_tiny_cross_encoder(tmp_path / "cross-encoder"))
     question = "first-line treatment of anaphylaxis"

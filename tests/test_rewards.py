@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.respondent import EXAMPLE, parse_answer
-from training.rewards import (
+from ermedrag.agents.respondent import EXAMPLE, parse_answer
+from ermedrag.training.rewards import (
     DEFAULT_RESPONDENT_WEIGHTS,
     ExtractorReward,
     ExtractorRewardWeights,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_model import build_tiny_causal_lm
-from training.config import DPOTrainingConfig, GRPOTrainingConfig, load_config
-from training.trainers import METRICS_FILE, PLOT_FILE, train_dpo, train_grpo
+from ermedrag.testing import build_tiny_causal_lm
+from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, load_config
+from ermedrag.training.trainers import METRICS_FILE, PLOT_FILE, train_dpo, train_grpo
 
 REPO = Path(__file__).resolve().parents[1]
 LETTERS = "ABCD"
@@ -243,7 +243,7 @@ def test_grpo_full_finetune_with_kl_uses_reference_model(tiny_model, grpo_datase
 
 
 def test_grpo_with_project_rewards(tiny_model, grpo_dataset, tmp_path):
-    rewards = pytest.importorskip("training.rewards")
+    rewards = pytest.importorskip("ermedrag.training.rewards")
     funcs, weights = rewards.respondent_reward_funcs()
     config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_project",
                    per_device_train_batch_size=4, num_generations=4, max_completion_length=16, max_steps=2)

@@ -4,7 +4,7 @@
     load_chat_model("offline:gemma3-270m")               the packaged offline default (hf backend)
     load_chat_model("openai:Qwen/Qwen3-8B", base_url=…)  any OpenAI-compatible server (vllm serve, llama.cpp, ...)
     load_chat_model("vllm:Qwen/Qwen3-8B")                in-process vLLM on a GPU
-    load_chat_model("scripted:agents.scripted")          a scripted reply function, for graph-wiring tests only
+    load_chat_model("scripted:ermedrag.agents.scripted")          a scripted reply function, for graph-wiring tests only
                                                           (`?delay=0.5` makes each reply take that long)
 
 Every backend puts token usage in `AIMessage.usage_metadata`. The hf backend also reports, per generated
@@ -27,8 +27,8 @@ from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr
-from tools.cache import shared_resource
-from tools.hf_batching import BatchingGenerator, GenerationParams
+from ermedrag.tools.cache import shared_resource
+from ermedrag.tools.hf_batching import BatchingGenerator, GenerationParams
 
 PROVIDERS = ("hf", "offline", "openai", "vllm", "scripted")
 DEFAULT_MODEL = "offline:gemma3-270m"
@@ -64,7 +64,7 @@ def load_chat_model(
     provider, name = parse_model_spec(spec)
     sampling = dict(temperature=temperature, max_new_tokens=max_new_tokens, top_p=top_p, seed=seed)
     if provider == "offline":
-        from tools.offline_model import offline_model_dir
+        from ermedrag.tools.offline_model import offline_model_dir
 
         return HFChatModel(model_path=str(offline_model_dir(name)), spec=spec, **sampling)
     if provider == "hf":
@@ -73,7 +73,7 @@ def load_chat_model(
         return _openai_chat_model(name, base_url, logprobs, timeout_s, max_retries, **sampling)
     if provider == "vllm":
         return VLLMChatModel(model_path=name, spec=spec, **sampling)
-    module_name, _, delay = name.partition("?delay=")  # e.g. scripted:agents.scripted?delay=0.5
+    module_name, _, delay = name.partition("?delay=")  # e.g. scripted:ermedrag.agents.scripted?delay=0.5
     module = importlib.import_module(module_name)
     return ScriptedChatModel(reply=module.reply, delay_s=float(delay) if delay else delay_s, spec=spec)
 

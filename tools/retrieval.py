@@ -16,8 +16,8 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
-from tools.cache import shared_resource
-from tools.index import Index, bm25_texts, bm25_tokenize, encode
+from ermedrag.tools.cache import shared_resource
+from ermedrag.tools.index import Index, bm25_texts, bm25_tokenize, encode
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9(\[\"'])")
 MAX_QUERY_CHARS = 2_000
@@ -367,6 +367,13 @@ def retrieve(
         return []
     hits = coarse_hybrid(index, query, coarse_k, config, query_vector)
     return fine_sentence_windows(index, query, hits, k, scorer=fine_scorer, policy=policy)
+
+
+def search(index: Index, query: str, *, k: int, coarse_k: int, config: RetrievalConfig = DEFAULT_CONFIG
+           ) -> list[dict[str, Any]]:
+    """One search of Med-R³'s reason ↔ search loop, the same in its graph and its training rollout: the top `k`
+    snippets (as dicts) of at least `k` coarse chunks."""
+    return [s.to_dict() for s in retrieve(index, query, k=k, coarse_k=max(coarse_k, k), config=config)]
 
 
 def retrieve_many(index: Index, queries: Sequence[str], **options: Any) -> list[list[Snippet]]:

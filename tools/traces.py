@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from tools.offline_model import cache_home
+from ermedrag.tools.offline_model import cache_home
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (

@@ -27,7 +27,7 @@ OFFLINE_PREFIX = "offline:"
 def resolve_model(spec: str) -> str:
     """A model spec as the trainers accept it: a local path, a hub id, or `offline:<name>` (see tools.offline_model)."""
     if spec.startswith(OFFLINE_PREFIX):
-        from tools.offline_model import offline_model_dir
+        from ermedrag.tools.offline_model import offline_model_dir
 
         return str(offline_model_dir(spec[len(OFFLINE_PREFIX) :]))
     return spec

@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 
-from agents import extractor, respondent
-from tools.jsonl import AppendLog, read_records
-from tools.traces import TraceStore
+from ermedrag.agents import extractor, respondent
+from ermedrag.tools.jsonl import AppendLog, read_records
+from ermedrag.tools.traces import TraceStore
 
 LOG = "log.jsonl"
 ROLE_TO_MESSAGE = {"system": SystemMessage, "human": HumanMessage, "ai": AIMessage}
@@ -83,10 +83,10 @@ def export_dpo(config: DPOExportConfig, progress: bool = True,
     """Write extractor preference pairs; returns counts. `reward` defaults to training.rewards.extractor_reward."""
     from tqdm.auto import tqdm
 
-    from tools.chat_models import load_chat_model
+    from ermedrag.tools.chat_models import load_chat_model
 
     if reward is None:
-        from training.rewards import extractor_reward as reward
+        from ermedrag.training.rewards import extractor_reward as reward
     store = TraceStore(config.traces)
     out = Path(config.out)
     done = {r["event_id"] for r in read_records(out / LOG)}
@@ -258,8 +258,8 @@ def _question_key(text: str) -> str:
 
 
 def _gold_evidence_by_question(config: MedR3ExportConfig) -> dict[str, tuple[str, list[str]]]:
-    from evals.benchmarks import load_questions_file
-    from training.med_r3 import question_gold_evidence
+    from ermedrag.tools.benchmarks import load_questions_file
+    from ermedrag.tools.gold_evidence import question_gold_evidence
 
     found = {}
     for path in config.questions:

@@ -4,7 +4,7 @@
     stage 2 retrieval   search loop        retrieval hit (gold evidence found) + search format
     stage 3 joint       search loop        correctness + format + retrieval hit + search format + penalties
 
-    from training.med_r3 import train_med_r3
+    from ermedrag.training.med_r3 import train_med_r3
     summary = train_med_r3("training/configs/med_r3.yaml", stages=[1, 2, 3])   # or stages=[2]: rerun one
     # CLI: ermedrag train med-r3 --stages 1,2,3 --config training/configs/med_r3.yaml
 
@@ -81,10 +81,11 @@ from typing import Any
 
 from transformers import StoppingCriteria
 
-from agents import reasoner
-from agents.reasoner import MAX_QUERY_CHARS, SEARCH_STOP, render_documents
-from training.config import GRPOTrainingConfig, config_from_dict, load_config
-from training.rewards import (
+from ermedrag.agents import reasoner
+from ermedrag.agents.reasoner import MAX_QUERY_CHARS, SEARCH_STOP, render_documents
+from ermedrag.tools.gold_evidence import doc_id
+from ermedrag.training.config import GRPOTrainingConfig, config_from_dict, load_config
+from ermedrag.training.rewards import (
     MAX_TEXT_CHARS,
     RewardFunc,
     _column,
@@ -114,7 +115,6 @@ _SEARCH_OPEN = re.compile(r"<search>", re.IGNORECASE)
 _SEARCH_CLOSE = re.compile(r"</search>", re.IGNORECASE)
 _ANY_TAG = re.compile(r"</?\s*(document|search|answer|think)\s*>", re.IGNORECASE)
 _THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL | re.IGNORECASE)
-_COPY_SUFFIX = re.compile(r"~\d+$")  # tools.corpus renames a reused id with other text to `id~2`
 
 
 def strip_environment_documents(transcript: str) -> str:
@@ -132,16 +132,12 @@ def _model_texts(completions: list, kwargs: dict[str, Any]) -> list[str]:
     return texts
 
 
-def _doc_id(snippet_id: Any) -> str:
-    return _COPY_SUFFIX.sub("", str(snippet_id).rsplit("@", 1)[0].strip())
-
-
 def _retrieved(completion: Any, kwargs: dict[str, Any], index: int) -> set[str]:
     given = _column(kwargs, "retrieved_ids", index)
     if isinstance(given, (list, tuple)):
-        return {_doc_id(d) for d in given if d is not None}
+        return {doc_id(d) for d in given if d is not None}
     text = completion_text(completion)[:MAX_TEXT_CHARS]
-    return {_doc_id(sid) for block in _ENV_DOCUMENT.findall(text) for sid in _SNIPPET_LINE.findall(block)}
+    return {doc_id(sid) for block in _ENV_DOCUMENT.findall(text) for sid in _SNIPPET_LINE.findall(block)}
 
 
 @dataclass(frozen=True)
@@ -232,7 +228,7 @@ def retrieval_hit_reward(completions: list, **kwargs: Any) -> list[float | None]
     for i, completion in enumerate(completions or []):
         try:
             gold_value = _column(kwargs, "gold_evidence", i)
-            gold = {_doc_id(g) for g in gold_value if g} if isinstance(gold_value, (list, tuple)) else set()
+            gold = {doc_id(g) for g in gold_value if g} if isinstance(gold_value, (list, tuple)) else set()
             if not gold:
                 rewards.append(None)
                 continue
@@ -357,7 +353,7 @@ def stage_rewards(stage: int, overrides: dict[str, float] | None = None, **regis
 
 
 def _chat(messages: list) -> list[dict[str, str]]:
-    from training.export import ROLE_TO_CHAT
+    from ermedrag.training.export import ROLE_TO_CHAT
 
     return [{"role": ROLE_TO_CHAT.get(m.type, "user"), "content": m.text} for m in messages]
 
@@ -365,7 +361,7 @@ def _chat(messages: list) -> list[dict[str, str]]:
 def med_r3_dataset(questions: Iterable[Any]):
     """A `datasets.Dataset` of conversational GRPO prompts (`agents.reasoner.build_messages`, empty transcript)
     with the columns the rewards read: `gold`, `options`, `gold_evidence` (doc ids, possibly empty), plus `id`
-    and `benchmark`. A question is an `evals.benchmarks.Question` or a dict with `question`, `options`,
+    and `benchmark`. A question is an `tools.benchmarks.Question` or a dict with `question`, `options`,
     `gold` (or `answer`), and optionally `gold_evidence`, `id`, `benchmark`."""
     from datasets import Dataset
 
@@ -387,21 +383,6 @@ def med_r3_dataset(questions: Iterable[Any]):
     return Dataset.from_list(rows)
 
 
-def question_gold_evidence(question: Any, qrels: str | os.PathLike[str] | None = None,
-                           corpus_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """Gold evidence doc ids of an `evals.benchmarks.Question`: PubMedQA → its own abstract's passages
-    (`pubmed-<pmid>-<i>`, the concrete ids of `corpus_dir` when given, else one per context), BioASQ → the
-    qrels' snippet ids; other benchmarks → []."""
-    from evals.rag_quality import gold_evidence
-
-    gold = gold_evidence(question.id, question.benchmark, qrels_path=qrels, corpus_dir=corpus_dir)
-    if gold is None:
-        return []
-    if gold.prefix is not None:  # PubMedQA without the corpus: one passage per context, as the corpus numbers them
-        return [f"{gold.prefix}{i}" for i in range(len(question.contexts))]
-    return sorted(gold.ids)
-
-
 def build_med_r3_dataset(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], *,
                          qrels: str | os.PathLike[str] | None = None,
                          corpus_dir: str | os.PathLike[str] | None = None,
@@ -410,7 +391,8 @@ def build_med_r3_dataset(paths: Sequence[str | os.PathLike[str]], out: str | os.
     benchmark file; the benchmark is named after the file) → `out` (`Dataset.save_to_disk`). BioASQ needs
     `qrels` (`retrieval/bioasq_qrels.jsonl`); `corpus_dir` (the corpora folder) gives PubMedQA's exact ids.
     `limit` samples that many questions per file (seeded)."""
-    from evals.benchmarks import load_questions_file
+    from ermedrag.tools.benchmarks import load_questions_file
+    from ermedrag.tools.gold_evidence import question_gold_evidence
 
     questions, counts = [], {}
     for path in paths:
@@ -434,13 +416,10 @@ SearchFn = Callable[[str], list[dict]]
 
 
 def index_search(index: Any, k: int = 5, coarse_k: int = 8) -> SearchFn:
-    """A search function over an opened index: the graph's retrieval (`tools.retrieval.retrieve`, top `k`)."""
-    from tools.retrieval import retrieve
+    """A search function over an opened index: the graph's search (`tools.retrieval.search`, top `k`)."""
+    from ermedrag.tools.retrieval import search
 
-    def search(query: str) -> list[dict]:
-        return [s.to_dict() for s in retrieve(index, query, k=k, coarse_k=max(coarse_k, k))]
-
-    return search
+    return lambda query: search(index, query, k=k, coarse_k=coarse_k)
 
 
 @dataclass
@@ -565,12 +544,12 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
                 continue
             raw = tokenizer.decode(tokens, skip_special_tokens=False)
             query = reasoner.parse_step(raw[: raw.index(SEARCH_STOP) + len(SEARCH_STOP)])["query"]
-            if not query:
-                rollout.ended = "bad_search"
-            elif len(rollout.searches) >= max_searches:
-                rollout.ended = "search_budget"
-            elif rollout.generated_tokens >= max_total_tokens:
-                rollout.ended = "budget"
+            action = reasoner.after_step(query, searches_done=len(rollout.searches),
+                                         generated_tokens=rollout.generated_tokens, max_searches=max_searches,
+                                         max_total_tokens=max_total_tokens)
+            if action != "search":
+                rollout.ended = {"no_search": "bad_search", "search_budget": "search_budget",
+                                 "token_budget": "budget"}[action]
             else:
                 snippets = search(query)
                 # split_special_tokens: a retrieved "<|im_end|>" stays text, never a control token
@@ -579,7 +558,7 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
                 rollout.completion_ids += document_ids
                 rollout.env_mask += [0] * len(document_ids)
                 rollout.searches.append({"query": query, "snippet_ids": [s["id"] for s in snippets],
-                                         "doc_ids": [str(s.get("doc_id") or _doc_id(s["id"])) for s in snippets]})
+                                         "doc_ids": [str(s.get("doc_id") or doc_id(s["id"])) for s in snippets]})
                 still_active.append(i)
         active = still_active
     return rollouts
@@ -735,7 +714,7 @@ def train_stage(config: MedR3TrainingConfig, stage: int, *, logits_processor: Se
     """Run one stage from the previous stage's model; write its folder; return its summary."""
     from trl import GRPOTrainer
 
-    from training.trainers import (
+    from ermedrag.training.trainers import (
         METRICS_FILE,
         MetricsRecorder,
         _load_dataset,
@@ -750,7 +729,7 @@ def train_stage(config: MedR3TrainingConfig, stage: int, *, logits_processor: Se
                                    max_think_chars=staged.max_think_chars, max_searches=staged.max_searches)
     search = None
     if spec.search:
-        from tools.index import cached_index
+        from ermedrag.tools.index import cached_index
 
         index = cached_index(str(Path(staged.index_dir).expanduser()), staged.chroma_url or None)
         search = index_search(index, k=staged.search_k, coarse_k=staged.coarse_k)
@@ -838,10 +817,10 @@ def train_med_r3(config: MedR3TrainingConfig | str | os.PathLike[str], stages: I
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m training.med_r3 dataset FILE.jsonl ... --out DIR [--qrels Q] [--corpus-dir C] [--limit N]`."""
+    """`python -m ermedrag.training.med_r3 dataset FILE.jsonl ... --out DIR [--qrels Q] [--corpus-dir C] [--limit N]`."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m training.med_r3", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ermedrag.training.med_r3", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("dataset", help="build a Med-R³ GRPO dataset from question JSONL files")
     build.add_argument("paths", nargs="+", help="questions in the shared schema (pubmedqa_train.jsonl, ...)")

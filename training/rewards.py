@@ -63,8 +63,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
-from agents.extractor import FIELDS, parse_triplets
-from agents.respondent import normalise_answer, parse_answer
+from ermedrag.agents.extractor import FIELDS, parse_triplets
+from ermedrag.agents.respondent import normalise_answer, parse_answer
 
 logger = logging.getLogger(__name__)
 

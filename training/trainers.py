@@ -1,7 +1,7 @@
 """Run TRL's DPOTrainer / GRPOTrainer from a project config, and record what they log.
 
-    from training.config import GRPOTrainingConfig, load_config
-    from training.trainers import train_grpo
+    from ermedrag.training.config import GRPOTrainingConfig, load_config
+    from ermedrag.training.trainers import train_grpo
     summary = train_grpo(load_config("training/configs/grpo_respondent.yaml", GRPOTrainingConfig),
                          reward_funcs=[correctness_reward, format_reward], reward_weights=[1.0, 0.2])
 
@@ -25,15 +25,15 @@ distribution strategy with an accelerate config file (DDP, DeepSpeed ZeRO-2/3, o
 in its repository under `examples/accelerate_configs/`):
 
     # one node, vLLM inside the training processes (set in the YAML: use_vllm: true, vllm_mode: colocate)
-    accelerate launch --config_file deepspeed_zero2.yaml -m tools.cli train grpo --config grpo.yaml
+    accelerate launch --config_file deepspeed_zero2.yaml -m ermedrag train grpo --config grpo.yaml
 
     # or a separate vLLM server on its own GPU (use_vllm: true, vllm_mode: server,
     # vllm_server_base_url: http://HOST:8000), started first with
     CUDA_VISIBLE_DEVICES=0 trl vllm-serve --model MODEL --port 8000
     CUDA_VISIBLE_DEVICES=1,2,3 accelerate launch --config_file fsdp.yaml --num_processes 3 \
-        -m tools.cli train grpo --config grpo.yaml
+        -m ermedrag train grpo --config grpo.yaml
 
-    accelerate launch --config_file ... -m tools.cli train dpo --config dpo.yaml
+    accelerate launch --config_file ... -m ermedrag train dpo --config dpo.yaml
 
 Only the main process writes metrics.jsonl and curves.png; TRL/accelerate handle the rest.
 """
@@ -51,7 +51,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig
+from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
@@ -139,7 +139,7 @@ def train_grpo(
     recorder = MetricsRecorder(Path(config.output_dir) / METRICS_FILE)
     extra: dict[str, Any] = {}
     if config.stop_strings and not config.use_vllm:  # vLLM stops by itself (GRPOTrainingConfig.to_trl)
-        from training.med_r3 import make_med_r3_rollout
+        from ermedrag.training.med_r3 import make_med_r3_rollout
 
         extra["rollout_func"] = make_med_r3_rollout(None, end_stops=config.stop_strings,
                                                     step_max_new_tokens=config.max_completion_length)
@@ -167,12 +167,12 @@ def train_from_file(kind: str, config_path: str | Path) -> dict[str, Any]:
     GRPO uses the respondent's rewards (`training.rewards.respondent_reward_funcs`: correctness, format,
     length, evidence use) with their default weights unless the YAML sets `reward_weights`.
     """
-    from training.config import load_config
+    from ermedrag.training.config import load_config
 
     if kind == "dpo":
         return train_dpo(load_config(config_path, DPOTrainingConfig))
     if kind == "grpo":
-        from training.rewards import respondent_reward_funcs
+        from ermedrag.training.rewards import respondent_reward_funcs
 
         config = load_config(config_path, GRPOTrainingConfig)
         funcs, weights = respondent_reward_funcs()

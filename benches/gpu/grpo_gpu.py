@@ -1,6 +1,6 @@
 """GRPO throughput on one GPU: the project's respondent GRPO loop on a randomly initialised Qwen2-style model.
 
-Nothing is downloaded: the tokenizer is the offline byte-level BPE of tests/tiny_model.py (with its ChatML
+Nothing is downloaded: the tokenizer is the offline byte-level BPE of ermedrag/testing.py (with its ChatML
 template), the model is built from a config (random weights) and saved to a work folder so that TRL loads it
 by path exactly as `training.trainers.train_grpo` does in real runs, and the prompts are synthetic respondent
 prompts (`agents.respondent.build_messages`, made-up questions, options and evidence triplets, gold letters).
@@ -40,7 +40,6 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 # No network on the GPU machine: never let a library wait on a hub or a tracer.
 for _name, _value in (
@@ -63,7 +62,7 @@ QWEN2_VOCAB = 151936  # Qwen2/2.5's embedding rows: gives the LM head and the lo
 
 # Qwen2-style shapes. `vocab_size: None` = the offline tokenizer's own size (~780).
 SIZES: dict[str, dict[str, Any]] = {
-    # tests/tiny_model.py's model: for checking the script on CPU
+    # ermedrag/testing.py's model: for checking the script on CPU
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=None),
     # ~192M parameters with the Qwen2 vocabulary (~75M without the tied embedding)
@@ -123,7 +122,7 @@ def build_model(directory: Path, size: str, vocab_size: int | None, *, on_cuda: 
     """Write the offline tokenizer and a random Qwen2 causal LM (bf16 on CUDA) to `directory`."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from tests.tiny_model import build_tokenizer
+    from ermedrag.testing import build_tokenizer
 
     tokenizer = build_tokenizer()
     shape = dict(SIZES[size])
@@ -193,8 +192,8 @@ _SYMPTOMS = [
 
 def synthetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
     """Respondent GRPO rows in the export's layout: prompt (chat), question, options, gold, triplets."""
-    from agents.extractor import render_triplets
-    from agents.respondent import build_messages
+    from ermedrag.agents.extractor import render_triplets
+    from ermedrag.agents.respondent import build_messages
 
     rows = []
     for i in range(n):
@@ -435,9 +434,9 @@ def main(argv: list[str] | None = None) -> int:
 
         import trl
 
-        from training.config import GRPOTrainingConfig
-        from training.rewards import respondent_reward_funcs
-        from training.trainers import train_grpo
+        from ermedrag.training.config import GRPOTrainingConfig
+        from ermedrag.training.rewards import respondent_reward_funcs
+        from ermedrag.training.trainers import train_grpo
 
         gradient_checkpointing = {"auto": None, "on": True, "off": False}[args.gradient_checkpointing]
         config = GRPOTrainingConfig(

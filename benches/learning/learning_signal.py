@@ -26,22 +26,21 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 from datasets import load_from_disk  # noqa: E402
 
-from agents import extractor, respondent  # noqa: E402
-from evals.benchmarks import Question, load_questions_file  # noqa: E402
-from evals.runner import EvalConfig, run_questions  # noqa: E402
-from tools.chat_models import load_chat_model  # noqa: E402
-from tools.corpus import Document  # noqa: E402
-from tools.index import build_index  # noqa: E402
-from tools.traces import TraceStore  # noqa: E402
-from training import rewards  # noqa: E402
-from training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
-from training.export import (DPOExportConfig, GRPOExportConfig, chat_format, export_dpo,  # noqa: E402
+from ermedrag.agents import extractor, respondent  # noqa: E402
+from ermedrag.tools.benchmarks import Question, load_questions_file  # noqa: E402
+from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
+from ermedrag.tools.chat_models import load_chat_model  # noqa: E402
+from ermedrag.tools.corpus import Document  # noqa: E402
+from ermedrag.tools.index import build_index  # noqa: E402
+from ermedrag.tools.traces import TraceStore  # noqa: E402
+from ermedrag.training import rewards  # noqa: E402
+from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
+from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, chat_format, export_dpo,  # noqa: E402
                              export_grpo)
-from training.trainers import train_dpo, train_grpo  # noqa: E402
+from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -68,7 +67,7 @@ def record(questions: list[Question], model: str, index_dir: Path, trace_db: Pat
 def generate(model_spec: str, prompts: list[list[dict[str, str]]], max_new_tokens: int, stop: list[str]) -> list[str]:
     """Greedy completions of chat prompts, batched, ending at the agent's stop strings as in the app (the
     matched one put back, as `agents.base.call_agent` does): the same decoding before and after training."""
-    from training.export import replay_messages
+    from ermedrag.training.export import replay_messages
 
     roles = {"system": "system", "user": "human", "assistant": "ai"}
     model = load_chat_model(model_spec, max_new_tokens=max_new_tokens)
@@ -150,14 +149,13 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        sys.path.insert(0, str(REPO / "tests"))
-        from tiny_model import build_tiny_causal_lm
+        from ermedrag.testing import build_tiny_causal_lm
 
         model_path = build_tiny_causal_lm(work / "tiny")
         args.train_questions, args.eval_questions, args.grpo_steps, args.dpo_steps = 6, 4, 2, 2
         args.extract_tokens, args.respond_tokens = 16, 24
     else:
-        from tools.offline_model import offline_model_dir
+        from ermedrag.tools.offline_model import offline_model_dir
 
         model_path = str(offline_model_dir())
     model = f"hf:{model_path}"

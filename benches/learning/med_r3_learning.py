@@ -18,20 +18,17 @@ import json
 import os
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).parent))
 
 from learning_signal import abstracts_as_documents, answer_parsed_rate, log, write_result  # noqa: E402
 
-from evals.benchmarks import load_questions_file  # noqa: E402
-from tools.index import build_index, open_index  # noqa: E402
-from training.med_r3 import (STAGES, MedR3TrainingConfig, index_search, med_r3_correctness_reward,  # noqa: E402
+from ermedrag.tools.benchmarks import load_questions_file  # noqa: E402
+from ermedrag.tools.index import build_index, open_index  # noqa: E402
+from ermedrag.training.med_r3 import (STAGES, MedR3TrainingConfig, index_search, med_r3_correctness_reward,  # noqa: E402
                              med_r3_dataset, med_r3_format_reward, retrieval_hit_reward, run_search_rollouts,
                              stage_rewards, stage_start_model, train_med_r3)
 
@@ -111,14 +108,13 @@ def main() -> None:
     shutil.rmtree(work / "train", ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        sys.path.insert(0, str(REPO / "tests"))
-        from tiny_model import build_tiny_causal_lm
+        from ermedrag.testing import build_tiny_causal_lm
 
         model_path = build_tiny_causal_lm(work / "tiny")
         args.train_questions, args.eval_questions, args.steps = 4, 3, 1
         args.generations, args.step_tokens, args.completion_tokens = 2, 16, 32
     else:
-        from tools.offline_model import offline_model_dir
+        from ermedrag.tools.offline_model import offline_model_dir
 
         model_path = str(offline_model_dir())
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 for _name, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("ANONYMIZED_TELEMETRY", "False")):
     os.environ.setdefault(_name, _value)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.corpus import Document
+from ermedrag.tools.corpus import Document
 
 INDEX_FILES = {"manifest.json", "chroma", "bm25", "bench.json"}
 
@@ -23,7 +23,7 @@ INDEX_FILES = {"manifest.json", "chroma", "bm25", "bench.json"}
 def whole_passage_vectors(documents: list[Document], vectors: dict[str, np.ndarray],
                           chunk_size: int, chunk_overlap: int) -> tuple[dict[str, np.ndarray], Counter]:
     """Chunk id -> cached vector for chunks that are a whole passage; also chunks per document."""
-    from tools.corpus import chunk_documents
+    from ermedrag.tools.corpus import chunk_documents
 
     chunks = chunk_documents(documents, chunk_size, chunk_overlap)
     per_doc = Counter(c.doc_id for c in chunks)
@@ -37,7 +37,7 @@ def whole_passage_vectors(documents: list[Document], vectors: dict[str, np.ndarr
 def ensure_index(index_dir: Path, documents: list[Document], vectors: dict[str, np.ndarray], *,
                  chunk_size: int, chunk_overlap: int, fingerprint: dict, rebuild: bool) -> dict:
     """Reuse a complete bench index (its bench.json matches `fingerprint` and the manifest), else build it."""
-    from tools.index import _manifest  # noqa: PLC2701 (read-only look at the manifest)
+    from ermedrag.tools.index import _manifest  # noqa: PLC2701 (read-only look at the manifest)
 
     fingerprint = {**fingerprint, "chunk_size": chunk_size, "chunk_overlap": chunk_overlap}
     record_path = index_dir / "bench.json"
@@ -78,7 +78,7 @@ def _build_in_child(index_dir: Path, documents: list[Document], vectors: dict[st
 
 def _build(index_dir: Path, documents: list[Document], vectors: dict[str, np.ndarray], chunk_size: int,
            chunk_overlap: int, fingerprint: dict) -> dict:
-    from tools.index import build_index
+    from ermedrag.tools.index import build_index
 
     t0 = time.perf_counter()
     reusable, per_doc = whole_passage_vectors(documents, vectors, chunk_size, chunk_overlap)
@@ -113,7 +113,7 @@ def _build(index_dir: Path, documents: list[Document], vectors: dict[str, np.nda
 
 def refresh_bm25(index_dir: Path) -> None:
     """Rebuild only the BM25 part when its parameters or the stemmer changed since the index was built."""
-    from tools.index import BM25_PARAMS, _manifest, rebuild_bm25  # noqa: PLC2701
+    from ermedrag.tools.index import BM25_PARAMS, _manifest, rebuild_bm25  # noqa: PLC2701
 
     record_path = index_dir / "bench.json"
     record = json.loads(record_path.read_text())
@@ -129,7 +129,7 @@ def refresh_bm25(index_dir: Path) -> None:
 def bm25_fingerprint() -> dict:
     from importlib.metadata import version
 
-    from tools.index import BM25_PARAMS
+    from ermedrag.tools.index import BM25_PARAMS
 
     return {"params": BM25_PARAMS, "stemmer": version("PyStemmer")}
 

@@ -89,8 +89,8 @@ def long_documents_setting(args, data: SharedData, passages, vectors) -> tuple[P
 
 def build_throughput(passages, n_documents: int, seed: int) -> dict:
     """Raw encoder vs build_index on the same chunks, side by side (fresh temporary index, no cached vectors)."""
-    from tools.corpus import chunk_documents
-    from tools.index import build_index, encode
+    from ermedrag.tools.corpus import chunk_documents
+    from ermedrag.tools.index import build_index, encode
 
     documents, _ = long_documents(passages)
     sample = random.Random(seed).sample(documents, min(n_documents, len(documents)))
@@ -113,10 +113,9 @@ def build_throughput(passages, n_documents: int, seed: int) -> dict:
 
 SERVE_SCRIPT = """
 import json, resource, sys, time
-sys.path.insert(0, {repo!r})
 import torch; torch.set_num_threads({threads})
-from tools.index import open_index
-from tools.retrieval import retrieve
+from ermedrag.tools.index import open_index
+from ermedrag.tools.retrieval import retrieve
 index = open_index({index!r}, {url!r})
 questions = json.loads(sys.stdin.read())
 retrieve(index, questions[0], k=10)
@@ -132,7 +131,7 @@ print(json.dumps({{"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF)
 
 def serve_in_child(index_dir: Path, questions: list[str], threads: int, chroma_url: str | None = None) -> dict:
     """The default pipeline (`retrieve`, k=10) in a fresh process: its peak RSS and latency."""
-    script = SERVE_SCRIPT.format(repo=str(REPO), threads=max(threads, 1), index=str(index_dir), url=chroma_url)
+    script = SERVE_SCRIPT.format(threads=max(threads, 1), index=str(index_dir), url=chroma_url)
     proc = subprocess.run([sys.executable, "-c", script], input=json.dumps(questions), capture_output=True,
                           text=True, timeout=1800, env=os.environ)
     if proc.returncode:
@@ -173,7 +172,7 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60) ->
 
 
 def batched_latency(index, questions: list[str], batch: int) -> dict:
-    from tools.retrieval import retrieve_many
+    from ermedrag.tools.retrieval import retrieve_many
 
     retrieve_many(index, questions[:2], k=10)
     t0 = time.perf_counter()
@@ -213,7 +212,7 @@ def main() -> None:
     passages = load_passages(data)
     vectors = passage_vectors(data, passages)
 
-    from tools.index import encode, open_index
+    from ermedrag.tools.index import encode, open_index
     from systems import make_systems
 
     wanted = SYSTEMS if args.systems == "all" else args.systems.split(",")

@@ -53,7 +53,7 @@ VARIANTS: list[dict] = [
 def bm25_variants(index, questions: list[dict]) -> list[dict]:
     import bm25s
 
-    from tools.index import _stemmer, chunk_texts  # noqa: PLC2701
+    from ermedrag.tools.index import _stemmer, chunk_texts  # noqa: PLC2701
 
     ids, texts = chunk_texts(index.collection)
     rows = []
@@ -81,8 +81,8 @@ def hnsw_vs_exact(index, questions: list[dict]) -> dict:
     of the exact top-100 chunks HNSW returns, and the time of each."""
     import numpy as np
 
-    from tools.index import encode
-    from tools.retrieval import dense_search
+    from ermedrag.tools.index import encode
+    from ermedrag.tools.retrieval import dense_search
 
     ids, vectors = [], []
     for offset in range(0, index.size, 5000):
@@ -117,8 +117,8 @@ def fine_variants(index_dir: str, data: SharedData, questions: list[dict]) -> li
     chunk may give, scored as retrieval_bench.py scores that setting."""
     from data import long_documents, load_passages
     from scoring import snippet_metrics
-    from tools.index import open_index
-    from tools.retrieval import clean_query, coarse_hybrid, fine_sentence_windows
+    from ermedrag.tools.index import open_index
+    from ermedrag.tools.retrieval import clean_query, coarse_hybrid, fine_sentence_windows
 
     _, spans = long_documents(load_passages(data))
     index = open_index(index_dir)
@@ -149,8 +149,8 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
 
-    from tools.index import BM25_PARAMS, open_index
-    from tools.retrieval import RetrievalConfig, coarse_hybrid
+    from ermedrag.tools.index import BM25_PARAMS, open_index
+    from ermedrag.tools.retrieval import RetrievalConfig, coarse_hybrid
 
     data = SharedData(Path(args.data))
     tuning, _ = split_qrels(data, args.seed)

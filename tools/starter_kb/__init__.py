@@ -9,16 +9,16 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from tools.cache import shared_resource
-from tools.offline_model import cache_home
+from ermedrag.tools.cache import shared_resource
+from ermedrag.tools.offline_model import cache_home
 
 PASSAGES = Path(__file__).with_name("passages.jsonl")
 
 
 @shared_resource(maxsize=1)  # concurrent first calls (eval runner threads) must not build it twice
 def starter_index_dir(progress: bool = False) -> Path:
-    from tools.corpus import read_documents
-    from tools.index import build_index
+    from ermedrag.tools.corpus import read_documents
+    from ermedrag.tools.index import build_index
 
     version = hashlib.sha256(PASSAGES.read_bytes()).hexdigest()[:12]
     directory = cache_home() / "indexes" / f"starter-{version}"

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.chat_models import DEFAULT_MODEL, ModelSpecError, parse_model_spec
-from tools.corpus import CorpusError
-from tools.index import DEFAULT_ENCODER, IndexUnavailable
+from ermedrag.tools.chat_models import DEFAULT_MODEL, ModelSpecError, parse_model_spec
+from ermedrag.tools.corpus import CorpusError
+from ermedrag.tools.index import DEFAULT_ENCODER, IndexUnavailable
 
 DEMO_QUESTION = ("A 52-year-old man is newly diagnosed with type 2 diabetes; his kidney function is normal. "
                  "Which drug should he start first?")
@@ -160,12 +160,12 @@ def _ask(args: argparse.Namespace) -> int:
     if args.index_dir:
         context["index_dir"] = args.index_dir
     else:
-        from tools.starter_kb import starter_index_dir
+        from ermedrag.tools.starter_kb import starter_index_dir
 
         print("Starter knowledge base (demo content, not clinical advice): building/opening its index…",
               file=sys.stderr)  # stderr: keeps `ask --json` output parseable
         starter_index_dir(progress=True)
-    from graphs.er_medrag import graph
+    from ermedrag.graphs.er_medrag import graph
 
     started = time.perf_counter()
     state = graph.invoke({"question": args.question, "options": options}, context=context)
@@ -212,8 +212,8 @@ def render_run(state: dict[str, Any], total_s: float) -> str:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from tools.corpus import read_documents
-    from tools.index import build_index
+    from ermedrag.tools.corpus import read_documents
+    from ermedrag.tools.index import build_index
 
     started = time.perf_counter()
     documents = read_documents(args.paths)
@@ -226,8 +226,8 @@ def _index(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from evals.benchmarks import BENCHMARKS
-    from evals.runner import run_eval
+    from ermedrag.tools.benchmarks import BENCHMARKS
+    from ermedrag.evals.runner import run_eval
 
     benches = list(BENCHMARKS) if args.bench == "all" else [b.strip() for b in args.bench.split(",") if b.strip()]
     if args.samples > 1 and args.temperature <= 0:
@@ -240,7 +240,7 @@ def _eval(args: argparse.Namespace) -> int:
     )
     for system, counts in summary.items():
         print(f"{system}: {counts}")
-    from evals.report import write_report
+    from ermedrag.evals.report import write_report
 
     written = write_report([args.out], args.out)
     print(f"report: {written['report']}  plots: {', '.join(written['plots'])}")
@@ -248,8 +248,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _record(args: argparse.Namespace) -> int:
-    from evals.runner import run_eval
-    from tools.traces import default_trace_db
+    from ermedrag.evals.runner import run_eval
+    from ermedrag.tools.traces import default_trace_db
 
     trace_db = args.trace_db or default_trace_db()
     out = args.out or str(Path(trace_db).with_suffix("")) + "-runs"
@@ -261,8 +261,8 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tools.traces import default_trace_db
-    from training.export import (DPOExportConfig, GRPOExportConfig, MedR3ExportConfig, export_dpo, export_grpo,
+    from ermedrag.tools.traces import default_trace_db
+    from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, MedR3ExportConfig, export_dpo, export_grpo,
                                  export_med_r3)
 
     traces = args.traces or default_trace_db()
@@ -284,12 +284,12 @@ def _export(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     if args.kind == "med-r3":
-        from training.med_r3 import train_med_r3
+        from ermedrag.training.med_r3 import train_med_r3
 
         summary = train_med_r3(args.config, stages=args.stages)
         print(json.dumps(summary, indent=2, default=str))
         return 0
-    from training.trainers import train_from_file
+    from ermedrag.training.trainers import train_from_file
 
     summary = train_from_file(args.kind, args.config)
     print(json.dumps({k: v for k, v in summary.items() if k != "final_metrics"}, indent=2, default=str))
@@ -297,7 +297,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from evals.report import write_report
+    from ermedrag.evals.report import write_report
 
     written = write_report(args.results, args.out or args.results[0], trace_db=args.trace_db,
                            corpus_dir=args.corpus_dir, qrels=args.qrels, judge=args.judge, base_url=args.base_url)
@@ -307,7 +307,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _traces(args: argparse.Namespace) -> int:
-    from tools.traces import TraceStore, default_trace_db
+    from ermedrag.tools.traces import TraceStore, default_trace_db
 
     path = Path(args.db or default_trace_db())
     if not path.exists():
