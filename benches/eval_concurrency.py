@@ -25,7 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from ermedrag.tools.benchmarks import Question  # noqa: E402
-from ermedrag.evals.runner import EvalConfig, run_questions, systems  # noqa: E402
+from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
+from ermedrag.graphs.registry import load_graph  # noqa: E402
 
 
 def free_port() -> int:
@@ -67,7 +68,7 @@ def main() -> None:
     server, base_url = start_server(args.reply_seconds)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            config = EvalConfig(system="cot", model="openai:fixed")
+            config = EvalConfig.for_graph("cot", {"respondent_model": "openai:fixed"})
             trace_db = str(Path(tmp) / "traces.sqlite")
             questions = synthetic_questions(args.questions)
             # Warm-up (imports, HTTP client, trace db), not timed: the bench measures steady throughput.
@@ -80,7 +81,7 @@ def main() -> None:
             concurrent_s = time.perf_counter() - started
             assert counts["answered"] == args.questions, counts
 
-            graph = systems()["cot"]
+            graph = load_graph("cot")
             context = config.context(base_url, trace_db)
             started = time.perf_counter()
             for q in synthetic_questions(args.sequential_questions):

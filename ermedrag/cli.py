@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ermedrag.graphs.registry import GRAPHS
 from ermedrag.tools.chat_models import DEFAULT_MODEL, ModelSpecError, parse_model_spec
 from ermedrag.tools.corpus import CorpusError
 from ermedrag.tools.index import DEFAULT_ENCODER, IndexUnavailable
@@ -52,19 +53,20 @@ def _parser() -> argparse.ArgumentParser:
     index.set_defaults(handler=_index)
 
     evaluate = sub.add_parser("eval", help="run systems on benchmarks (concurrent, resumable)")
-    evaluate.add_argument("--system", default="er_medrag", help="comma-separated: er_medrag, vanilla_rag, cot, med_r3")
+    evaluate.add_argument("--system", default="er_medrag", help=f"comma-separated graphs: {', '.join(GRAPHS)}")
     evaluate.add_argument("--bench", default="medqa",
                           help="comma-separated benchmark names or JSONL question files, or 'all'")
     evaluate.add_argument("--out", required=True, help="results folder (rerun with the same folder to resume)")
     evaluate.add_argument("--samples", type=int, default=1, help="answers per question (answer entropy; "
                                                                    "needs --temperature > 0)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=192, help="respondent generation budget")
+    evaluate.add_argument("--max-new-tokens", type=int, default=None,
+                          help="respondent generation budget (default: the graph context's)")
     _add_batch_args(evaluate)
     evaluate.set_defaults(handler=_eval)
 
     record = sub.add_parser("run", help="record traces for a file of questions (no report): training data")
     record.add_argument("--bench", required=True, help="JSONL questions file in the shared schema, or a benchmark name")
-    record.add_argument("--system", default="er_medrag", help="graph that answers them")
+    record.add_argument("--system", default="er_medrag", choices=list(GRAPHS), help="graph that answers them")
     record.add_argument("--out", default=None, help="progress log folder (default: beside the trace db)")
     _add_batch_args(record)
     record.set_defaults(handler=_record)
@@ -117,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_batch_args(parser: argparse.ArgumentParser) -> None:
     """What `eval` and `run` share: the model, the questions' selection, retrieval and concurrency."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="chat model for every agent")
+    parser.add_argument("--model", default=None, help=f"chat model for every agent (default {DEFAULT_MODEL})")
     parser.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
     parser.add_argument("--data", default=None,
                         help="folder of benchmark JSONL files (default: ERMEDRAG_SHARED_DATA/benchmarks; "
@@ -125,9 +127,11 @@ def _add_batch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="seeded sample of N questions per benchmark")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for --limit")
     parser.add_argument("--concurrency", type=int, default=8, help="questions in flight at once")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--snippets", type=int, default=4, help="snippets per question (RAG systems)")
-    parser.add_argument("--index-dir", default="", help="corpus index (default: the starter knowledge base)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0)")
+    parser.add_argument("--snippets", type=int, default=None, help="snippets per question (RAG graphs)")
+    parser.add_argument("--index-dir", default=None, help="corpus index (default: the starter knowledge base)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                        help="any other context field of the graphs, e.g. --set max_searches=2 (repeat)")
     parser.add_argument("--trace-db", default=None, help="trace database for the runs")
 
 
@@ -138,7 +142,8 @@ def _add_question_args(parser: argparse.ArgumentParser, default_question: bool) 
         parser.add_argument("question", help="the question to answer")
     parser.add_argument("--option", "-o", action="append", default=[], metavar="KEY=TEXT",
                         help="an answer option, e.g. -o 'A=Metformin' (repeat)")
-    parser.add_argument("--model", default=None, help=f"chat model for both agents (default {DEFAULT_MODEL})")
+    parser.add_argument("--graph", default="er_medrag", choices=list(GRAPHS), help="the graph that answers")
+    parser.add_argument("--model", default=None, help=f"chat model for every agent (default {DEFAULT_MODEL})")
     parser.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
     parser.add_argument("--index-dir", default=None, help="corpus index (default: the starter knowledge base)")
     parser.add_argument("--snippets", type=int, default=None, help="snippets to extract from")
@@ -165,8 +170,9 @@ def _ask(args: argparse.Namespace) -> int:
         print("Starter knowledge base (demo content, not clinical advice): building/opening its index…",
               file=sys.stderr)  # stderr: keeps `ask --json` output parseable
         starter_index_dir(progress=True)
-    from ermedrag.graphs.er_medrag import graph
+    from ermedrag.graphs.registry import load_graph
 
+    graph = load_graph(args.graph)
     started = time.perf_counter()
     state = graph.invoke({"question": args.question, "options": options}, context=context)
     total = time.perf_counter() - started
@@ -230,14 +236,11 @@ def _eval(args: argparse.Namespace) -> int:
     from ermedrag.evals.runner import run_eval
 
     benches = list(BENCHMARKS) if args.bench == "all" else [b.strip() for b in args.bench.split(",") if b.strip()]
-    if args.samples > 1 and args.temperature <= 0:
-        raise ValueError("--samples > 1 measures answer entropy and needs --temperature > 0")
-    summary = run_eval(
-        [s.strip() for s in args.system.split(",")], benches, args.model, args.out, data_dir=args.data,
-        limit=args.limit, seed=args.seed, concurrency=args.concurrency, base_url=args.base_url,
-        trace_db=args.trace_db, index_dir=args.index_dir, snippets_k=args.snippets, temperature=args.temperature,
-        samples=args.samples, respondent_max_new_tokens=args.max_new_tokens,
-    )
+    systems = [s.strip() for s in args.system.split(",") if s.strip()]
+    summary = run_eval(systems, benches, args.model, args.out, data_dir=args.data, limit=args.limit, seed=args.seed,
+                       concurrency=args.concurrency, base_url=args.base_url, trace_db=args.trace_db,
+                       samples=args.samples, **_context_overrides(args, systems),
+                       respondent_max_new_tokens=args.max_new_tokens)
     for system, counts in summary.items():
         print(f"{system}: {counts}")
     from ermedrag.evals.report import write_report
@@ -245,6 +248,14 @@ def _eval(args: argparse.Namespace) -> int:
     written = write_report([args.out], args.out)
     print(f"report: {written['report']}  plots: {', '.join(written['plots'])}")
     return 0
+
+
+def _context_overrides(args: argparse.Namespace, systems: list[str]) -> dict[str, Any]:
+    """The graph context fields that `eval` and `run` set (None: the graph's default)."""
+    from ermedrag.evals.runner import parse_overrides
+
+    named = {"index_dir": args.index_dir, "snippets_k": args.snippets, "temperature": args.temperature}
+    return {**named, **parse_overrides(args.settings, systems)}
 
 
 def _record(args: argparse.Namespace) -> int:
@@ -255,7 +266,7 @@ def _record(args: argparse.Namespace) -> int:
     out = args.out or str(Path(trace_db).with_suffix("")) + "-runs"
     summary = run_eval([args.system], [args.bench], args.model, out, data_dir=args.data, limit=args.limit,
                        seed=args.seed, concurrency=args.concurrency, base_url=args.base_url, trace_db=trace_db,
-                       index_dir=args.index_dir, snippets_k=args.snippets, temperature=args.temperature)
+                       **_context_overrides(args, [args.system]))
     print(f"{summary[args.system]}; traces in {trace_db}")
     return 0
 

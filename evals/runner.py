@@ -13,11 +13,13 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+import typing
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ermedrag.tools.benchmarks import BadRow, Question, load_benchmark, load_questions_file
+from ermedrag.graphs.registry import context_fields, graph_spec, load_graph, resolved_settings
 from ermedrag.tools.jsonl import AppendLog, read_records
 from ermedrag.tools.traces import TraceStore, default_trace_db
 
@@ -25,39 +27,60 @@ RESULTS = "results.jsonl"
 BAD_ROWS = "bad_rows.jsonl"
 
 
-def systems() -> dict[str, Any]:
-    from ermedrag.graphs.baselines import cot, vanilla_rag
-    from ermedrag.graphs.er_medrag import graph
-    from ermedrag.graphs.med_r3 import graph as med_r3
-
-    return {"er_medrag": graph, "vanilla_rag": vanilla_rag, "cot": cot, "med_r3": med_r3}
-
-
 @dataclass(frozen=True)
 class EvalConfig:
-    """What defines a result: change any field and the questions are answered again."""
+    """What defines a result: the graph, every setting it uses (`graphs.registry`), the samples per question.
+    Change any of them and the questions are answered again."""
 
     system: str
-    model: str
-    index_dir: str = ""
-    snippets_k: int = 4
-    temperature: float = 0.0
+    settings: dict[str, Any] = field(default_factory=dict)
     samples: int = 1
-    extractor_max_new_tokens: int = 96
-    respondent_max_new_tokens: int = 192
+
+    @classmethod
+    def for_graph(cls, system: str, overrides: Mapping[str, Any] | None = None, samples: int = 1) -> EvalConfig:
+        """`system`'s settings with `overrides` (context fields; None = the default) applied."""
+        given = {key: value for key, value in (overrides or {}).items() if value is not None}
+        settings = resolved_settings(system, given)
+        if samples > 1 and settings.get("temperature", 0) <= 0:
+            raise ValueError("--samples > 1 measures answer entropy and needs --temperature > 0")
+        return cls(system=system, settings=settings, samples=samples)
+
+    @property
+    def model(self) -> str:
+        """The chat models the graph uses, for labels: one name when every role has the same model."""
+        models = [str(v) for k, v in self.settings.items() if k.endswith("_model") and v]
+        return " + ".join(dict.fromkeys(models))
+
+    def record(self) -> dict[str, Any]:
+        return {"system": self.system, "model": self.model, "settings": self.settings, "samples": self.samples}
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        identity = {"system": self.system, "settings": self.settings, "samples": self.samples}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def context(self, base_url: str | None, trace_db: str) -> dict[str, Any]:
-        context = {"extractor_model": self.model, "respondent_model": self.model, "snippets_k": self.snippets_k,
-                   "temperature": self.temperature, "extractor_max_new_tokens": self.extractor_max_new_tokens,
-                   "respondent_max_new_tokens": self.respondent_max_new_tokens, "trace_db": trace_db}
-        if self.index_dir:
-            context["index_dir"] = self.index_dir
-        if base_url:
-            context["base_url"] = base_url
-        return context
+        return {**self.settings, "trace_db": trace_db, **({"base_url": base_url} if base_url else {})}
+
+
+def parse_overrides(pairs: Iterable[str], systems: Iterable[str]) -> dict[str, Any]:
+    """`KEY=VALUE` strings → context overrides, each value converted to the type of the field it sets; a key
+    that no graph in `systems` has is an error naming the keys they do have."""
+    types: dict[str, Any] = {}
+    for system in systems:
+        schema = load_graph(system).context_schema
+        types.update(typing.get_type_hints(schema))
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or key not in types:
+            raise ValueError(f"--set {pair!r}: expected KEY=VALUE with KEY among {', '.join(sorted(types))}")
+        kind = types[key]
+        try:
+            overrides[key] = kind(value) if kind in (int, float) else value
+        except ValueError:
+            raise ValueError(f"--set {pair!r}: {key} takes a {kind.__name__}") from None
+    return overrides
 
 
 def done_keys(path: Path) -> set[tuple[str, str, str, int]]:
@@ -81,7 +104,7 @@ def result_row(config: EvalConfig, question: Question, sample: int, state: dict[
                store: TraceStore, seconds: float) -> dict[str, Any]:
     answer = state.get("answer") or {}
     return {
-        "config_key": config.key(), "config": asdict(config), "benchmark": question.benchmark,
+        "config_key": config.key(), "config": config.record(), "benchmark": question.benchmark,
         "question_id": question.id, "subject": question.subject, "sample": sample, "gold": question.answer,
         "answer": answer.get("answer"), "ok": bool(answer.get("ok")), "well_formed": bool(answer.get("well_formed")),
         "correct": answer.get("answer") == question.answer, "error": answer.get("error"),
@@ -103,7 +126,7 @@ async def run_questions(
     """Answer every (question, sample) not yet recorded for `config`; returns counts."""
     from tqdm.auto import tqdm
 
-    graph = systems()[config.system]
+    graph = load_graph(config.system)
     trace_db = trace_db or default_trace_db()
     store = TraceStore(trace_db)
     context = config.context(base_url, trace_db)
@@ -117,7 +140,8 @@ async def run_questions(
     # Sync graph nodes run in the loop's executor: size it so `concurrency` questions (each fanning out
     # to snippets_k extractor calls) never queue behind each other's threads.
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(ThreadPoolExecutor(max_workers=concurrency * (config.snippets_k + 2)))
+    fan_out = int(config.settings.get("snippets_k", 0))
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=concurrency * (fan_out + 2)))
     bar = tqdm(total=len(todo), desc=f"{config.system} {config.model}", unit="q", disable=not progress)
 
     async def answer(question: Question, sample: int) -> None:
@@ -144,9 +168,9 @@ async def run_questions(
 
 
 def run_eval(
-    systems_: Iterable[str],
+    systems: Iterable[str],
     benchmarks: Iterable[str | Path],
-    model: str,
+    model: str | None,
     out_dir: str | os.PathLike[str],
     *,
     data_dir: str | None = None,
@@ -155,9 +179,23 @@ def run_eval(
     concurrency: int = 8,
     base_url: str | None = None,
     trace_db: str | None = None,
-    **config_fields: Any,
+    samples: int = 1,
+    **overrides: Any,
 ) -> dict[str, Any]:
-    """Load the benchmarks (names, or paths of JSONL question files), report bad rows, run every system."""
+    """Load the benchmarks (names, or paths of JSONL question files), report bad rows, run every system.
+
+    `model` is every agent's chat model (None: the context's default); `overrides` are context fields (e.g.
+    `snippets_k=6`, `max_searches=2`), applied to each graph that has them; None leaves a field at its default."""
+    systems = list(systems)
+    for system in systems:
+        graph_spec(system)  # an unknown name fails before anything runs
+    if model:
+        overrides = {"extractor_model": model, "respondent_model": model, **overrides}
+    unused = [key for key, value in overrides.items()
+              if value is not None and not any(key in context_fields(s) for s in systems)]
+    if unused:
+        raise ValueError(f"setting(s) {unused} belong to none of the graphs {systems}")
+    configs = [EvalConfig.for_graph(system, overrides, samples) for system in systems]
     out_dir = Path(out_dir)
     questions: list[Question] = []
     bad: list[BadRow] = []
@@ -172,11 +210,6 @@ def run_eval(
             for row in bad:
                 handle.write(json.dumps(asdict(row)) + "\n")
         print(f"skipped {len(bad)} bad rows (listed in {out_dir / BAD_ROWS}), e.g. {bad[0].id}: {bad[0].problem}")
-    summary = {}
-    for system in systems_:
-        if system not in systems():
-            raise ValueError(f"unknown system {system!r}; choose from {', '.join(systems())}")
-        config = EvalConfig(system=system, model=model, **config_fields)
-        summary[system] = asyncio.run(run_questions(config, questions, out_dir, concurrency=concurrency,
-                                                    base_url=base_url, trace_db=trace_db))
-    return summary
+    return {config.system: asyncio.run(run_questions(config, questions, out_dir, concurrency=concurrency,
+                                                     base_url=base_url, trace_db=trace_db))
+            for config in configs}

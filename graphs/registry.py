@@ -1,0 +1,77 @@
+"""The graphs, by name: the one list that the CLI, the eval runner and `langgraph.json` (checked by a test) share.
+
+Adding a graph = its module + one line in `GRAPHS` + one line in `langgraph.json`.
+
+Each entry names the context fields that change the graph's answers (`settings`): an evaluation keys its
+results by exactly those, so two runs of a graph compare only when everything it uses is equal, and a setting
+a graph ignores (ER-MedRAG's snippet count for CoT) never splits its results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # importing the registry stays cheap: a graph's module loads when it is asked for
+    from langgraph.graph.state import CompiledStateGraph
+
+RESPONDENT = ("respondent_model", "temperature", "respondent_max_new_tokens")
+RETRIEVAL = ("index_dir", "snippets_k", "coarse_k", "reranker")
+EXTRACTOR = ("extractor_model", "extractor_max_new_tokens")
+SEARCH_LOOP = ("reasoner_model", "max_searches", "search_k", "step_max_new_tokens", "max_total_tokens")
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """Where a graph lives (`module:attribute` under `ermedrag.graphs`), what it does, and what it uses."""
+
+    target: str
+    summary: str
+    settings: tuple[str, ...]
+
+    @property
+    def module(self) -> str:
+        return f"ermedrag.graphs.{self.target.partition(':')[0]}"
+
+    @property
+    def attribute(self) -> str:
+        return self.target.partition(":")[2]
+
+
+GRAPHS: dict[str, GraphSpec] = {
+    "er_medrag": GraphSpec("er_medrag:graph", "retrieve → extract triplets per snippet → respond",
+                           RESPONDENT + RETRIEVAL + EXTRACTOR),
+    "vanilla_rag": GraphSpec("baselines:vanilla_rag", "retrieve → respond from the raw snippets",
+                             RESPONDENT + RETRIEVAL),
+    "cot": GraphSpec("baselines:cot", "respond from the model's own knowledge", RESPONDENT),
+    "med_r3": GraphSpec("med_r3:graph", "reason, searching mid-reasoning in a bounded loop, then answer",
+                        ("respondent_model", "temperature", "index_dir", "coarse_k", "reranker") + SEARCH_LOOP),
+}
+
+
+def graph_spec(name: str) -> GraphSpec:
+    if name not in GRAPHS:
+        raise ValueError(f"unknown graph {name!r}; choose from {', '.join(GRAPHS)}")
+    return GRAPHS[name]
+
+
+def load_graph(name: str) -> CompiledStateGraph:
+    """The compiled graph registered as `name` (its module is imported on first use)."""
+    spec = graph_spec(name)
+    return getattr(importlib.import_module(spec.module), spec.attribute)
+
+
+def context_fields(name: str) -> set[str]:
+    """The fields of the graph's context schema (what `graph.invoke(..., context=...)` accepts)."""
+    return {f.name for f in dataclasses.fields(load_graph(name).context_schema)}
+
+
+def resolved_settings(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The graph's settings with `overrides` applied and every other field at its default (environment
+    fallbacks included): what its answers depend on. Overrides of fields the graph does not have are ignored."""
+    schema = load_graph(name).context_schema
+    known = context_fields(name)
+    context = schema(**{key: value for key, value in overrides.items() if key in known})
+    return {setting: getattr(context, setting) for setting in graph_spec(name).settings}
