@@ -15,7 +15,7 @@ from tests.conftest import REPO
 
 def test_langgraph_json_serves_exactly_the_registered_graphs():
     served = json.loads((REPO / "langgraph.json").read_text())["graphs"]
-    expected = {name: f"./graphs/{spec.target.replace(':', '.py:')}" for name, spec in GRAPHS.items()}
+    expected = {name: f"{spec.module}:{spec.attribute}" for name, spec in GRAPHS.items()}
     assert served == expected
 
 
