@@ -328,7 +328,8 @@ def _traces(args: argparse.Namespace) -> int:
         for run in store.runs(args.limit):
             answer = (run.get("answer") or {}).get("answer")
             print(f"{run['run_id']}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run['created_at']))}  "
-                  f"{run['graph']}  events={run['n_events']}  answer={answer}  gold={run['gold']}  "
+                  f"{run['graph']}  events={run['n_events']}  retrievals={run['n_retrievals']}  answer={answer}  "
+                  f"gold={run['gold']}  "
                   f"{run['question']['question'][:60]!r}")
         return 0
     if not args.run_id:
@@ -337,8 +338,16 @@ def _traces(args: argparse.Namespace) -> int:
     if run is None:
         raise ValueError(f"no run {args.run_id!r} in {path}")
     events = [{k: v for k, v in e.items() if k != "logprobs"} for e in store.events(run_id=args.run_id)]
-    print(json.dumps({"run": run, "events": events}, indent=2, default=str))
+    retrievals = [_retrieval_view(r) for r in store.retrievals(args.run_id)]
+    print(json.dumps({"run": run, "events": events, "retrievals": retrievals}, indent=2, default=str))
     return 0
+
+
+def _retrieval_view(retrieval: dict[str, Any]) -> dict[str, Any]:
+    """A retrieval event with one line per snippet (`id  score`) instead of a block of JSON each."""
+    lines = [f"{s['id']}  {s['score']:.4f}" if isinstance(s.get("score"), (int, float)) else str(s.get("id"))
+             for s in retrieval["snippets"] or []]
+    return retrieval | {"snippets": lines}
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 Retrieval (no LLM): which corpus passages a run retrieved, against the gold evidence of its question.
 
-- retrieved ids: the doc ids (corpus passage ids) of the snippets a run retrieved, read from its trace events
-  (`retrieved_ids`). A snippet id is `"<doc_id>@<start>-<end>"`; several snippets of one passage count once,
-  so the scores below are passage-level.
+- retrieved ids: the doc ids (corpus passage ids) of the snippets a run retrieved, read from the retrieval
+  events of its trace (`retrieved_ids`): every retrieval of the run (ER-MedRAG's and vanilla RAG's one, each
+  of Med-R³'s searches). A snippet id is `"<doc_id>@<start>-<end>"`; several snippets of one passage count
+  once, so the scores below are passage-level.
 - gold evidence (`gold_evidence`): PubMedQA question `pubmedqa-<pmid>` → the passages of its own abstract,
   corpus ids `pubmed-<pmid>-<i>`; BioASQ → the `gold` passage ids of `bioasq_qrels.jsonl`; other benchmarks
   have none.
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import re
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -56,8 +56,6 @@ except ImportError:  # ragas is the optional `eval` extra
     BACKEND = "fallback"
 
 RESULTS = "results.jsonl"
-# A snippet id in an evidence block: "1. [pubmed-123-0@0-240] ..." (vanilla RAG and ER-MedRAG both render it).
-EVIDENCE_SNIPPET = re.compile(r"\[([^\[\]\s]+@\d+-\d+)\]")
 
 
 # --------------------------------------------------------------------------------------------- retrieved
@@ -68,26 +66,12 @@ def _store(store: TraceStore | str | os.PathLike[str]) -> TraceStore:
 
 
 def retrieved_ids(store: TraceStore | str | os.PathLike[str], run_id: str) -> list[str]:
-    """Doc ids of the snippets run `run_id` retrieved, deduplicated, in retrieval order as far as recorded.
+    """Doc ids of the snippets run `run_id` retrieved over all its retrievals, deduplicated, in retrieval order.
 
-    Sources, from the run's events: the snippet ids cited in the respondent's `inputs["evidence"]` (vanilla
-    RAG renders every snippet there; ER-MedRAG renders its triplets, in retrieval order, each citing its
-    snippet), then each extractor event's `inputs["snippet_id"]` not cited there (ER-MedRAG snippets that gave
-    no triplet). Those last ones follow in recorded order, which for ER-MedRAG's concurrent extraction is
-    completion order, not the retriever's ranking. The metrics here compare sets and do not depend on order.
-    A run without retrieval (CoT) has none.
+    A run without retrieval (CoT), or one not in the store, has none.
     """
-    cited: dict[str, None] = {}
-    extracted: dict[str, None] = {}
-    for event in _store(store).events(run_id=run_id):
-        inputs = event.get("inputs") or {}
-        if inputs.get("snippet_id"):
-            extracted.setdefault(doc_id(inputs["snippet_id"]), None)
-        evidence = inputs.get("evidence")
-        if isinstance(evidence, str):
-            for snippet_id in EVIDENCE_SNIPPET.findall(evidence):
-                cited.setdefault(doc_id(snippet_id), None)
-    return list({**cited, **extracted})
+    snippet_ids = (s.get("id") for r in _store(store).retrievals(run_id) for s in r["snippets"] or [])
+    return list(dict.fromkeys(doc_id(i) for i in snippet_ids if i))
 
 
 # ------------------------------------------------------------------------------------------------ scores
@@ -320,13 +304,13 @@ def judge_samples(
 
     user_input: the question; response: the respondent's reasoning and its answer (with the option text);
     retrieved_contexts: the snippet texts the extractor read (ER-MedRAG) or else the evidence block the
-    respondent read (vanilla RAG).
+    respondent read (vanilla RAG); a run that retrieved nothing (CoT) has none.
     """
     store = _store(trace_db)
     samples = []
     for row in result_rows:
         run_id = row.get("run_id")
-        if not run_id:
+        if not run_id or not store.retrievals(run_id):
             continue
         snippets, respondent = [], None
         for event in store.events(run_id=run_id):
@@ -340,7 +324,7 @@ def judge_samples(
         inputs = respondent.get("inputs") or {}
         parsed = respondent.get("parsed") or {}
         evidence = inputs.get("evidence")
-        contexts = snippets or ([evidence] if isinstance(evidence, str) and EVIDENCE_SNIPPET.search(evidence) else [])
+        contexts = snippets or ([evidence] if isinstance(evidence, str) and evidence.strip() else [])
         if not contexts:
             continue
         answer = parsed.get("answer")

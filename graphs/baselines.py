@@ -25,7 +25,7 @@ def cot_respond(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
 
 def rag_retrieve(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
     update = begin_run(state, runtime.context, "vanilla_rag")
-    return update | retrieve_evidence(runtime.context, update["question"])
+    return update | retrieve_evidence(runtime.context, update["question"], run_id=update["run_id"], node="retrieve")
 
 
 def rag_respond(state: State, runtime: Runtime[Context]) -> dict[str, Any]:

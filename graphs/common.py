@@ -16,9 +16,9 @@ from ermedrag.tools.agent_calls import call_agent
 
 from ermedrag.tools.chat_models import DEFAULT_MODEL, load_chat_model
 from ermedrag.tools.index import Index, cached_index
-from ermedrag.tools.retrieval import DEFAULT_CONFIG, RetrievalConfig
+from ermedrag.tools.retrieval import COARSE_K, DEFAULT_CONFIG, SNIPPETS_K, RetrievalConfig, retrieval_settings
 from ermedrag.tools.retrieval import retrieve as retrieve_snippets
-from ermedrag.tools.traces import TraceStore, default_trace_db
+from ermedrag.tools.traces import RetrievalEvent, TraceStore, default_trace_db, snippet_record
 from ermedrag.tools.cache import shared_resource
 
 MAX_OPTIONS = 26
@@ -54,13 +54,13 @@ class Context:
     """Corpus index built by `ermedrag index`; empty = the starter knowledge base. Env ERMEDRAG_INDEX_DIR."""
     chroma_url: str = env("ERMEDRAG_CHROMA_URL", "")
     """A Chroma server (http://host:port) instead of the embedded store. Env ERMEDRAG_CHROMA_URL."""
-    coarse_k: int = env_int("ERMEDRAG_COARSE_K", 8)
+    coarse_k: int = env_int("ERMEDRAG_COARSE_K", COARSE_K)
     """Chunks kept by the coarse stage (BM25 + dense fused, pseudo-relevance feedback). Env ERMEDRAG_COARSE_K."""
     reranker: str = env("ERMEDRAG_RERANKER", "")
     """Cross-encoder (HF id or folder, e.g. ncbi/MedCPT-Cross-Encoder) re-scoring the coarse chunks; empty = off.
     Env ERMEDRAG_RERANKER."""
-    snippets_k: int = env_int("ERMEDRAG_SNIPPETS_K", 4)
-    """Snippets kept by the fine stage: one extractor call each."""
+    snippets_k: int = env_int("ERMEDRAG_SNIPPETS_K", SNIPPETS_K)
+    """Snippets kept by the fine stage: one extractor call each. Env ERMEDRAG_SNIPPETS_K."""
     temperature: float = env_float("ERMEDRAG_TEMPERATURE", 0.0)
     """Sampling temperature for every agent (0 = greedy)."""
     extractor_max_new_tokens: int = env_int("ERMEDRAG_EXTRACTOR_MAX_NEW_TOKENS", 96)
@@ -136,12 +136,25 @@ def begin_run(state: Mapping[str, Any], ctx: Context, graph_name: str) -> dict[s
     return {"run_id": run_id, "question": question, "options": options}
 
 
-def retrieve_evidence(ctx: Context, question: str) -> dict[str, Any]:
-    """Coarse-to-fine retrieval as a state update (snippets as plain dicts, with the stage's timing)."""
+def retrieve_recorded(ctx: Context, query: str, *, run_id: str, node: str, k: int, coarse_k: int
+                      ) -> tuple[list[dict[str, Any]], float]:
+    """Coarse-to-fine retrieval with the context's index and settings, recorded as a retrieval event of the
+    run; the snippets (as plain dicts) and the seconds the retrieval took."""
+    index, config = index_for(ctx), retrieval_config(ctx)
     started = time.perf_counter()
-    snippets = retrieve_snippets(index_for(ctx), question, k=ctx.snippets_k, coarse_k=ctx.coarse_k,
-                                 config=retrieval_config(ctx))
-    return {"snippets": [s.to_dict() for s in snippets], "timings": {"retrieve_s": time.perf_counter() - started}}
+    snippets = [s.to_dict() for s in retrieve_snippets(index, query, k=k, coarse_k=coarse_k, config=config)]
+    seconds = time.perf_counter() - started
+    trace_store(ctx).add_retrieval(RetrievalEvent(
+        run_id=run_id, node=node, query=query, snippets=[snippet_record(s) for s in snippets],
+        settings=retrieval_settings(k, coarse_k, config), index_info=index.identity(), latency_s=seconds))
+    return snippets, seconds
+
+
+def retrieve_evidence(ctx: Context, question: str, *, run_id: str, node: str) -> dict[str, Any]:
+    """The question's snippets, retrieved and recorded, as a state update (with the stage's timing)."""
+    snippets, seconds = retrieve_recorded(ctx, question, run_id=run_id, node=node, k=ctx.snippets_k,
+                                          coarse_k=ctx.coarse_k)
+    return {"snippets": snippets, "timings": {"retrieve_s": seconds}}
 
 
 def respond_with(state: Mapping[str, Any], ctx: Context, evidence: str) -> dict[str, Any]:

@@ -46,7 +46,8 @@ class ExtractTask(TypedDict):
 
 def retrieve(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
     update = begin_run(state, runtime.context, GRAPH_NAME)
-    return update | retrieve_evidence(runtime.context, update["question"]) | {"stage_started_at": time.time()}
+    evidence = retrieve_evidence(runtime.context, update["question"], run_id=update["run_id"], node="retrieve")
+    return update | evidence | {"stage_started_at": time.time()}
 
 
 def fan_out(state: State) -> list[Send] | str:

@@ -21,10 +21,9 @@ from typing_extensions import TypedDict
 from ermedrag.agents import reasoner
 from ermedrag.tools.agent_calls import call_agent
 from ermedrag.agents.respondent import Answer
-from ermedrag.graphs.common import (Context, env_int, begin_run, chat_model, index_for, retrieval_config, sampling,
-                           trace_store)
+from ermedrag.graphs.common import Context, begin_run, chat_model, env_int, retrieve_recorded, sampling, trace_store
 from ermedrag.graphs.er_medrag import InputState
-from ermedrag.tools.retrieval import search as search_index
+from ermedrag.tools.retrieval import SEARCH_K, search_coarse_k
 
 GRAPH_NAME = "med_r3"
 
@@ -35,8 +34,8 @@ class MedR3Context(Context):
     """Reasoning model; empty = respondent_model."""
     max_searches: int = env_int("ERMEDRAG_MAX_SEARCHES", 4)
     """Searches allowed per question (Med-R³ uses 4)."""
-    search_k: int = env_int("ERMEDRAG_SEARCH_K", 5)
-    """Snippets returned per search (Med-R³ uses the top 5)."""
+    search_k: int = env_int("ERMEDRAG_SEARCH_K", SEARCH_K)
+    """Snippets returned per search (Med-R³ uses the top 5). Env ERMEDRAG_SEARCH_K."""
     step_max_new_tokens: int = env_int("ERMEDRAG_STEP_MAX_NEW_TOKENS", 256)
     """Generation budget of one reasoning step (until a search closes or the answer ends)."""
     max_total_tokens: int = env_int("ERMEDRAG_MAX_TOTAL_TOKENS", 1024)
@@ -103,16 +102,17 @@ def after_reason(state: State, runtime: Runtime[MedR3Context]) -> Literal["searc
 
 def search(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
     ctx = runtime.context
-    started = time.perf_counter()
-    snippets = search_index(index_for(ctx), state["pending_query"], k=ctx.search_k, coarse_k=ctx.coarse_k,
-                            config=retrieval_config(ctx))
+    query = state["pending_query"]
+    # The retrieval of `tools.retrieval.search` (what the training rollout runs), recorded in the trace.
+    snippets, seconds = retrieve_recorded(ctx, query, run_id=state["run_id"], node="search", k=ctx.search_k,
+                                          coarse_k=search_coarse_k(ctx.search_k, ctx.coarse_k))
     documents = reasoner.render_documents(snippets)
     return {
         "transcript": state["transcript"] + documents,
         "segments": [{"kind": "document", "text": documents}],
-        "searches": [Search(query=state["pending_query"], snippet_ids=[s["id"] for s in snippets])],
+        "searches": [Search(query=query, snippet_ids=[s["id"] for s in snippets])],
         "pending_query": None,
-        "timings": {"search_s": state.get("timings", {}).get("search_s", 0.0) + time.perf_counter() - started},
+        "timings": {"search_s": state.get("timings", {}).get("search_s", 0.0) + seconds},
     }
 
 

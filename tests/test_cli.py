@@ -106,7 +106,8 @@ def test_traces_list_shows_the_run(asked: subprocess.CompletedProcess[str], trac
     proc = ermedrag("traces", "list", trace_db=trace_db)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith(run_id)]
-    assert "er_medrag" in line and "events=5" in line and "answer=A" in line and QUESTION[:40] in line
+    assert "er_medrag" in line and "events=5" in line and "retrievals=1" in line and "answer=A" in line
+    assert QUESTION[:40] in line
 
 
 def test_traces_show_prints_the_run_and_its_events(asked: subprocess.CompletedProcess[str], trace_db: Path) -> None:
@@ -122,6 +123,10 @@ def test_traces_show_prints_the_run_and_its_events(asked: subprocess.CompletedPr
     assert all(e["run_id"] == run_id and e["model"] == SCRIPTED for e in events)
     assert all("logprobs" not in e for e in events)
     assert "<answer>A</answer>" in events[-1]["completion"]
+    (retrieval,) = shown["retrievals"]
+    assert (retrieval["node"], retrieval["query"], retrieval["settings"]["k"]) == ("retrieve", QUESTION, 4)
+    assert len(retrieval["snippets"]) == 4 and all(re.fullmatch(r"\S+@\d+-\d+  -?\d+\.\d{4}", line)
+                                                    for line in retrieval["snippets"])
 
 
 def test_traces_show_of_an_unknown_run_exits_2(asked: subprocess.CompletedProcess[str], trace_db: Path) -> None:

@@ -1,4 +1,5 @@
-"""RAG quality: retrieved ids from traces, gold evidence, ragas ID-based precision/recall, the judge wiring.
+"""RAG quality: retrieved ids from the traces' retrieval events, gold evidence, ragas ID-based precision/recall,
+the judge wiring.
 
 Everything is offline: the judge is a scripted chat model (this module's `reply`), never a remote service.
 """
@@ -16,7 +17,7 @@ from langchain_core.embeddings import Embeddings
 
 from ermedrag.evals import rag_quality as rq
 from ermedrag.tools import gold_evidence as ge
-from ermedrag.tools.traces import TraceEvent, TraceStore
+from ermedrag.tools.traces import RetrievalEvent, TraceEvent, TraceStore
 
 JUDGE = "scripted:tests.test_rag_quality"
 QUESTION = "Does aspirin inhibit cyclooxygenase?"
@@ -44,21 +45,43 @@ def event(run_id: str, agent: str, inputs: dict, parsed=None, completion: str = 
                       inputs=inputs)
 
 
-def er_run(store: TraceStore, run_id: str, snippet_ids: list[str], cited: list[str] | None = None) -> None:
-    """An ER-MedRAG run: one extractor event per snippet, the respondent's evidence citing `cited` (default:
-    the first snippet, as if only it gave a triplet)."""
+def retrieval(store: TraceStore, run_id: str, snippet_ids: list[str], node: str = "retrieve") -> None:
+    """A retrieval event that returned `snippet_ids`, in this rank order."""
+    store.add_retrieval(RetrievalEvent(
+        run_id=run_id, node=node, query="q", latency_s=0.0, settings={"k": len(snippet_ids)}, index_info={},
+        snippets=[{"id": sid, "doc_id": ge.doc_id(sid), "chunk_id": f"{ge.doc_id(sid)}#0-99", "score": 1 / rank,
+                   "scores": {}} for rank, sid in enumerate(snippet_ids, 1)]))
+
+
+def er_run(store: TraceStore, run_id: str, snippet_ids: list[str], extracted: list[str] | None = None) -> None:
+    """An ER-MedRAG run: a retrieval of `snippet_ids`, one extractor event per snippet in the order `extracted`
+    (default: retrieval order; the fan-out finishes in any order), the respondent's evidence citing the first
+    snippet (as if only it gave a triplet)."""
     store.start_run(run_id, "er_medrag", {"question": "q"}, "A")
-    for sid in snippet_ids:
+    retrieval(store, run_id, snippet_ids)
+    for sid in snippet_ids if extracted is None else extracted:
         store.add_event(event(run_id, "extractor", {"question": "q", "snippet_id": sid, "snippet": f"text of {sid}"}))
-    evidence = "\n".join(f"{i}. [{sid}] a — b — c" for i, sid in enumerate(snippet_ids[:1] if cited is None else cited, 1))
+    evidence = f"1. [{snippet_ids[0]}] a — b — c"
     store.add_event(event(run_id, "respondent", {"question": "q", "options": {"A": "yes"}, "evidence": evidence},
                           parsed={"answer": "A", "reasoning": "because"}))
 
 
-def respondent_run(store: TraceStore, run_id: str, graph: str, evidence: str) -> None:
+def respondent_run(store: TraceStore, run_id: str, graph: str, evidence: str, retrieved: list[str]) -> None:
+    """A run whose respondent reads `evidence` after one retrieval of `retrieved` (none if empty: CoT)."""
     store.start_run(run_id, graph, {"question": "q"}, "A")
+    if retrieved:
+        retrieval(store, run_id, retrieved)
     store.add_event(event(run_id, "respondent", {"question": "q", "options": {"A": "yes"}, "evidence": evidence},
                           parsed={"answer": "A", "reasoning": "because"}))
+
+
+def med_r3_run(store: TraceStore, run_id: str, searches: list[list[str]]) -> None:
+    """A Med-R³ run: a reasoner step before each search (one retrieval event each) and one after the last."""
+    store.start_run(run_id, "med_r3", {"question": "q"}, "A")
+    for found in searches:
+        store.add_event(event(run_id, "reasoner", {"question": "q", "transcript": ""}, completion="<search>q</search>"))
+        retrieval(store, run_id, found, node="search")
+    store.add_event(event(run_id, "reasoner", {"question": "q", "transcript": "..."}, completion="<answer>A</answer>"))
 
 
 def row(system: str, benchmark: str, question_id: str, run_id: str | None) -> dict:
@@ -86,19 +109,22 @@ def fixture_data(tmp_path: Path) -> dict[str, Path]:
     er_run(store, "r1", ["bioasq-g1@0-50", "bioasq-x9@0-40", "bioasq-g1@60-120", "bioasq-g2@0-10"])
     # er_medrag / bioasq-bbb: {h1} → P = 1, R = 1
     er_run(store, "r2", ["bioasq-h1@5-9"])
-    # vanilla_rag / bioasq-aaa: evidence cites g3 and a medquad passage → P = 1/2, R = 1/3
-    respondent_run(store, "r3", "vanilla_rag",
-                   "1. [bioasq-g3@0-5] Title: some text\n2. [medquad-1@0-9] Other: more text [not-an-id]")
+    # vanilla_rag / bioasq-aaa: retrieved g3 and a medquad passage → P = 1/2, R = 1/3
+    respondent_run(store, "r3", "vanilla_rag", "1. [bioasq-g3@0-5] Title: some text\n2. [medquad-1@0-9] Other: more",
+                   ["bioasq-g3@0-5", "medquad-1@0-9"])
     # er_medrag / pubmedqa-111: 111-0, 111-2 gold; 1112-0 only shares the digits; P = 2/4; R = 2/4 with corpus
     er_run(store, "r4", ["pubmed-111-0@0-5", "pubmed-1112-0@0-5", "pubmed-111-2@3-9", "bioasq-x@0-1"])
     # cot / pubmedqa-111: no retrieval
-    respondent_run(store, "r5", "cot", "(none: answer from your own knowledge)")
+    respondent_run(store, "r5", "cot", "(none: answer from your own knowledge)", [])
     # er_medrag / medqa: no gold evidence
     er_run(store, "r6", ["medquad-7@0-5"])
     # er_medrag / bioasq-ccc: not in the qrels
     er_run(store, "r7", ["bioasq-g1@0-5"])
-    # extraction finished as d, c, b, a; the evidence (retrieval order) cites a, b, c; d gave no triplet
-    er_run(store, "r8", ["d@0-1", "c@0-1", "b@0-1", "a@0-1"], cited=["a@0-1", "a@2-3", "b@0-1", "c@0-1"])
+    # retrieved a, a (another window), b, c, d; extraction finished in the reverse order
+    er_run(store, "r8", ["a@0-1", "a@2-3", "b@0-1", "c@0-1", "d@0-1"],
+           extracted=["d@0-1", "c@0-1", "b@0-1", "a@2-3", "a@0-1"])
+    # med_r3 / pubmedqa-111: two searches, 111-1 found by both → {111-1, x, 111-3}: P = 2/3; R = 2/4 with corpus
+    med_r3_run(store, "r9", [["pubmed-111-1@0-5", "bioasq-x@0-1"], ["pubmed-111-1@7-9", "pubmed-111-3@0-4"]])
 
     results = tmp_path / "results"
     results.mkdir()
@@ -106,7 +132,7 @@ def fixture_data(tmp_path: Path) -> dict[str, Path]:
             row("vanilla_rag", "bioasq", "bioasq-aaa", "r3"), row("er_medrag", "pubmedqa", "pubmedqa-111", "r4"),
             row("cot", "pubmedqa", "pubmedqa-111", "r5"), row("er_medrag", "medqa", "medqa-1", "r6"),
             row("er_medrag", "bioasq", "bioasq-ccc", "r7"), row("er_medrag", "bioasq", "bioasq-bbb", "missing-run"),
-            row("er_medrag", "bioasq", "bioasq-bbb", None)]
+            row("er_medrag", "bioasq", "bioasq-bbb", None), row("med_r3", "pubmedqa", "pubmedqa-111", "r9")]
     (results / rq.RESULTS).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return {"db": tmp_path / "traces.sqlite", "results": results, "qrels": qrels, "corpora": corpora}
 
@@ -116,11 +142,12 @@ def test_doc_id_strips_the_span():
     assert ge.doc_id("bioasq-23f0d2db77a8") == "bioasq-23f0d2db77a8"
 
 
-def test_retrieved_ids_from_extractor_events_and_evidence(fixture_data):
+def test_retrieved_ids_from_retrieval_events(fixture_data):
     store = TraceStore(fixture_data["db"])
     assert rq.retrieved_ids(store, "r1") == ["bioasq-g1", "bioasq-x9", "bioasq-g2"]
     assert rq.retrieved_ids(str(fixture_data["db"]), "r3") == ["bioasq-g3", "medquad-1"]
-    assert rq.retrieved_ids(store, "r8") == ["a", "b", "c", "d"]
+    assert rq.retrieved_ids(store, "r8") == ["a", "b", "c", "d"]  # retrieval order, not extraction order
+    assert rq.retrieved_ids(store, "r9") == ["pubmed-111-1", "bioasq-x", "pubmed-111-3"]  # over both searches
     assert rq.retrieved_ids(store, "r5") == []
     assert rq.retrieved_ids(store, "no-such-run") == []
 
@@ -190,7 +217,8 @@ def test_rag_quality_hand_computed(fixture_data):
     assert report["backend"] == "ragas"
     assert report["metrics"]["context_precision"].endswith("IDBasedContextPrecision")
     groups = by_key(report)
-    assert set(groups) == {("er_medrag", "bioasq"), ("vanilla_rag", "bioasq"), ("er_medrag", "pubmedqa")}
+    assert set(groups) == {("er_medrag", "bioasq"), ("vanilla_rag", "bioasq"), ("er_medrag", "pubmedqa"),
+                           ("med_r3", "pubmedqa")}
     er_bioasq = groups["er_medrag", "bioasq"]
     assert er_bioasq["n"] == 2 and er_bioasq["n_recall"] == 2
     assert er_bioasq["context_precision"] == pytest.approx((2 / 3 + 1) / 2)
@@ -200,6 +228,8 @@ def test_rag_quality_hand_computed(fixture_data):
     assert (vanilla["n"], vanilla["context_precision"], vanilla["context_recall"]) == (1, 0.5, pytest.approx(1 / 3))
     pubmed = groups["er_medrag", "pubmedqa"]
     assert (pubmed["n"], pubmed["context_precision"], pubmed["context_recall"], pubmed["n_recall"]) == (1, 0.5, 0.5, 1)
+    med_r3 = groups["med_r3", "pubmedqa"]
+    assert (med_r3["n"], med_r3["context_precision"], med_r3["context_recall"]) == (1, pytest.approx(2 / 3), 0.5)
     # medqa + bioasq-ccc have no gold; two rows have no run in the store; CoT retrieved nothing
     assert report["skipped"] == {"no_gold": 2, "no_run": 2, "no_retrieval": 1}
     assert report["notes"] == []
@@ -210,6 +240,8 @@ def test_rag_quality_without_corpus_or_qrels(fixture_data, monkeypatch):
     report = rq.rag_quality(fixture_data["results"] / rq.RESULTS, str(fixture_data["db"]))
     pubmed = by_key(report)["er_medrag", "pubmedqa"]
     assert (pubmed["context_precision"], pubmed["context_recall"], pubmed["n_recall"]) == (0.5, None, 0)
+    med_r3 = by_key(report)["med_r3", "pubmedqa"]
+    assert (med_r3["context_precision"], med_r3["context_recall"]) == (pytest.approx(2 / 3), None)
     assert {g["benchmark"] for g in report["groups"]} == {"pubmedqa"}
     assert report["skipped"]["no_gold"] == 7  # six BioASQ rows (no qrels) + medqa
     assert len(report["notes"]) == 1 and "qrels" in report["notes"][0]

@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import free_port, log_tail, stop_process_group
 from ermedrag.tools.corpus import Document
 from ermedrag.tools.index import build_index, open_index
+from ermedrag.tools.traces import TraceStore
 from ermedrag.tools.retrieval import (DEFAULT_CONFIG, PLAIN_RRF, ChunkHit, RetrievalConfig, bm25_search, bm25_weighted_search,
                              coarse_hybrid, cross_encoder_rerank, retrieve, retrieve_many)
 
@@ -48,9 +49,21 @@ def _rank(hits: list[ChunkHit], doc_id: str) -> int:
 
 
 def test_config_refuses_bad_values() -> None:
-    for bad in ({"fusion": "max"}, {"bm25_weight": 1.5}, {"fetch_k": 0}, {"feedback_chunks": -1}):
+    for bad in ({"fusion": "max"}, {"bm25_weight": 1.5}, {"fetch_k": 0}, {"feedback_chunks": -1},
+                {"fine_scorer": "bm25"}, {"fine_policy": "best"}, {"window_neighbours": -1}, {"window_max_chars": 0},
+                {"windows_per_chunk": 0}):
         with pytest.raises(ValueError):
             RetrievalConfig(**bad)
+
+
+def test_fine_stage_settings_come_from_the_config(index_dir: Path) -> None:
+    index = open_index(index_dir)
+    question = "anticoagulation INR warfarin monitoring"
+    capped = retrieve(index, question, k=6, config=dataclasses.replace(DEFAULT_CONFIG, window_max_chars=40))
+    assert capped and all(s.end - s.start <= 40 for s in capped)
+    one_each = retrieve(index, question, k=6, coarse_k=6,
+                        config=dataclasses.replace(DEFAULT_CONFIG, windows_per_chunk=1))
+    assert len({s.chunk_id for s in one_each}) == len(one_each) == 6
 
 
 def test_weighted_bm25_with_unit_weights_is_bm25(index_dir: Path) -> None:
@@ -151,11 +164,14 @@ def test_the_graphs_use_the_reranker_named_in_their_context(index_dir: Path, tmp
     model = str(_tiny_cross_encoder(tmp_path / "cross-encoder"))
     question = "first-line treatment of anaphylaxis"
     plain = Context(index_dir=str(index_dir), coarse_k=6, snippets_k=6)
-    reranked = Context(index_dir=str(index_dir), coarse_k=6, snippets_k=6, reranker=model)
+    reranked = Context(index_dir=str(index_dir), coarse_k=6, snippets_k=6, reranker=model,
+                       trace_db=str(tmp_path / "traces.sqlite"))
     assert retrieval_config(plain) == DEFAULT_CONFIG
     assert retrieval_config(reranked).reranker == model and retrieval_config(reranked).rerank_k >= 6
     index = open_index(index_dir)
     # coarse_hybrid re-scores its fused list (all 8 passages here) before keeping coarse_k
     expected = cross_encoder_rerank(index, question, coarse_hybrid(index, question, 100), model, top=20)[:6]
-    got = retrieve_evidence(reranked, question)["snippets"]
+    got = retrieve_evidence(reranked, question, run_id="r", node="retrieve")["snippets"]
     assert [s["chunk_id"] for s in got] == [h.chunk_id for h in expected]
+    (recorded,) = TraceStore(reranked.trace_db).retrievals("r")  # the trace says which reranker ranked them
+    assert (recorded["settings"]["reranker"], recorded["settings"]["rerank_k"]) == (model, 20)

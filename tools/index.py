@@ -117,6 +117,11 @@ class Index:
     def size(self) -> int:
         return self.collection.count()
 
+    def identity(self) -> dict[str, Any]:
+        """Which index answered a retrieval (traces): its folder, its encoder, and its chunk count, which
+        changes when documents are added."""
+        return {"directory": str(self.directory), "encoder": self.encoder, "chunks": self.size}
+
     def chunks(self, ids: Sequence[str]) -> dict[str, Chunk]:
         """Chunks by id, with their provenance."""
         if not ids:

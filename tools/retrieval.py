@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Sequence
 
 import numpy as np
@@ -21,6 +21,10 @@ from ermedrag.tools.index import Index, bm25_texts, bm25_tokenize, encode
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9(\[\"'])")
 MAX_QUERY_CHARS = 2_000
+# How many results a retrieval keeps. The one home of these defaults: the graphs' Context falls back to them.
+SNIPPETS_K = 4  # snippets per ER-MedRAG / vanilla RAG question: one extractor call each, so they set its cost
+COARSE_K = 8  # chunks the coarse stage keeps (the per-chunk fine stage reads the first k of them)
+SEARCH_K = 5  # snippets of one Med-R³ search (the paper inserts the top 5)
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,9 @@ class Snippet:
 
 @dataclass(frozen=True)
 class RetrievalConfig:
-    """How the coarse stage ranks chunks. Defaults were chosen on the BioASQ tuning split of
-    benches/retrieval (never on the questions it reports); the bench's README has the measurements."""
+    """How the coarse stage ranks chunks and the fine stage cuts them into snippets. Defaults were chosen on the
+    BioASQ tuning split of benches/retrieval (never on the questions it reports); the bench's README has the
+    measurements."""
 
     fusion: Literal["score", "rrf"] = "score"
     bm25_weight: float = 0.6  # score fusion: BM25's share, dense gets the rest
@@ -67,13 +72,26 @@ class RetrievalConfig:
     feedback_vector_weight: float = 0.5  # Rocchio: query vector + w * mean of the feedback chunk vectors
     reranker: str | None = None  # cross-encoder (HF id or folder) re-scoring the top `rerank_k`; off by default
     rerank_k: int = 20
+    # Fine stage (`fine_sentence_windows`).
+    fine_scorer: Literal["dense", "lexical"] = "lexical"  # BM25 among the windows themselves: no encoder call
+    fine_policy: Literal["per_chunk", "global"] = "per_chunk"  # chunks in coarse order: ranked better than windows
+    window_neighbours: int = 1  # sentences either side of each one: a lone sentence often lacks its subject
+    window_max_chars: int = 600  # a snippet is one extractor prompt: a long one dilutes it
+    windows_per_chunk: int = 3  # a long document's chunk often holds several pieces of evidence (benches/README)
+    min_relative_score: float = 0.5  # a further window of a chunk must score this share of its best one
+    coarse_prior_weight: float = 0.5  # global policy: fine scores alone over-reward short matching phrases
 
     def __post_init__(self) -> None:
         if self.fusion not in ("score", "rrf"):
             raise ValueError(f"fusion must be 'score' or 'rrf', not {self.fusion!r}")
+        if self.fine_scorer not in ("dense", "lexical"):
+            raise ValueError(f"fine_scorer must be 'dense' or 'lexical', not {self.fine_scorer!r}")
+        if self.fine_policy not in ("per_chunk", "global"):
+            raise ValueError(f"fine_policy must be 'per_chunk' or 'global', not {self.fine_policy!r}")
         if not 0.0 <= self.bm25_weight <= 1.0:
             raise ValueError(f"bm25_weight must be in [0, 1], not {self.bm25_weight}")
-        if min(self.fetch_k, self.rrf_k, self.rerank_k) < 1 or min(self.feedback_chunks, self.expansion_terms) < 0:
+        if min(self.fetch_k, self.rrf_k, self.rerank_k, self.window_max_chars, self.windows_per_chunk) < 1 or min(
+                self.feedback_chunks, self.expansion_terms, self.window_neighbours) < 0:
             raise ValueError(f"counts must be positive: {self}")
 
 
@@ -241,9 +259,10 @@ def paragraphs(text: str) -> list[tuple[int, int]]:
     return _spans_between(r"\n\s*\n", text)
 
 
-def sentence_windows(text: str, window: int = 1, max_chars: int = 600) -> list[tuple[int, int]]:
+def sentence_windows(text: str, window: int = DEFAULT_CONFIG.window_neighbours,
+                     max_chars: int = DEFAULT_CONFIG.window_max_chars) -> list[tuple[int, int]]:
     """Each sentence with up to `window` neighbours on either side from the same paragraph (a blank line
-    ends one: evidence rarely runs across it), capped in length."""
+    ends one: evidence rarely runs across it), capped at `max_chars`."""
     out = []
     for start, end in paragraphs(text):
         spans = [(start + s, start + e) for s, e in split_sentences(text[start:end])]
@@ -253,20 +272,9 @@ def sentence_windows(text: str, window: int = 1, max_chars: int = 600) -> list[t
     return out or [(0, min(len(text), max_chars))]
 
 
-def fine_sentence_windows(
-    index: Index,
-    query: str,
-    hits: Sequence[ChunkHit],
-    k: int,
-    *,
-    window: int = 1,
-    scorer: Literal["dense", "lexical"] = "lexical",
-    policy: Literal["per_chunk", "global"] = "per_chunk",
-    coarse_weight: float = 0.5,
-    windows_per_chunk: int = 3,
-    min_relative_score: float = 0.5,
-) -> list[Snippet]:
-    """Sentence windows of the coarse chunks as snippets.
+def fine_sentence_windows(index: Index, query: str, hits: Sequence[ChunkHit], k: int,
+                          config: RetrievalConfig = DEFAULT_CONFIG) -> list[Snippet]:
+    """Sentence windows of the coarse chunks as snippets (the config's `fine_*`, `window_*` and per-chunk fields).
 
     `per_chunk` (default): chunks in coarse order; from each, its best window and up to
     `windows_per_chunk` - 1 more that do not overlap it and score at least `min_relative_score` of it (a
@@ -275,18 +283,20 @@ def fine_sentence_windows(
     (passages bench: MRR 0.84 vs 0.79 when windows were ranked globally), so the fine stage decides *where*
     in a chunk the evidence is. `global`: all windows ranked by fine score + coarse prior.
     """
+    policy = config.fine_policy
     hits = list(hits[:k]) if policy == "per_chunk" and len(hits) >= k else list(hits)
     chunks = index.chunks([h.chunk_id for h in hits])
     coarse_rank = {h.chunk_id: rank for rank, h in enumerate(hits, 1) if h.chunk_id in chunks}
     coarse_score = {h.chunk_id: h.score for h in hits}
-    candidates = [(cid, s, e) for cid in coarse_rank for s, e in sentence_windows(chunks[cid].text, window)]
+    candidates = [(cid, s, e) for cid in coarse_rank
+                  for s, e in sentence_windows(chunks[cid].text, config.window_neighbours, config.window_max_chars)]
     if not candidates:
         return []
     texts = [chunks[cid].text[s:e] for cid, s, e in candidates]
-    fine = _dense_scores(index, query, texts) if scorer == "dense" else _lexical_scores(query, texts)
+    fine = _dense_scores(index, query, texts) if config.fine_scorer == "dense" else _lexical_scores(query, texts)
     # Global ranking leans on the chunk's coarse rank: fine scores alone over-reward short matching phrases.
     prior = np.array([1.0 / (1 + coarse_rank[cid]) for cid, _, _ in candidates])
-    total = fine + coarse_weight * prior
+    total = fine + config.coarse_prior_weight * prior
     head: set[int] = set()
     if policy == "per_chunk":
         best_first = sorted(range(len(candidates)), key=lambda i: (coarse_rank[candidates[i][0]], -fine[i]))
@@ -295,7 +305,8 @@ def fine_sentence_windows(
             best.setdefault(candidates[i][0], fine[i])
         firsts = {i for n, i in enumerate(best_first)
                   if n == 0 or candidates[i][0] != candidates[best_first[n - 1]][0]}
-        head = firsts | {i for i in best_first if fine[i] > 0 and fine[i] >= min_relative_score * best[candidates[i][0]]}
+        head = firsts | {i for i in best_first
+                         if fine[i] > 0 and fine[i] >= config.min_relative_score * best[candidates[i][0]]}
         order = [i for i in best_first if i in head] + [i for i in np.argsort(-total) if i not in head]
     else:
         order = list(np.argsort(-total))
@@ -305,7 +316,7 @@ def fine_sentence_windows(
         cid, s, e = candidates[i]
         if any(s < te and ts < e for ts, te in taken.get(cid, [])):
             continue
-        if i in head and len(taken.get(cid, [])) >= windows_per_chunk:
+        if i in head and len(taken.get(cid, [])) >= config.windows_per_chunk:
             continue
         taken.setdefault(cid, []).append((s, e))
         chunk = chunks[cid]
@@ -354,26 +365,35 @@ def retrieve(
     index: Index,
     query: str,
     *,
-    k: int = 4,
-    coarse_k: int = 8,
-    fine_scorer: Literal["dense", "lexical"] = "lexical",
-    policy: Literal["per_chunk", "global"] = "per_chunk",
+    k: int = SNIPPETS_K,
+    coarse_k: int = COARSE_K,
     config: RetrievalConfig = DEFAULT_CONFIG,
     query_vector: np.ndarray | None = None,
 ) -> list[Snippet]:
-    """The default pipeline: coarse hybrid over chunks, then their best sentence windows (up to 3 a chunk)."""
+    """The default pipeline: coarse hybrid over `coarse_k` chunks, then their best `k` sentence windows."""
     query = clean_query(query)
     if not query:
         return []
     hits = coarse_hybrid(index, query, coarse_k, config, query_vector)
-    return fine_sentence_windows(index, query, hits, k, scorer=fine_scorer, policy=policy)
+    return fine_sentence_windows(index, query, hits, k, config)
 
 
-def search(index: Index, query: str, *, k: int, coarse_k: int, config: RetrievalConfig = DEFAULT_CONFIG
-           ) -> list[dict[str, Any]]:
-    """One search of Med-R³'s reason ↔ search loop, the same in its graph and its training rollout: the top `k`
-    snippets (as dicts) of at least `k` coarse chunks."""
-    return [s.to_dict() for s in retrieve(index, query, k=k, coarse_k=max(coarse_k, k), config=config)]
+def search_coarse_k(k: int, coarse_k: int) -> int:
+    """Coarse chunks of one Med-R³ search: at least `k`, so each of its snippets can come from its own chunk."""
+    return max(coarse_k, k)
+
+
+def search(index: Index, query: str, *, k: int = SEARCH_K, coarse_k: int = COARSE_K,
+           config: RetrievalConfig = DEFAULT_CONFIG) -> list[dict[str, Any]]:
+    """One search of Med-R³'s reason ↔ search loop as its training rollout runs it: the top `k` snippets (as
+    dicts) of `search_coarse_k` coarse chunks. The graph's search node runs this same retrieval through the
+    graphs' recording wrapper, so graph and rollout see the same documents."""
+    return [s.to_dict() for s in retrieve(index, query, k=k, coarse_k=search_coarse_k(k, coarse_k), config=config)]
+
+
+def retrieval_settings(k: int, coarse_k: int, config: RetrievalConfig) -> dict[str, Any]:
+    """Everything that decided a retrieval's results besides the query and the index, as plain data (traces)."""
+    return {"k": k, "coarse_k": coarse_k, **asdict(config)}
 
 
 def retrieve_many(index: Index, queries: Sequence[str], **options: Any) -> list[list[Snippet]]:

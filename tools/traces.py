@@ -1,4 +1,9 @@
-"""The trace store: every model call of every run, kept durably in SQLite.
+"""The trace store: every model call and every retrieval of every run, kept durably in SQLite.
+
+Model calls are `events` (`TraceEvent`), retrievals are `retrievals` (`RetrievalEvent`): a table of their own,
+so readers of model calls (exporters by agent, token statistics) never meet a retrieval, and stores written
+before retrievals were recorded open unchanged (the table is created beside the old ones). Within a run each
+table numbers its rows (`seq`); `created_at` orders the two together.
 
 Each event is committed on its own (WAL journal, synchronous=NORMAL: a committed event survives the
 process being killed), so an interrupted process loses at most the call in flight. Each thread keeps its
@@ -16,7 +21,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from ermedrag.tools.offline_model import cache_home
 
@@ -50,10 +55,27 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, seq);
 CREATE INDEX IF NOT EXISTS events_by_agent ON events (agent);
+CREATE TABLE IF NOT EXISTS retrievals (
+    event_id TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    node TEXT NOT NULL,
+    query TEXT NOT NULL,
+    snippets TEXT NOT NULL,
+    settings TEXT NOT NULL,
+    index_info TEXT NOT NULL,
+    latency_s REAL NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS retrievals_by_run ON retrievals (run_id, seq);
 """
 
 
 JSON_EVENT_FIELDS = ("sampling", "messages", "parsed", "usage", "logprobs", "inputs")
+JSON_RETRIEVAL_FIELDS = ("snippets", "settings", "index_info")
+# What a retrieval keeps of each snippet: enough to score it against gold evidence and to see why it ranked.
+# Not the text: it is in the index (and in the prompts of the model calls that read it).
+RECORDED_SNIPPET_FIELDS = ("id", "doc_id", "chunk_id", "score", "scores")
 
 
 def default_trace_db() -> str:
@@ -79,6 +101,26 @@ class TraceEvent:
     inputs: dict[str, Any] | None = None  # what the prompt was built from (question, snippet, ...) for replay
     event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class RetrievalEvent:
+    """One retrieval: the query, the snippets it returned (in rank order), and what produced them."""
+
+    run_id: str
+    node: str  # the graph node that retrieved ("retrieve", Med-R³'s "search")
+    query: str
+    snippets: list[dict[str, Any]]  # `snippet_record`s
+    settings: dict[str, Any]  # k, coarse_k and every RetrievalConfig field (tools.retrieval.retrieval_settings)
+    index_info: dict[str, Any]  # which index: directory, encoder, chunk count (tools.index.Index.identity)
+    latency_s: float
+    event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created_at: float = field(default_factory=time.time)
+
+
+def snippet_record(snippet: Mapping[str, Any]) -> dict[str, Any]:
+    """What a retrieval event keeps of one snippet (a `Snippet.to_dict()`)."""
+    return {name: snippet.get(name) for name in RECORDED_SNIPPET_FIELDS}
 
 
 class TraceStore:
@@ -119,14 +161,20 @@ class TraceStore:
         )
 
     def add_event(self, event: TraceEvent) -> None:
-        row = asdict(event)
-        for key in JSON_EVENT_FIELDS:
+        self._append("events", asdict(event), JSON_EVENT_FIELDS)
+
+    def add_retrieval(self, retrieval: RetrievalEvent) -> None:
+        self._append("retrievals", asdict(retrieval), JSON_RETRIEVAL_FIELDS)
+
+    def _append(self, table: str, row: dict[str, Any], json_fields: tuple[str, ...]) -> None:
+        """Insert `row` into `table` as the run's next `seq` of that table."""
+        for key in json_fields:
             row[key] = json.dumps(row[key])
         db = self._connect()
-        db.execute("BEGIN IMMEDIATE")  # seq = events so far: count and insert in one transaction
+        db.execute("BEGIN IMMEDIATE")  # seq = rows so far: count and insert in one transaction
         try:
-            (row["seq"],) = db.execute("SELECT COUNT(*) FROM events WHERE run_id = ?", (event.run_id,)).fetchone()
-            db.execute(f"INSERT INTO events ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+            (row["seq"],) = db.execute(f"SELECT COUNT(*) FROM {table} WHERE run_id = ?", (row["run_id"],)).fetchone()
+            db.execute(f"INSERT INTO {table} ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
                        tuple(row.values()))
         except BaseException:
             db.execute("ROLLBACK")
@@ -134,7 +182,8 @@ class TraceStore:
         db.execute("COMMIT")
 
     def runs(self, limit: int | None = None) -> list[dict[str, Any]]:
-        query = ("SELECT r.*, (SELECT COUNT(*) FROM events e WHERE e.run_id = r.run_id) AS n_events "
+        query = ("SELECT r.*, (SELECT COUNT(*) FROM events e WHERE e.run_id = r.run_id) AS n_events, "
+                 "(SELECT COUNT(*) FROM retrievals t WHERE t.run_id = r.run_id) AS n_retrievals "
                  "FROM runs r ORDER BY created_at DESC")
         db = self._connect()
         rows = db.execute(query + (" LIMIT ?" if limit else ""), (limit,) if limit else ()).fetchall()
@@ -157,10 +206,15 @@ class TraceStore:
         rows = self._connect().execute(f"SELECT * FROM events{where} ORDER BY created_at, seq", params).fetchall()
         return iter([_decode(row) for row in rows])
 
+    def retrievals(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's retrievals in the order they ran."""
+        rows = self._connect().execute("SELECT * FROM retrievals WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
+        return [_decode(row) for row in rows]
+
 
 def _decode(row: sqlite3.Row) -> dict[str, Any]:
     out = dict(row)
-    for key in ("question", "answer", *JSON_EVENT_FIELDS):
+    for key in ("question", "answer", *JSON_EVENT_FIELDS, *JSON_RETRIEVAL_FIELDS):
         if isinstance(out.get(key), str):
             out[key] = json.loads(out[key])
     return out

@@ -108,6 +108,7 @@ def hnsw_vs_exact(index, questions: list[dict]) -> dict:
     return row
 
 
+# The fine stage (RetrievalConfig's fine-stage fields), likewise.
 FINE_VARIANTS: list[dict] = [{"windows_per_chunk": 1}, {"windows_per_chunk": 2}, {"windows_per_chunk": 3},
                              {"windows_per_chunk": 5}, {"windows_per_chunk": 3, "min_relative_score": 0.25}]
 
@@ -118,16 +119,16 @@ def fine_variants(index_dir: str, data: SharedData, questions: list[dict]) -> li
     from data import long_documents, load_passages
     from scoring import snippet_metrics
     from ermedrag.tools.index import open_index
-    from ermedrag.tools.retrieval import clean_query, coarse_hybrid, fine_sentence_windows
+    from ermedrag.tools.retrieval import RetrievalConfig, clean_query, coarse_hybrid, fine_sentence_windows
 
     _, spans = long_documents(load_passages(data))
     index = open_index(index_dir)
     rows = []
     for changes in FINE_VARIANTS:
-        def search(text: str, c=changes) -> list:
+        def search(text: str, c=dataclasses.replace(RetrievalConfig(), **changes)) -> list:
             query = clean_query(text)
             return [Span(s.doc_id, s.start, s.end)
-                    for s in fine_sentence_windows(index, query, coarse_hybrid(index, query, DEPTH), DEPTH, **c)]
+                    for s in fine_sentence_windows(index, query, coarse_hybrid(index, query, DEPTH), DEPTH, c)]
 
         score_spans = lambda q, found: snippet_metrics(found, [spans[g] for g in q["gold"]])  # noqa: E731
         rows.append({"fine": changes, **run_system(json.dumps(changes), search, score_spans, questions, [])})
