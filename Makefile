@@ -1,6 +1,13 @@
 # One virtual environment for everything: `make demo` and `make test` install it on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The lock: the exact versions of every dependency that the tests pass with. `make lock` refreshes it.
+LOCK := constraints.txt
+EXTRAS := offline,dev,eval,bench
+# The CPU build of torch, which lies on this machine's disk; installed first, else a plain `torch`
+# requirement pulls a multi-GB CUDA build. `make lock` keeps it.
+TORCH := torch==2.13.0
+LOCK_VENV := .lock-venv
 # Offline by default: nothing below reaches the network (no analytics, no hub look-ups).
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
@@ -10,14 +17,14 @@ export RAGAS_DO_NOT_TRACK ?= true
 export LANGGRAPH_CLI_NO_ANALYTICS ?= 1
 export LANGGRAPH_NO_VERSION_CHECK ?= 1
 
-.PHONY: install demo test test-fast studio clean
+.PHONY: install demo test test-fast studio lock clean
 
-$(VENV)/.installed: pyproject.toml
+# Re-runs when pyproject.toml or the lock changes: pip then moves every locked package to its pinned version.
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	# The CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[offline,dev,eval,bench]'
+	$(PY) -m pip install -q -c $(LOCK) $(TORCH)  # first: see TORCH above
+	$(PY) -m pip install -q -c $(LOCK) -e '.[$(EXTRAS)]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -34,5 +41,25 @@ test-fast: install
 studio: install
 	$(VENV)/bin/langgraph dev --port 8123 --no-browser
 
+# Refresh the lock: resolve the newest versions that pyproject.toml allows in a throwaway venv (torch stays
+# $(TORCH)) and pin what got installed. Then `make test` installs the new pins; commit $(LOCK) if green.
+lock:
+	rm -rf $(LOCK_VENV)
+	python3 -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q -U pip
+	# Only what our extras require gets pinned: drop the venv's own setuptools (torch requires one: it comes back).
+	$(LOCK_VENV)/bin/python -m pip uninstall -q -y setuptools
+	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH)
+	$(LOCK_VENV)/bin/python -m pip install -q -e '.[$(EXTRAS)]'
+	{ printf '%s\n' \
+	  '# The lock: every dependency of ermedrag[$(EXTRAS)] at the exact version that the tests pass with' \
+	  '# (CPython 3.11, Linux x86_64). `make install` installs with `pip install -c $(LOCK)`, $(TORCH) (the CPU' \
+	  '# build, from the wheels on disk) first. Written by `make lock`: a throwaway venv resolved afresh by pip, then' \
+	  '# `pip freeze --all --exclude-editable` less pip. Refresh: `make lock && make test`; commit it if green.'; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -v '^pip=='; } > $(LOCK_VENV)/lock.txt
+	! grep -n ' @ ' $(LOCK_VENV)/lock.txt  # a direct URL or local path would not install elsewhere
+	mv $(LOCK_VENV)/lock.txt $(LOCK)
+	rm -rf $(LOCK_VENV)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .langgraph_api
+	rm -rf $(VENV) $(LOCK_VENV) .pytest_cache .langgraph_api
