@@ -30,6 +30,7 @@ EXAMPLE = (
 SEARCH_STOP = "</search>"
 STOP = [SEARCH_STOP, "</answer>"]
 MAX_QUERY_CHARS = 300
+MAX_SEARCHES = 4  # per question, as in Med-R³: a further search ends the loop
 TAG = re.compile(r"</?\s*(document|search|answer|think)\s*>", re.IGNORECASE)
 SEARCH = re.compile(r"<search>(.*?)</search>\s*$", re.DOTALL | re.IGNORECASE)
 DOCUMENT_BLOCK = re.compile(r"<document>.*?</document>", re.DOTALL | re.IGNORECASE)

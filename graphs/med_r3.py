@@ -32,7 +32,7 @@ GRAPH_NAME = "med_r3"
 class MedR3Context(Context):
     reasoner_model: str = field(default="")
     """Reasoning model; empty = respondent_model."""
-    max_searches: int = env_int("ERMEDRAG_MAX_SEARCHES", 4)
+    max_searches: int = env_int("ERMEDRAG_MAX_SEARCHES", reasoner.MAX_SEARCHES)
     """Searches allowed per question (Med-R³ uses 4)."""
     search_k: int = env_int("ERMEDRAG_SEARCH_K", SEARCH_K)
     """Snippets returned per search (Med-R³ uses the top 5). Env ERMEDRAG_SEARCH_K."""

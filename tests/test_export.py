@@ -114,3 +114,16 @@ def test_killed_dpo_export_resumes_without_loss_or_duplicates(scripted_traces, t
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     ids = [r["event_id"] for r in read_records(tmp_path / "log.jsonl")]
     assert len(ids) == len(set(ids)) == n_events
+
+
+def test_one_chat_mapping_for_langchain_messages_and_recorded_prompts():
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+
+    from ermedrag.agents.base import to_chat, to_langchain
+
+    messages = [SystemMessage(content="s"), HumanMessage(content="u"), AIMessage(content="a")]
+    recorded = [{"role": "system", "content": "s"}, {"role": "human", "content": "u"}, {"role": "ai", "content": "a"}]
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    assert to_chat(messages) == to_chat(recorded) == to_chat(chat) == chat
+    assert to_chat([{"role": "tool", "content": "t"}]) == [{"role": "user", "content": "t"}]
+    assert to_langchain(recorded) == to_langchain(chat) == messages

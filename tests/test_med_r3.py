@@ -87,8 +87,9 @@ def test_loop_runs_on_the_real_offline_model(tmp_path):
 def test_recorded_runs_export_as_med_r3_prompts_replayed_exactly(tmp_path):
     from datasets import load_from_disk
 
+    from ermedrag.agents.base import to_chat
     from ermedrag.agents.reasoner import build_messages
-    from ermedrag.training.export import MedR3ExportConfig, chat_format, export_med_r3
+    from ermedrag.training.export import MedR3ExportConfig, export_med_r3
 
     ctx = _context(tmp_path)
     questions = tmp_path / "questions.jsonl"
@@ -101,7 +102,7 @@ def test_recorded_runs_export_as_med_r3_prompts_replayed_exactly(tmp_path):
     rows = sorted(load_from_disk(str(tmp_path / "export" / "dataset")), key=lambda r: r["run_id"])
     assert [r["run_id"] for r in rows] == sorted(s["run_id"] for s in states)
     first_call = next(TraceStore(ctx["trace_db"]).events(run_id=rows[0]["run_id"], agent="reasoner"))
-    assert rows[0]["prompt"] == chat_format(first_call["messages"])  # the recorded prompt, not a rebuilt one
+    assert rows[0]["prompt"] == to_chat(first_call["messages"])  # the recorded prompt, not a rebuilt one
     assert rows[0]["prompt"][-1]["content"] == build_messages(QUESTION["question"], QUESTION["options"], "")[-1].text
     assert rows[0]["event_id"] == first_call["event_id"]
     assert (rows[0]["gold"], rows[0]["options"]["A"], rows[0]["gold_evidence"]) == ("A", "Metformin", [])

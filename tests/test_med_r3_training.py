@@ -20,23 +20,17 @@ from transformers import LogitsProcessor
 
 from ermedrag.agents.reasoner import render_documents
 from ermedrag.testing import build_tiny_causal_lm
-from ermedrag.training.med_r3 import (
-    STAGES,
-    MedR3TrainingConfig,
+from ermedrag.training.answer_rewards import correctness_reward, format_reward, well_formed_correctness_reward
+from ermedrag.training.config import MedR3TrainingConfig
+from ermedrag.training.med_r3 import STAGES, stage_config, stage_rewards, train_med_r3
+from ermedrag.training.med_r3_data import build_med_r3_dataset, med_r3_dataset
+from ermedrag.training.rollouts import make_search_rollout
+from ermedrag.training.search_rewards import (
+    MedR3Penalties,
     audit_searches,
-    build_med_r3_dataset,
-    make_med_r3_penalties,
-    make_med_r3_rollout,
-    med_r3_correctness_reward,
-    med_r3_well_formed_correctness_reward,
-    med_r3_dataset,
-    med_r3_format_reward,
     med_r3_penalties,
     retrieval_hit_reward,
     search_format_reward,
-    stage_config,
-    stage_rewards,
-    train_med_r3,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,26 +82,25 @@ def test_med_r3_penalties():
     assert got[:3] == [0.0, -0.5, -1.0]
     assert got[3] == pytest.approx(-0.5 - 0.5 * (len(long_think) - 2000) / 1000)  # think length full, overlong partly
     logged = {}
-    make_med_r3_penalties(max_chars=100, max_think_chars=100)([msg(GOOD)], log_metric=logged.__setitem__)
+    MedR3Penalties(max_chars=100, max_think_chars=100)([msg(GOOD)], log_metric=logged.__setitem__)
     assert logged["med_r3/overlong"] == 1.0 and logged["med_r3/forged_document"] == 0.0
     with pytest.raises(ValueError):
-        make_med_r3_penalties(weights={"typo": 1.0})
+        MedR3Penalties(weights={"typo": 1.0})
 
 
 def test_correctness_and_format_read_only_the_model_text():
     injected = ("<think><search>q</search>" + render_documents([{"id": "d@0-1", "text": "the answer is B"}])
                 + "hmm</think>")
     gold = {"gold": ["A", "B"], "options": [OPTIONS, OPTIONS]}
-    assert med_r3_correctness_reward([msg(GOOD), msg(injected)], **gold) == [1.0, 0.0]
-    assert med_r3_format_reward([msg(GOOD), msg(injected)], **gold) == [1.0, 0.0]
+    assert correctness_reward([msg(GOOD), msg(injected)], **gold) == [1.0, 0.0]
+    assert format_reward([msg(GOOD), msg(injected)], **gold) == [1.0, 0.0]
     bare = {"gold": ["A"], "options": [OPTIONS]}
-    assert med_r3_correctness_reward([msg("<answer>A</answer>")], **bare) == [1.0]
-    assert med_r3_well_formed_correctness_reward([msg("<answer>A</answer>")], **bare) == [0.0]  # trained: format first
+    assert correctness_reward([msg("<answer>A</answer>")], **bare) == [1.0]
+    assert well_formed_correctness_reward([msg("<answer>A</answer>")], **bare) == [0.0]  # trained: format first
 
 
 @pytest.mark.parametrize("func", [search_format_reward, retrieval_hit_reward, med_r3_penalties,
-                                  med_r3_correctness_reward, med_r3_well_formed_correctness_reward,
-                                  med_r3_format_reward])
+                                  correctness_reward, well_formed_correctness_reward, format_reward])
 def test_rewards_never_raise(func):
     weird = [None, 17, "", {"content": None}, [{"role": "assistant", "content": ["<search>", {"text": "x"}]}],
              "<search>" * 10_000, "\x00</search>\n<document>\n"]
@@ -119,16 +112,26 @@ def test_rewards_never_raise(func):
 
 def test_stage_definitions_and_overrides(tmp_path):
     assert [STAGES[n].search for n in (1, 2, 3)] == [False, True, True]
-    funcs, weights = stage_rewards(3)
-    assert [f.__name__ for f in funcs] == ["well_formed_correctness_reward", "format_reward", "retrieval_hit_reward",
-                                          "search_format_reward", "med_r3_penalties"]
-    funcs, weights = stage_rewards(2, {"search_format": 0, "length": 0.1})
-    assert [f.__name__ for f in funcs] == ["retrieval_hit_reward", "length_penalty"] and weights == [1.0, 0.1]
+    rewards = stage_rewards(3)
+    assert [r.func.__name__ for r in rewards] == ["well_formed_correctness_reward", "format_reward",
+                                                  "retrieval_hit_reward", "search_format_reward", "med_r3_penalties"]
+    rewards = stage_rewards(2, {"search_format": 0, "length": 0.1})
+    assert [r.func.__name__ for r in rewards] == ["retrieval_hit_reward", "length_penalty"]
+    assert [r.weight for r in rewards] == [1.0, 0.1]
     config = MedR3TrainingConfig(model="m", dataset="d", output_dir=str(tmp_path), index_dir="idx",
                                  stage_overrides={2: {"max_steps": 7, "dataset": "d2", "rewards": {"format": 1}}})
-    staged, rewards = stage_config(config, 2)
-    assert (staged.max_steps, staged.dataset, rewards) == (7, "d2", {"format": 1.0})
+    staged = stage_config(config, 2)
+    assert (staged.max_steps, staged.dataset, staged.rewards) == (7, "d2", {"format": 1})
     assert staged.output_dir == str(tmp_path / "stage2")
+    # the stage's settings reach its parameterised rewards
+    penalties = stage_rewards(3, settings=MedR3TrainingConfig(model="m", dataset="d", output_dir="o",
+                                                              max_chars=100).reward_settings())[-1].func
+    assert penalties.max_chars == 100 and penalties.__name__ == "med_r3_penalties"
+    with pytest.raises(ValueError, match=r"stage 1 rewards: unknown reward\(s\) \['typo'\]; known"):
+        stage_config(MedR3TrainingConfig(model="m", dataset="d", output_dir="o",
+                                         stage_overrides={1: {"rewards": {"typo": 1.0}}}), 1)
+    with pytest.raises(ValueError, match="per stage"):
+        stage_config(MedR3TrainingConfig(model="m", dataset="d", output_dir="o", rewards={"format": 1.0}), 1)
     with pytest.raises(ValueError, match="index_dir"):
         stage_config(MedR3TrainingConfig(model="m", dataset="d", output_dir="o"), 2)
     with pytest.raises(ValueError, match="use_vllm"):
@@ -143,7 +146,7 @@ def test_example_config_loads(tmp_path):
 
     config = load_config(REPO / "training/configs/med_r3.yaml", MedR3TrainingConfig)
     for n in (1, 2, 3):
-        staged, _ = stage_config(config, n)
+        staged = stage_config(config, n)
         staged.output_dir = str(tmp_path)
         assert staged.to_trl().num_generations == staged.num_generations
 
@@ -282,7 +285,7 @@ def test_rollout_masks_exactly_the_inserted_documents(tiny_model, tiny_index, tm
 
     from ermedrag.tools.index import open_index
     from ermedrag.tools.retrieval import retrieve
-    from ermedrag.training.med_r3 import index_search
+    from ermedrag.training.rollouts import index_search
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     dataset = med_r3_dataset(questions(3))
@@ -293,14 +296,13 @@ def test_rollout_masks_exactly_the_inserted_documents(tiny_model, tiny_index, tm
     policy = ScriptedPolicy({tuple(p): [encode(s) for s in script] for p, script in zip(prompt_ids, SCRIPTS)},
                             tokenizer.pad_token_id, tokenizer.eos_token_id)
     index = open_index(tiny_index)
-    rollout = make_med_r3_rollout(index_search(index, k=SEARCH_K), max_searches=2, step_max_new_tokens=40,
+    rollout = make_search_rollout(index_search(index, k=SEARCH_K), max_searches=2, step_max_new_tokens=40,
                                   max_total_tokens=100, logits_processor=[policy])
     config = small_config(tiny_model, "unused", tmp_path / "out", tiny_index, per_device_train_batch_size=3,
                           num_generations=3, max_completion_length=100)
-    funcs, weights = stage_rewards(3)
-    args = config.to_trl()
-    args.reward_weights = weights
-    trainer = GRPOTrainer(model=tiny_model, reward_funcs=funcs, args=args, train_dataset=dataset,
+    rewards = stage_rewards(3)
+    args = config.to_trl(reward_weights=[r.weight for r in rewards])
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[r.func for r in rewards], args=args, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=config.lora_config(), rollout_func=rollout)
 
     out = rollout(prompts, trainer)
@@ -388,6 +390,7 @@ def test_stages_chain_and_a_stage_reruns_alone(tiny_model, tiny_index, tmp_path)
     assert s1["start_model"] == tiny_model and s2["start_model"] == str(out / "stage1" / "merged")
     assert s1["reward_functions"] == ["well_formed_correctness_reward", "format_reward", "length_penalty"]
     assert s2["reward_functions"] == ["retrieval_hit_reward", "search_format_reward"]
+    assert s2["reward_weights"] == {"retrieval_hit": 1.0, "search_format": 0.5}  # by name, as configured
     for n, summary in ((1, s1), (2, s2)):
         stage_dir = out / f"stage{n}"
         steps = read_steps(stage_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -12,21 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ermedrag.agents.respondent import EXAMPLE, parse_answer
-from ermedrag.training.rewards import (
-    DEFAULT_RESPONDENT_WEIGHTS,
-    ExtractorReward,
-    ExtractorRewardWeights,
-    completion_text,
-    content_tokens,
+from ermedrag.training.answer_rewards import (
+    LengthPenalty,
     correctness_reward,
     evidence_use_reward,
-    extractor_reward,
     format_reward,
     length_penalty,
-    make_length_penalty,
-    respondent_reward_funcs,
     well_formed_correctness_reward,
 )
+from ermedrag.training.extractor_reward import ExtractorReward, ExtractorRewardWeights, extractor_reward
+from ermedrag.training.reward_text import completion_text, content_tokens
+from ermedrag.training.rewards import REWARDS, RESPONDENT_REWARDS, resolve_rewards
 
 OPTIONS = {"A": "Vitamin C", "B": "Vitamin D", "C": "Vitamin B12"}
 TRIPLETS = [{"condition": "vitamin D deficiency in children", "relation": "causes",
@@ -166,17 +163,17 @@ def test_training_correctness_counts_only_well_formed_answers():
 
 
 def test_length_penalty_thresholds():
-    fn = make_length_penalty(max_chars=1500, max_penalty=1.0)  # soft limit 1000
+    fn = LengthPenalty(max_chars=1500, max_penalty=1.0)  # soft limit 1000
     assert fn.__name__ == "length_penalty"
     values = fn(["x" * n for n in (0, 999, 1000, 1250, 1500, 10_000)])
     assert values[:3] == [0.0, 0.0, 0.0]
     assert values[3] == pytest.approx(-0.5) and values[4] == pytest.approx(-1.0) and values[5] == pytest.approx(-1.0)
-    custom = make_length_penalty(max_chars=200, max_penalty=0.5, soft_chars=100)
+    custom = LengthPenalty(max_chars=200, max_penalty=0.5, soft_chars=100)
     assert custom(["x" * 150, [{"role": "assistant", "content": "x" * 300}]]) == [pytest.approx(-0.25), -0.5]
     assert length_penalty(["short"]) == [0.0]
     for bad in ({"max_chars": 0}, {"max_chars": 100, "soft_chars": 100}, {"max_penalty": -1.0}):
         with pytest.raises(ValueError):
-            make_length_penalty(**bad)
+            LengthPenalty(**bad)
 
 
 # --- evidence use --------------------------------------------------------------------------------------
@@ -211,18 +208,45 @@ def test_evidence_use_on_free_text_answers():
 # --- the default set, and TRL's calling convention -----------------------------------------------------
 
 
-def test_respondent_reward_funcs_defaults_and_overrides():
-    funcs, weights = respondent_reward_funcs()
-    assert [f.__name__ for f in funcs] == ["well_formed_correctness_reward", "format_reward", "length_penalty",
-                                           "evidence_use_reward"]
-    assert respondent_reward_funcs(correctness_requires_format=False)[0][0] is correctness_reward
-    assert weights == [1.0, 0.5, 0.2, 0.2] == list(DEFAULT_RESPONDENT_WEIGHTS.values())
-    _, weights = respondent_reward_funcs({"format": 0.0, "evidence": 1.0})
-    assert weights == [1.0, 0.0, 0.2, 1.0]
-    funcs, _ = respondent_reward_funcs(max_chars=300)
-    assert funcs[2](["x" * 300]) == [-1.0]
-    with pytest.raises(ValueError):
-        respondent_reward_funcs({"corectness": 1.0})
+def respondent_funcs() -> list:
+    """The respondent's reward functions, as `train_grpo` resolves them from an unset `rewards`."""
+    return [reward.func for reward in resolve_rewards(None, RESPONDENT_REWARDS)]
+
+
+def test_the_registry_resolves_named_weights():
+    rewards = resolve_rewards(None, RESPONDENT_REWARDS)
+    assert [r.func.__name__ for r in rewards] == ["well_formed_correctness_reward", "format_reward", "length_penalty",
+                                                  "evidence_use_reward"]
+    assert [r.name for r in rewards] == ["correctness", "format", "length", "evidence"]
+    assert [r.weight for r in rewards] == [1.0, 0.5, 0.2, 0.2] == list(RESPONDENT_REWARDS.values())
+    # given weights update the defaults: 0 drops a reward, a new name adds one
+    rewards = resolve_rewards({"format": 0.0, "evidence": 1.0, "search_format": 0.1}, RESPONDENT_REWARDS)
+    assert {r.name: r.weight for r in rewards} == {"correctness": 1.0, "length": 0.2, "evidence": 1.0,
+                                                   "search_format": 0.1}
+    # settings reach the rewards that have a field of that name, and no other
+    length, correctness = [r.func for r in resolve_rewards(None, {"length": 1.0, "correctness": 1.0},
+                                                            settings={"max_chars": 300, "max_think_chars": 5})]
+    assert length(["x" * 300]) == [-1.0] and length.__name__ == "length_penalty"
+    assert correctness is well_formed_correctness_reward
+    with pytest.raises(ValueError, match=r"unknown reward\(s\) \['corectness'\]; known: \[.*'correctness'"):
+        resolve_rewards({"corectness": 1.0}, RESPONDENT_REWARDS)
+    with pytest.raises(ValueError, match="finite numbers"):
+        resolve_rewards({"format": float("nan")}, RESPONDENT_REWARDS)
+    with pytest.raises(ValueError, match="every reward weight is 0"):
+        resolve_rewards({"correctness": 0}, {"correctness": 1.0})
+
+
+def test_registry_rewards_are_picklable_and_keep_their_curve_names():
+    assert REWARDS["correctness"] is well_formed_correctness_reward
+    for func in REWARDS.values():
+        assert pickle.loads(pickle.dumps(func)).__name__ == func.__name__
+
+
+def test_rewards_score_what_the_model_wrote():
+    """A rollout's `model_text` (the model's own tokens, without inserted documents) is what is scored; a
+    completion without a search is its own text."""
+    assert format_reward(["the transcript"], model_text=[GOOD]) == [1.0]
+    assert correctness_reward([GOOD], model_text=[None], **cols()) == correctness_reward([GOOD], **cols()) == [1.0]
 
 
 def test_called_exactly_as_grpo_trainer_calls_them():
@@ -241,7 +265,7 @@ def test_called_exactly_as_grpo_trainer_calls_them():
         "question": ["A toddler with bowed legs ..."] * n, "run_id": ["r1"] * n,
         "trainer_state": TrainerState(), "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None,
     }
-    funcs, weights = respondent_reward_funcs()
+    funcs = respondent_funcs()
     table = {}
     for fn in funcs:
         assert "completions" in inspect.signature(fn).parameters
@@ -260,7 +284,7 @@ def test_trl_reward_calculation_code_path():
     from transformers import TrainerState
     from trl import GRPOTrainer
 
-    funcs, _ = respondent_reward_funcs()
+    funcs = respondent_funcs()
     trainer = object.__new__(GRPOTrainer)
     # A stand-in accelerator: a real Accelerator(cpu=True) would pin the process-wide accelerate state to
     # the CPU for every later test in the session.
@@ -423,7 +447,7 @@ triplet_lists = st.one_of(st.none(), st.just(TRIPLETS), st.lists(st.dictionaries
 def test_no_reward_raises_on_random_text(text, gold, options, triplets, snippet, question, usefulness, as_messages):
     completion = [{"role": "assistant", "content": text}] if as_messages else text
     columns = {"gold": [gold], "options": [options], "triplets": [triplets]}
-    funcs, _ = respondent_reward_funcs()
+    funcs = respondent_funcs()
     for fn in funcs:
         out = fn(prompts=["<answer>B</answer>"], completions=[completion], completion_ids=[[0]], **columns)
         assert len(out) == 1 and isinstance(out[0], float) and math.isfinite(out[0])

@@ -188,11 +188,12 @@ def test_dpo_full_finetune_builds_reference_from_path(tiny_model, dpo_dataset, t
 def test_grpo_lora_logs_every_reward_component(tiny_model, grpo_dataset, tmp_path):
     SEEN_COLUMNS.clear()
     config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo", per_device_train_batch_size=4,
-                   num_generations=4, max_completion_length=16)
-    summary = train_grpo(config, [has_answer_tag, length_score], reward_weights=[1.0, 0.5])
+                   num_generations=4, max_completion_length=16, rewards={"length_score": 0.5})
+    summary = train_grpo(config, [has_answer_tag, length_score])
 
     assert summary["steps"] == 3
     assert summary["reward_functions"] == ["has_answer_tag", "length_score"]
+    assert summary["reward_weights"] == {"has_answer_tag": 1.0, "length_score": 0.5}  # unnamed: weight 1
     records = step_records(read_metrics(config.output_dir))
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
@@ -243,11 +244,12 @@ def test_grpo_full_finetune_with_kl_uses_reference_model(tiny_model, grpo_datase
 
 
 def test_grpo_with_project_rewards(tiny_model, grpo_dataset, tmp_path):
-    rewards = pytest.importorskip("ermedrag.training.rewards")
-    funcs, weights = rewards.respondent_reward_funcs()
+    from ermedrag.training.rewards import RESPONDENT_REWARDS
+
     config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_project",
                    per_device_train_batch_size=4, num_generations=4, max_completion_length=16, max_steps=2)
-    summary = train_grpo(config, funcs, weights)
+    summary = train_grpo(config)  # rewards unset: the respondent's, from the registry
+    assert summary["reward_weights"] == RESPONDENT_REWARDS
 
     records = step_records(read_metrics(config.output_dir))
     assert len(records) == 2
@@ -256,10 +258,26 @@ def test_grpo_with_project_rewards(tiny_model, grpo_dataset, tmp_path):
     assert "format_reward" in summary["reward_functions"]
 
 
-def test_reward_weights_must_match_reward_functions(tmp_path):
-    config = GRPOTrainingConfig(model="unused", dataset=str(tmp_path), output_dir=str(tmp_path / "out"))
-    with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
-        train_grpo(config, [has_answer_tag], reward_weights=[1.0, 2.0])
+def test_reward_names_are_checked_before_training(tmp_path):
+    config = GRPOTrainingConfig(model="unused", dataset=str(tmp_path), output_dir=str(tmp_path / "out"),
+                                rewards={"has_answer": 1.0})
+    with pytest.raises(ValueError, match=r"unknown reward\(s\) \['has_answer'\]; known: \['has_answer_tag'\]"):
+        train_grpo(config, [has_answer_tag])
+    config.rewards = {"corectness": 1.0}
+    with pytest.raises(ValueError, match=r"unknown reward\(s\) \['corectness'\]; known: \[.*'correctness'"):
+        train_grpo(config)
+
+
+def test_positional_reward_weights_are_refused_with_a_pointer_to_named_ones(tmp_path):
+    path = tmp_path / "grpo.yaml"
+    path.write_text("model: m\ndataset: d\noutput_dir: o\nreward_weights: [1.0, 0.5]\n")
+    with pytest.raises(ValueError, match=r"reward_weights is no longer a key: weight rewards by name with "
+                                         r"rewards: \{name: weight\}"):
+        load_config(path, GRPOTrainingConfig)
+    config = GRPOTrainingConfig(model="m", dataset="d", output_dir=str(tmp_path), num_generations=4,
+                                trl_overrides={"reward_weights": [1.0]})
+    with pytest.raises(ValueError, match="rewards: {name: weight}"):
+        config.to_trl()
 
 
 def test_load_config_reports_unknown_keys_and_missing_file(tmp_path):
@@ -291,6 +309,9 @@ def test_example_configs_load_and_map_to_trl(tmp_path):
         assert args.report_to in ("none", [], ["none"])
         assert args.learning_rate == config.learning_rate
     assert grpo.to_trl().num_generations == grpo.num_generations
+    from ermedrag.training.rewards import RESPONDENT_REWARDS
+
+    assert grpo.rewards == RESPONDENT_REWARDS  # the example spells out the defaults
     assert dpo.to_trl().loss_type == ["sigmoid"]
 
 

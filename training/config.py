@@ -5,8 +5,12 @@ A config is what a YAML file under `training/configs/` holds, flat, one key per 
     cfg = load_config("training/configs/grpo_respondent.yaml", GRPOTrainingConfig)
     trl_args = cfg.to_trl()          # a trl.GRPOConfig
 
-The fields are the ones a run of this project changes; anything else TRL offers goes in `trl_overrides`
-(checked against the TRL config's own fields, so a typo is an error, not a silently ignored key).
+`DPOTrainingConfig` (the extractor), `GRPOTrainingConfig` (the respondent; rewards weighted by name,
+`rewards: {correctness: 1.0, format: 0.5}`, see `training.rewards`) and `MedR3TrainingConfig` (the three
+Med-R³ stages, `training.med_r3`). The fields are the ones a run of this project changes; anything else TRL
+offers goes in `trl_overrides` (checked against the TRL config's own fields, so a typo is an error, not a
+silently ignored key). A key that an earlier version read (`reward_weights`) is an error that says what
+replaces it.
 
 Precision is automatic unless set: `bf16: null` means bf16 on a CUDA machine and float32 on CPU (TRL's own
 default, bf16 everywhere, fails on CPU).
@@ -17,11 +21,21 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ermedrag.agents.reasoner import MAX_SEARCHES
+from ermedrag.tools.retrieval import COARSE_K, SEARCH_K
+
 OFFLINE_PREFIX = "offline:"
+
+# Keys earlier versions read, with what replaces them.
+REMOVED_KEYS = {
+    "reward_weights": "weight rewards by name with rewards: {name: weight}, e.g. rewards: {correctness: 1.0, "
+                      "format: 0.5, length: 0.2, evidence: 0.2} (Med-R³: stage_overrides: {N: {rewards: {...}}})",
+}
 
 
 def resolve_model(spec: str) -> str:
@@ -261,11 +275,13 @@ class GRPOTrainingConfig(_TrainingConfig):
         default="group",
         metadata={"help": "Advantage scaling by the reward std: group, batch or none (Dr. GRPO)."},
     )
-    reward_weights: list[float] | None = field(
+    rewards: dict[str, float] | None = field(
         default=None,
         metadata={
-            "help": "Weight of each reward function, in the order they are passed to train_grpo; null = all 1. "
-            "Weights passed to train_grpo take precedence."
+            "help": "Reward weights by name (training.rewards.REWARDS: correctness, format, length, evidence, "
+            "retrieval_hit, search_format, penalties), e.g. {correctness: 1.0, format: 0.5}. They update the "
+            "defaults (null = the respondent's: correctness 1.0, format 0.5, length 0.2, evidence 0.2): a new "
+            "name adds that reward, weight 0 drops one."
         },
     )
     mask_truncated_completions: bool = field(
@@ -302,12 +318,18 @@ class GRPOTrainingConfig(_TrainingConfig):
         },
     )
 
-    def to_trl(self):
-        """The trl.GRPOConfig for this run."""
+    def reward_settings(self) -> dict[str, Any]:
+        """Parameters of the rewards that have some (`training.rewards`), by field name; none for the respondent."""
+        return {}
+
+    def to_trl(self, reward_weights: Sequence[float] | None = None):
+        """The trl.GRPOConfig for this run; `reward_weights` in the order of the reward functions (None: all 1)."""
         from trl import GRPOConfig
 
         if self.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}")
+        if "reward_weights" in self.trl_overrides:
+            raise ValueError(f"trl_overrides may not set reward_weights: {REMOVED_KEYS['reward_weights']}")
         kwargs = self._common_trl_kwargs()
         kwargs.update(
             beta=self.beta,
@@ -317,7 +339,7 @@ class GRPOTrainingConfig(_TrainingConfig):
             top_p=self.top_p,
             loss_type=self.loss_type,
             scale_rewards=self.scale_rewards,
-            reward_weights=self.reward_weights,
+            reward_weights=list(reward_weights) if reward_weights is not None else None,
             mask_truncated_completions=self.mask_truncated_completions,
             use_vllm=self.use_vllm,
             vllm_mode=self.vllm_mode,
@@ -330,6 +352,38 @@ class GRPOTrainingConfig(_TrainingConfig):
         return self._build_trl(GRPOConfig, kwargs)
 
 
+@dataclass
+class MedR3TrainingConfig(GRPOTrainingConfig):
+    """GRPO fields (shared by the stages) plus the search loop's and the stages' settings (`training.med_r3`).
+    For Med-R³, `max_completion_length` is the number of tokens the model writes over all steps of one rollout
+    (inserted documents are not counted) and `output_dir` holds one folder per stage. Rewards are weighted per
+    stage: `stage_overrides.N.rewards`, not `rewards`."""
+
+    index_dir: str | None = field(
+        default=None, metadata={"help": "Corpus index (`ermedrag index`) searched in stages 2 and 3."})
+    chroma_url: str | None = field(default=None, metadata={"help": "Chroma server URL instead of the on-disk store."})
+    search_k: int = field(default=SEARCH_K, metadata={"help": "Snippets returned per search (Med-R³: top 5)."})
+    coarse_k: int = field(default=COARSE_K, metadata={"help": "Chunks kept by coarse hybrid retrieval before re-scoring."})
+    max_searches: int = field(default=MAX_SEARCHES, metadata={"help": "Searches per rollout (Med-R³: 4)."})
+    step_max_new_tokens: int = field(
+        default=256, metadata={"help": "Tokens of one generation step (until a search closes or the answer ends)."})
+    max_chars: int = field(
+        default=3000, metadata={"help": "Model-written characters at which the length and overlong penalties are "
+                                        "full; they start at two thirds of it."})
+    max_think_chars: int = field(
+        default=2000, metadata={"help": "Characters of <think> content at which the think-length penalty is full."})
+    stage_overrides: dict[str, dict[str, Any]] = field(
+        default_factory=dict,
+        metadata={"help": "Per stage (1, 2, 3): fields of this config for that stage only (dataset, max_steps, "
+                          "learning_rate, num_generations, ...), and `rewards`: {name: weight} updating the stage's "
+                          "reward weights (names: correctness, format, length, retrieval_hit, search_format, "
+                          "penalties, evidence; weight 0 drops one)."})
+
+    def reward_settings(self) -> dict[str, Any]:
+        return {"max_chars": self.max_chars, "max_think_chars": self.max_think_chars,
+                "max_searches": self.max_searches}
+
+
 C = TypeVar("C", bound=_TrainingConfig)
 
 
@@ -338,6 +392,9 @@ def config_from_dict(data: dict[str, Any], cls: type[C], *, source: str = "confi
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping of field names to values, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    removed = sorted(set(data) & set(REMOVED_KEYS) - set(fields))
+    if removed:
+        raise ValueError(f"{source}: " + "; ".join(f"{key} is no longer a key: {REMOVED_KEYS[key]}" for key in removed))
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(

@@ -6,10 +6,13 @@
 - GRPO prompts for the respondent: each finished ER-MedRAG run with a gold answer is rebuilt from its
   recorded triplets, with a fraction of distractor triplets from other runs shuffled in (robustness to
   retrieval noise); the columns carry what the reward functions need.
+- Med-R³ GRPO prompts: each finished Med-R³ run with a gold answer gives its first reasoner prompt exactly
+  as recorded, with the columns of `training.med_r3_data`.
 
-Exports are resumable and idempotent: every processed trace event is appended to `OUT/log.jsonl` as soon
-as it is done (a killed export loses at most the event in flight and redoes it); the dataset
-(`OUT/dataset`, `datasets.load_from_disk`) and `OUT/data.jsonl` are rebuilt from the log at the end.
+Exports are resumable and idempotent (`export_resumable`, the one loop all three run): every processed trace
+event or run is appended to `OUT/log.jsonl` as soon as it is done (a killed export loses at most the one in
+flight and redoes it); the dataset (`OUT/dataset`, `datasets.load_from_disk`) and `OUT/data.jsonl` are
+rebuilt from the log at the end.
 """
 
 from __future__ import annotations
@@ -18,29 +21,35 @@ import json
 import random
 import shutil
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from typing import Any
 
 from ermedrag.agents import extractor, respondent
+from ermedrag.agents.base import to_chat, to_langchain
 from ermedrag.tools.jsonl import AppendLog, read_records
 from ermedrag.tools.traces import TraceStore
+from ermedrag.training.med_r3_data import med_r3_row
 
 LOG = "log.jsonl"
-ROLE_TO_MESSAGE = {"system": SystemMessage, "human": HumanMessage, "ai": AIMessage}
-ROLE_TO_CHAT = {"system": "system", "human": "user", "ai": "assistant"}
 
 
-def replay_messages(recorded: list[dict[str, str]]) -> list[BaseMessage]:
-    """The recorded prompt as LangChain messages, exactly as it was sent."""
-    return [ROLE_TO_MESSAGE.get(m["role"], HumanMessage)(content=m["content"]) for m in recorded]
+def export_resumable(out: Path, items: Sequence[dict[str, Any]], id_key: str, to_record: Callable[[Any], dict],
+                     *, row_key: str, limit: int | None, progress: bool, unit: str) -> dict[str, int]:
+    """The loop of every export: the `items` (trace events or runs) whose `id_key` is not yet in
+    `OUT/log.jsonl`, at most `limit` of them, each turned into a log record (carrying `id_key`, and its
+    dataset row under `row_key`) and appended as soon as it is done; then the dataset is rebuilt from the log.
+    Returns counts: processed, skipped_done (records already in the log), rows."""
+    from tqdm.auto import tqdm
 
-
-def chat_format(recorded: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The recorded prompt in the chat format TRL datasets use (system/user/assistant)."""
-    return [{"role": ROLE_TO_CHAT.get(m["role"], "user"), "content": m["content"]} for m in recorded]
+    done = {r[id_key] for r in read_records(out / LOG)}
+    todo = [item for item in items if item[id_key] not in done]
+    todo = todo[:limit] if limit is not None else todo
+    with AppendLog(out / LOG) as log:
+        for item in tqdm(todo, desc=f"{unit}s", unit=unit, disable=not progress):
+            log.write(to_record(item))
+    return {"processed": len(todo), "skipped_done": len(done), **_write_dataset(out, row_key)}
 
 
 def _as_dict(value: Any) -> dict[str, Any]:
@@ -80,18 +89,13 @@ def _usefulness(model: Any, run: dict[str, Any], parsed: extractor.Extraction) -
 
 def export_dpo(config: DPOExportConfig, progress: bool = True,
                reward: Callable[..., Any] | None = None) -> dict[str, int]:
-    """Write extractor preference pairs; returns counts. `reward` defaults to training.rewards.extractor_reward."""
-    from tqdm.auto import tqdm
-
+    """Write extractor preference pairs; returns counts. `reward` defaults to
+    `training.extractor_reward.extractor_reward`."""
     from ermedrag.tools.chat_models import load_chat_model
 
     if reward is None:
-        from ermedrag.training.rewards import extractor_reward as reward
+        from ermedrag.training.extractor_reward import extractor_reward as reward
     store = TraceStore(config.traces)
-    out = Path(config.out)
-    done = {r["event_id"] for r in read_records(out / LOG)}
-    events = [e for e in store.events(agent="extractor") if e["event_id"] not in done]
-    events = events[: config.limit] if config.limit is not None else events
     models: dict[str, Any] = {}
 
     def model_for(spec: str) -> Any:
@@ -100,11 +104,12 @@ def export_dpo(config: DPOExportConfig, progress: bool = True,
                                            max_new_tokens=config.max_new_tokens)
         return models[spec]
 
-    with AppendLog(out / LOG) as log:
-        for event in tqdm(events, desc="extractor calls", unit="call", disable=not progress):
-            log.write(_dpo_record(event, store.run(event["run_id"]) or {}, model_for(config.model or event["model"]),
-                                  config, reward))
-    return {"processed": len(events), "skipped_done": len(done), **_write_dataset(out, "pair")}
+    def record(event: dict[str, Any]) -> dict[str, Any]:
+        model = model_for(config.model or event["model"])
+        return _dpo_record(event, store.run(event["run_id"]) or {}, model, config, reward)
+
+    return export_resumable(Path(config.out), list(store.events(agent="extractor")), "event_id", record,
+                            row_key="pair", limit=config.limit, progress=progress, unit="extractor call")
 
 
 def _dpo_record(event: dict[str, Any], run: dict[str, Any], model: Any, config: DPOExportConfig,
@@ -112,7 +117,7 @@ def _dpo_record(event: dict[str, Any], run: dict[str, Any], model: Any, config: 
     inputs = event.get("inputs") or {}
     snippet_id = inputs.get("snippet_id") or (event.get("parsed") or {}).get("snippet_id", "")
     snippet, question = inputs.get("snippet", ""), inputs.get("question", "")
-    messages = replay_messages(event["messages"])
+    messages = to_langchain(event["messages"])
     samples = [r.text for r in model.batch([messages] * config.samples, stop=extractor.STOP)] if config.samples else []
     candidates = [event["completion"], *samples]
     scored = []
@@ -126,7 +131,7 @@ def _dpo_record(event: dict[str, Any], run: dict[str, Any], model: Any, config: 
     pair = None
     if len(scored) > 1 and best["reward"] - worst["reward"] >= config.margin:
         pair = {
-            "prompt": chat_format(event["messages"]),
+            "prompt": to_chat(event["messages"]),
             "chosen": [{"role": "assistant", "content": best["completion"]}],
             "rejected": [{"role": "assistant", "content": worst["completion"]}],
             "chosen_reward": best["reward"], "rejected_reward": worst["reward"],
@@ -167,22 +172,19 @@ def distractor_count(own: int, fraction: float) -> int:
 
 def export_grpo(config: GRPOExportConfig, progress: bool = True) -> dict[str, int]:
     """Write respondent prompts with noise injection; returns counts."""
-    from tqdm.auto import tqdm
-
     if not 0 <= config.noise_fraction < 1:
         raise ValueError(f"noise_fraction must be in [0, 1), got {config.noise_fraction}")
     store = TraceStore(config.traces)
-    out = Path(config.out)
-    runs = [r for r in store.runs() if r["graph"] == "er_medrag" and r.get("gold") and r.get("finished_at")]
-    runs.sort(key=lambda r: r["run_id"])
-    per_run = {r["run_id"]: _run_triplets(store, r["run_id"]) for r in runs}
-    done = {r["run_id"] for r in read_records(out / LOG)}
-    todo = [r for r in runs if r["run_id"] not in done]
-    todo = todo[: config.limit] if config.limit is not None else todo
-    with AppendLog(out / LOG) as log:
-        for run in tqdm(todo, desc="runs", unit="run", disable=not progress):
-            log.write(_grpo_record(run, per_run, config))
-    return {"processed": len(todo), "skipped_done": len(done), **_write_dataset(out, "row")}
+    runs = _finished_runs(store, "er_medrag")
+    per_run = {r["run_id"]: _run_triplets(store, r["run_id"]) for r in runs}  # distractors come from every run
+    return export_resumable(Path(config.out), runs, "run_id", lambda run: _grpo_record(run, per_run, config),
+                            row_key="row", limit=config.limit, progress=progress, unit="run")
+
+
+def _finished_runs(store: TraceStore, graph: str) -> list[dict[str, Any]]:
+    """The finished runs of `graph` that have a gold answer (something to reward), by run id."""
+    runs = (r for r in store.runs() if r["graph"] == graph and r.get("gold") and r.get("finished_at"))
+    return sorted(runs, key=lambda r: r["run_id"])
 
 
 def _grpo_record(run: dict[str, Any], per_run: dict[str, tuple[list, Any]], config: GRPOExportConfig) -> dict:
@@ -196,7 +198,7 @@ def _grpo_record(run: dict[str, Any], per_run: dict[str, tuple[list, Any]], conf
     messages = respondent.build_messages(question["question"], question.get("options"),
                                          extractor.render_triplets(mixed))
     row = {
-        "prompt": [{"role": ROLE_TO_CHAT[m.type], "content": m.text} for m in messages],
+        "prompt": to_chat(messages),
         "question": question["question"], "options": question.get("options"), "gold": run["gold"],
         "triplets": mixed, "n_distractors": len(distractors),
         "run_id": run["run_id"], "event_id": respondent_event["event_id"] if respondent_event else None,
@@ -219,22 +221,14 @@ class MedR3ExportConfig:
 
 def export_med_r3(config: MedR3ExportConfig, progress: bool = True) -> dict[str, int]:
     """Med-R³ GRPO prompts replayed from recorded `med_r3` runs: each finished run with a gold answer gives its
-    first reasoner prompt exactly as recorded, with the columns `training.med_r3` rewards read (`gold`,
-    `options`, `gold_evidence`) and provenance. Resumable like the other exports."""
-    from tqdm.auto import tqdm
-
+    first reasoner prompt exactly as recorded, with the columns the Med-R³ rewards read
+    (`training.med_r3_data`: `gold`, `options`, `gold_evidence`) and provenance. Resumable like the other
+    exports."""
     store = TraceStore(config.traces)
-    out = Path(config.out)
     evidence = _gold_evidence_by_question(config)
-    runs = sorted((r for r in store.runs() if r["graph"] == "med_r3" and r.get("gold") and r.get("finished_at")),
-                  key=lambda r: r["run_id"])
-    done = {r["run_id"] for r in read_records(out / LOG)}
-    todo = [r for r in runs if r["run_id"] not in done]
-    todo = todo[: config.limit] if config.limit is not None else todo
-    with AppendLog(out / LOG) as log:
-        for run in tqdm(todo, desc="runs", unit="run", disable=not progress):
-            log.write({"run_id": run["run_id"], "row": _med_r3_row(store, run, evidence)})
-    return {"processed": len(todo), "skipped_done": len(done), **_write_dataset(out, "row")}
+    return export_resumable(Path(config.out), _finished_runs(store, "med_r3"), "run_id",
+                            lambda run: {"run_id": run["run_id"], "row": _med_r3_row(store, run, evidence)},
+                            row_key="row", limit=config.limit, progress=progress, unit="run")
 
 
 def _med_r3_row(store: TraceStore, run: dict[str, Any], evidence: dict[str, tuple[str, list[str]]]
@@ -246,11 +240,9 @@ def _med_r3_row(store: TraceStore, run: dict[str, Any], evidence: dict[str, tupl
         return None
     question = run["question"]
     benchmark, gold_evidence = evidence.get(_question_key(question["question"]), ("", []))
-    options = question.get("options")
-    return {"prompt": chat_format(first["messages"]), "gold": run["gold"],
-            "options": {str(k): str(v) for k, v in options.items()} if options else None,
-            "gold_evidence": gold_evidence, "id": run["run_id"], "benchmark": benchmark,
-            "run_id": run["run_id"], "event_id": first["event_id"]}
+    row = med_r3_row(to_chat(first["messages"]), gold=run["gold"], options=question.get("options"),
+                     gold_evidence=gold_evidence, row_id=run["run_id"], benchmark=benchmark)
+    return {**row, "run_id": run["run_id"], "event_id": first["event_id"]}
 
 
 def _question_key(text: str) -> str:

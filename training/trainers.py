@@ -1,17 +1,19 @@
-"""Run TRL's DPOTrainer / GRPOTrainer from a project config, and record what they log.
+"""Run TRL's DPOTrainer / GRPOTrainer from a project config; every GRPO trainer is built by `build_grpo_trainer`.
 
     from ermedrag.training.config import GRPOTrainingConfig, load_config
     from ermedrag.training.trainers import train_grpo
-    summary = train_grpo(load_config("training/configs/grpo_respondent.yaml", GRPOTrainingConfig),
-                         reward_funcs=[correctness_reward, format_reward], reward_weights=[1.0, 0.2])
+    summary = train_grpo(load_config("training/configs/grpo_respondent.yaml", GRPOTrainingConfig))
+    # CLI: ermedrag train grpo --config training/configs/grpo_respondent.yaml   (and: ermedrag train dpo ...)
+
+GRPO rewards are named (`training.rewards`): `train_grpo(config)` trains with `config.rewards`, the
+respondent's defaults when unset; `train_grpo(config, reward_funcs=[f, g])` trains with your own functions
+instead, each weighted by its `__name__` in `config.rewards` (1 when not named). Rollouts end at
+`config.stop_strings` (a `training.rollouts` rollout function without search; vLLM stops by itself).
 
 Each run writes to `config.output_dir`:
 - the final LoRA adapter (or the full model when `use_lora: false`) and the tokenizer, loadable with
   `peft.AutoPeftModelForCausalLM` / `transformers.AutoModelForCausalLM`;
-- `metrics.jsonl`: every dict the trainer logs, one JSON line each, with `step` added (loss, learning rate,
-  for GRPO `reward`, `rewards/<func>/mean|std`, `kl` when beta > 0, `entropy`, `completions/mean_length`...;
-  for DPO `rewards/chosen|rejected|margins|accuracies`, `logps/*`, `entropy`);
-- `curves.png`: those curves, one panel per family;
+- `metrics.jsonl` and `curves.png` (`training.metrics`);
 - `training_config.json`: the project config the run used.
 
 Datasets are folders written by `datasets.Dataset.save_to_disk`, in TRL's conversational format:
@@ -42,44 +44,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig, load_config
+from ermedrag.training.metrics import METRICS_FILE, PLOT_FILE, MetricsRecorder, plot_curves
+from ermedrag.training.reward_text import RewardFunc
+from ermedrag.training.rewards import RESPONDENT_REWARDS, WeightedReward, named_weights, resolve_rewards
+from ermedrag.training.rollouts import RolloutFunc, make_search_rollout
 
-from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig
-
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "curves.png"
 CONFIG_FILE = "training_config.json"
 
 # Columns a DPO row must have; anything else is provenance and is dropped before TRL tokenises.
 DPO_COLUMNS = ("prompt", "chosen", "rejected")
-
-
-class MetricsRecorder(TrainerCallback):
-    """Append every dict the trainer logs to a JSON-lines file (main process only), with the step number."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.records: list[dict[str, Any]] = []
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("", encoding="utf-8")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or not state.is_world_process_zero:
-            return
-        record = {"step": state.global_step, **{k: _jsonable(v) for k, v in logs.items()}}
-        self.records.append(record)
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
 
 
 def train_dpo(config: DPOTrainingConfig) -> dict[str, Any]:
@@ -108,79 +88,82 @@ def train_dpo(config: DPOTrainingConfig) -> dict[str, Any]:
     return _run(trainer, config, recorder, kind="dpo")
 
 
-def train_grpo(
-    config: GRPOTrainingConfig,
-    reward_funcs: Sequence[Callable[..., list[float | None]]],
-    reward_weights: Sequence[float] | None = None,
-) -> dict[str, Any]:
-    """Train with GRPO on the prompts in `config.dataset`, scoring completions with `reward_funcs`.
+def train_grpo(config: GRPOTrainingConfig, reward_funcs: Sequence[RewardFunc] | None = None) -> dict[str, Any]:
+    """Train with GRPO on the prompts in `config.dataset`; return a summary of the run.
 
-    Each reward function is a TRL reward callable, `f(prompts, completions, completion_ids, **columns) ->
-    list[float | None]`; its `__name__` names its curve (`rewards/<name>/mean`). `reward_weights` (else
-    `config.reward_weights`, else all 1) weights them in the total reward.
-    """
+    Rewards: `config.rewards` over the registry (`training.rewards.REWARDS`, the respondent's defaults when
+    unset); or, given `reward_funcs` (TRL reward callables, each named by its `__name__`), those functions,
+    weighted by name in `config.rewards` (1 when not named)."""
+    if reward_funcs is None:
+        rewards = resolve_rewards(config.rewards, RESPONDENT_REWARDS, settings=config.reward_settings())
+    else:
+        registry = _by_name(reward_funcs)
+        rewards = resolve_rewards(config.rewards, dict.fromkeys(registry, 1.0), registry=registry)
+    return run_grpo(config, rewards)
+
+
+def run_grpo(config: GRPOTrainingConfig, rewards: Sequence[WeightedReward], *,
+             rollout_func: RolloutFunc | None = None, kind: str = "grpo") -> dict[str, Any]:
+    """Build the trainer (`build_grpo_trainer`), train, save; the summary names the rewards and their weights."""
+    trainer, recorder = build_grpo_trainer(config, rewards, rollout_func=rollout_func)
+    summary = _run(trainer, config, recorder, kind=kind)
+    summary["reward_functions"] = list(trainer.reward_func_names)
+    summary["reward_weights"] = named_weights(list(rewards))
+    return summary
+
+
+def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedReward], *,
+                       rollout_func: RolloutFunc | None = None):
+    """A `trl.GRPOTrainer` for `config` and its `MetricsRecorder`: the dataset checked, the model's tokenizer,
+    TRL's config with the rewards' weights, and a rollout function: `rollout_func`, else one that ends at
+    `config.stop_strings` (none with vLLM, which stops by itself: `GRPOTrainingConfig.to_trl`)."""
     from trl import GRPOTrainer
-
-    reward_funcs = list(reward_funcs)
-    if not reward_funcs:
-        raise ValueError("train_grpo needs at least one reward function")
-    weights = list(reward_weights) if reward_weights is not None else config.reward_weights
-    if weights is not None and len(weights) != len(reward_funcs):
-        raise ValueError(f"{len(weights)} reward weights for {len(reward_funcs)} reward functions")
 
     dataset = _load_dataset(config.dataset)
     if "prompt" not in dataset.column_names:
         raise ValueError(f"GRPO dataset {config.dataset} has no `prompt` column; it has {dataset.column_names}")
-
     model_path = config.model_path()
-    tokenizer = _load_tokenizer(model_path)
-    args = config.to_trl()
-    args.reward_weights = [float(w) for w in weights] if weights is not None else None
     recorder = MetricsRecorder(Path(config.output_dir) / METRICS_FILE)
-    extra: dict[str, Any] = {}
-    if config.stop_strings and not config.use_vllm:  # vLLM stops by itself (GRPOTrainingConfig.to_trl)
-        from ermedrag.training.med_r3 import make_med_r3_rollout
-
-        extra["rollout_func"] = make_med_r3_rollout(None, end_stops=config.stop_strings,
-                                                    step_max_new_tokens=config.max_completion_length)
-    # By path, so that beta > 0 without LoRA can rebuild the reference model (TRL reloads it from the path).
-    with warnings.catch_warnings():  # rollout_func is marked experimental in TRL 1.16
+    if rollout_func is None and config.stop_strings and not config.use_vllm:
+        rollout_func = make_search_rollout(None, end_stops=config.stop_strings,
+                                           step_max_new_tokens=config.max_completion_length)
+    with warnings.catch_warnings():  # rollout_func is marked experimental in TRL 1.16: said once, in training.rollouts
         warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
+        # By path, so that beta > 0 without LoRA can rebuild the reference model (TRL reloads it from the path).
         trainer = GRPOTrainer(
             model=model_path,
-            reward_funcs=reward_funcs,
-            args=args,
+            reward_funcs=[reward.func for reward in rewards],
+            args=config.to_trl(reward_weights=[reward.weight for reward in rewards]),
             train_dataset=dataset,
-            processing_class=tokenizer,
+            processing_class=_load_tokenizer(model_path),
             peft_config=config.lora_config(),
             callbacks=[recorder],
-            **extra,
+            rollout_func=rollout_func,
         )
-    summary = _run(trainer, config, recorder, kind="grpo")
-    summary["reward_functions"] = list(trainer.reward_func_names)
-    return summary
+    return trainer, recorder
 
 
 def train_from_file(kind: str, config_path: str | Path) -> dict[str, Any]:
-    """What `ermedrag train dpo|grpo --config FILE` runs: load the YAML and train.
-
-    GRPO uses the respondent's rewards (`training.rewards.respondent_reward_funcs`: correctness, format,
-    length, evidence use) with their default weights unless the YAML sets `reward_weights`.
-    """
-    from ermedrag.training.config import load_config
-
+    """What `ermedrag train dpo|grpo --config FILE` runs: load the YAML and train (GRPO: with its `rewards`)."""
     if kind == "dpo":
         return train_dpo(load_config(config_path, DPOTrainingConfig))
     if kind == "grpo":
-        from ermedrag.training.rewards import respondent_reward_funcs
-
-        config = load_config(config_path, GRPOTrainingConfig)
-        funcs, weights = respondent_reward_funcs()
-        return train_grpo(config, funcs, config.reward_weights or weights)
+        return train_grpo(load_config(config_path, GRPOTrainingConfig))
     raise ValueError(f"unknown trainer {kind!r}: expected 'dpo' or 'grpo'")
 
 
 # --- shared pieces -----------------------------------------------------------------------------------------
+
+
+def _by_name(reward_funcs: Sequence[RewardFunc]) -> dict[str, RewardFunc]:
+    """Reward functions by their `__name__` (TRL's curve name), which must be unique."""
+    funcs = list(reward_funcs)
+    if not funcs:
+        raise ValueError("train_grpo needs at least one reward function")
+    by_name = {getattr(f, "__name__", type(f).__name__): f for f in funcs}
+    if len(by_name) != len(funcs):
+        raise ValueError(f"reward functions need distinct names (TRL names curves by them), got {list(by_name)}")
+    return by_name
 
 
 def _load_dataset(path: str):
@@ -238,75 +221,3 @@ def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: s
         summary["plot_path"] = str(plot) if plot else None
     return summary
 
-
-# Panels of the curve plot: title and a predicate on metric names. A metric goes to the first panel it fits.
-_PANELS: list[tuple[str, Callable[[str], bool]]] = [
-    ("loss", lambda k: k == "loss"),
-    ("reward (total and per function)", lambda k: k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))),
-    ("DPO implicit rewards", lambda k: k in ("rewards/chosen", "rewards/rejected", "rewards/margins")),
-    ("DPO preference accuracy", lambda k: k == "rewards/accuracies"),
-    ("KL to reference", lambda k: k in ("kl", "objective/kl")),
-    ("entropy", lambda k: k == "entropy"),
-    ("completion length (tokens)", lambda k: k in ("completions/mean_length", "completions/mean_terminated_length")),
-]
-
-
-def plot_curves(records: list[dict[str, Any]], path: str | Path, *, title: str = "") -> Path | None:
-    """Plot the logged training curves (one panel per metric family present) to a PNG; None if nothing to plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series: dict[str, list[tuple[int, float]]] = {}
-    for record in records:
-        step = record.get("step")
-        for key, value in record.items():
-            if key == "step" or not isinstance(value, (int, float)) or isinstance(value, bool):
-                continue
-            if math.isfinite(value):
-                series.setdefault(key, []).append((step, float(value)))
-    panels: list[tuple[str, list[str]]] = []
-    used: set[str] = set()
-    for name, fits in _PANELS:
-        keys = sorted(k for k in series if k not in used and fits(k))
-        if keys:
-            panels.append((name, keys))
-            used.update(keys)
-    if not panels:
-        return None
-    columns = min(3, len(panels))
-    rows = math.ceil(len(panels) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
-    for ax, (name, keys) in zip(axes.flat, panels):
-        for key in keys:
-            steps, values = zip(*series[key])
-            ax.plot(steps, values, marker="o", markersize=3, label=key)
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if len(keys) > 1:
-            ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def _jsonable(value: Any) -> Any:
-    """A logged value as strict JSON: numbers stay numbers, NaN/inf become null, anything else a string."""
-    if isinstance(value, (str, bool)) or value is None:
-        return value
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return str(value)
-    if not math.isfinite(number):
-        return None
-    return value if isinstance(value, int) else number

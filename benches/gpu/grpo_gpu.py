@@ -4,8 +4,8 @@ Nothing is downloaded: the tokenizer is the offline byte-level BPE of ermedrag/t
 template), the model is built from a config (random weights) and saved to a work folder so that TRL loads it
 by path exactly as `training.trainers.train_grpo` does in real runs, and the prompts are synthetic respondent
 prompts (`agents.respondent.build_messages`, made-up questions, options and evidence triplets, gold letters).
-Training is `train_grpo` with `training.rewards.respondent_reward_funcs()`; precision is the project's
-automatic choice (bf16 on CUDA).
+Training is `train_grpo` with the respondent's rewards (`training.rewards`, `rewards` unset); precision is the
+project's automatic choice (bf16 on CUDA).
 
 Reports wall time per optimizer step, time spent generating, generated tokens per second, peak GPU memory and
 the device, as JSON on stdout and in `--out` (default benches/results/gpu_grpo.json on CUDA; CPU runs go to a
@@ -72,9 +72,6 @@ SIZES: dict[str, dict[str, Any]] = {
     "medium": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                    num_key_value_heads=2, vocab_size=QWEN2_VOCAB),
 }
-
-ROLE_TO_CHAT = {"system": "system", "human": "user", "ai": "assistant"}  # as training.export writes prompts
-
 
 def log(message: str) -> None:
     print(f"[grpo_gpu {time.time() - STARTED:7.1f}s] {message}", flush=True)
@@ -192,6 +189,7 @@ _SYMPTOMS = [
 
 def synthetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
     """Respondent GRPO rows in the export's layout: prompt (chat), question, options, gold, triplets."""
+    from ermedrag.agents.base import to_chat
     from ermedrag.agents.extractor import render_triplets
     from ermedrag.agents.respondent import build_messages
 
@@ -214,7 +212,7 @@ def synthetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
         rng.shuffle(triplets)
         messages = build_messages(question, options, render_triplets(triplets))
         rows.append({
-            "prompt": [{"role": ROLE_TO_CHAT[m.type], "content": m.text} for m in messages],
+            "prompt": to_chat(messages),  # as training.export writes prompts
             "question": question, "options": options, "gold": gold, "triplets": triplets,
         })
     return rows
@@ -435,7 +433,6 @@ def main(argv: list[str] | None = None) -> int:
         import trl
 
         from ermedrag.training.config import GRPOTrainingConfig
-        from ermedrag.training.rewards import respondent_reward_funcs
         from ermedrag.training.trainers import train_grpo
 
         gradient_checkpointing = {"auto": None, "on": True, "off": False}[args.gradient_checkpointing]
@@ -463,7 +460,6 @@ def main(argv: list[str] | None = None) -> int:
             vllm_mode=args.vllm or "colocate",
             vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         )
-        funcs, weights = respondent_reward_funcs()
         # Time after training for the final save (~2 bytes/parameter in bf16), the plot and this report.
         reserve_s = 20 + model_info["parameters"] * 2 / 2e8
         timer = make_timer(deadline, reserve_s)
@@ -473,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.reset_peak_memory_stats()
         log(f"training (budget: {deadline - time.time():.0f}s left, {reserve_s:.0f}s kept for the save)")
         try:
-            summary = train_grpo(config, funcs, weights)
+            summary = train_grpo(config)  # rewards unset: the respondent's defaults
         finally:
             trl.GRPOTrainer = original
         _sync()

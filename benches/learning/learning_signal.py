@@ -30,16 +30,18 @@ REPO = Path(__file__).resolve().parents[2]
 from datasets import load_from_disk  # noqa: E402
 
 from ermedrag.agents import extractor, respondent  # noqa: E402
+from ermedrag.agents.base import to_chat, to_langchain  # noqa: E402
 from ermedrag.tools.benchmarks import Question, load_questions_file  # noqa: E402
 from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
 from ermedrag.tools.chat_models import load_chat_model  # noqa: E402
 from ermedrag.tools.corpus import Document  # noqa: E402
 from ermedrag.tools.index import build_index  # noqa: E402
 from ermedrag.tools.traces import TraceStore  # noqa: E402
-from ermedrag.training import rewards  # noqa: E402
+from ermedrag.training.answer_rewards import correctness_reward  # noqa: E402
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
-from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, chat_format, export_dpo,  # noqa: E402
-                             export_grpo)
+from ermedrag.training.export import DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo  # noqa: E402
+from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
+from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
 
@@ -57,8 +59,9 @@ def record(questions: list[Question], model: str, index_dir: Path, trace_db: Pat
            args: argparse.Namespace) -> None:
     import asyncio
 
-    config = EvalConfig(system="er_medrag", model=model, index_dir=str(index_dir), snippets_k=args.snippets,
-                        extractor_max_new_tokens=args.extract_tokens, respondent_max_new_tokens=args.respond_tokens)
+    config = EvalConfig.for_graph("er_medrag", {
+        "extractor_model": model, "respondent_model": model, "index_dir": str(index_dir), "snippets_k": args.snippets,
+        "extractor_max_new_tokens": args.extract_tokens, "respondent_max_new_tokens": args.respond_tokens})
     counts = asyncio.run(run_questions(config, questions, work / f"runs-{trace_db.stem}",
                                        concurrency=args.concurrency, trace_db=str(trace_db)))
     log(f"recorded {trace_db.name}: {counts}")
@@ -66,13 +69,9 @@ def record(questions: list[Question], model: str, index_dir: Path, trace_db: Pat
 
 def generate(model_spec: str, prompts: list[list[dict[str, str]]], max_new_tokens: int, stop: list[str]) -> list[str]:
     """Greedy completions of chat prompts, batched, ending at the agent's stop strings as in the app (the
-    matched one put back, as `agents.base.call_agent` does): the same decoding before and after training."""
-    from ermedrag.training.export import replay_messages
-
-    roles = {"system": "system", "user": "human", "assistant": "ai"}
+    matched one put back, as `tools.agent_calls.call_agent` does): the same decoding before and after training."""
     model = load_chat_model(model_spec, max_new_tokens=max_new_tokens)
-    messages = [replay_messages([{"role": roles[m["role"]], "content": m["content"]} for m in p]) for p in prompts]
-    replies = model.batch(messages, stop=stop)
+    replies = model.batch([to_langchain(p) for p in prompts], stop=stop)
     return [reply.text + (reply.response_metadata.get("stop_sequence") or "") for reply in replies]
 
 
@@ -83,14 +82,14 @@ def answer_parsed_rate(texts: list[str], options: list[dict[str, str] | None]) -
 
 def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
     columns = {key: [row[key] for row in rows] for key in ("gold", "options", "triplets")}
-    funcs, weights = rewards.respondent_reward_funcs()
-    scores = {f.__name__: f(completions, **columns) for f in funcs}
-    total = [sum(w * scores[f.__name__][i] for f, w in zip(funcs, weights)) for i in range(len(completions))]
+    rewards = resolve_rewards(None, RESPONDENT_REWARDS)  # what train_grpo trains with
+    scores = {r.func.__name__: r.func(completions, **columns) for r in rewards}
+    total = [sum(r.weight * scores[r.func.__name__][i] for r in rewards) for i in range(len(completions))]
     return {
         "well_formed_rate": sum(s == 1.0 for s in scores["format_reward"]) / len(completions),
         "answer_parsed_rate": answer_parsed_rate(completions, columns["options"]),
         # what the app would score: any answer its parser reads, well formed or not
-        "accuracy": sum(rewards.correctness_reward(completions, **columns)) / len(completions),
+        "accuracy": sum(correctness_reward(completions, **columns)) / len(completions),
         "mean_reward": sum(total) / len(total),
         "mean_chars": sum(len(c) for c in completions) / len(completions),
     }
@@ -98,7 +97,7 @@ def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> di
 
 def extractor_metrics(completions: list[str], events: list[dict[str, Any]]) -> dict[str, float]:
     parsed = [extractor.parse_triplets(c, "s") for c in completions]
-    scored = [rewards.extractor_reward(c, e["inputs"]["snippet"], question=e["inputs"]["question"])
+    scored = [extractor_reward(c, e["inputs"]["snippet"], question=e["inputs"]["question"])
               for c, e in zip(completions, events)]
     return {
         "parseable_rate": sum(p["ok"] for p in parsed) / len(parsed),
@@ -167,7 +166,7 @@ def main() -> None:
     eval_rows = [dict(r) for r in load_from_disk(str(work / "grpo-eval" / "dataset"))]
     eval_prompts = [r["prompt"] for r in eval_rows]
     eval_events = list(TraceStore(eval_db).events(agent="extractor"))
-    extract_prompts = [chat_format(e["messages"]) for e in eval_events]
+    extract_prompts = [to_chat(e["messages"]) for e in eval_events]
     out = Path(args.out) if not args.smoke else work / "learning.json"
     result = json.loads(out.read_text()) if out.exists() else {}
     results_dir = Path(args.out).parent
@@ -176,12 +175,11 @@ def main() -> None:
         before = respondent_metrics(generate(model, eval_prompts, args.respond_tokens, respondent.STOP), eval_rows)
         log(f"before: respondent {before}")
         grpo_started = time.time()
-        funcs, weights = rewards.respondent_reward_funcs()
-        grpo = train_grpo(GRPOTrainingConfig(
+        grpo = train_grpo(GRPOTrainingConfig(  # rewards unset: the respondent's defaults
             model=model_path, dataset=str(work / "grpo-train" / "dataset"), output_dir=str(work / "grpo-out"),
             max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=args.grpo_generations,
             per_device_train_batch_size=args.grpo_generations, max_completion_length=args.respond_tokens,
-            temperature=args.grpo_temperature, save_steps=10_000), funcs, weights)
+            temperature=args.grpo_temperature, save_steps=10_000))
         grpo_minutes = (time.time() - grpo_started) / 60
         after = respondent_metrics(
             generate(f"hf:{merged_model(grpo['model_dir'], model_path, work / 'grpo-merged')}", eval_prompts,

@@ -28,9 +28,12 @@ from learning_signal import abstracts_as_documents, answer_parsed_rate, log, wri
 
 from ermedrag.tools.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.index import build_index, open_index  # noqa: E402
-from ermedrag.training.med_r3 import (STAGES, MedR3TrainingConfig, index_search, med_r3_correctness_reward,  # noqa: E402
-                             med_r3_dataset, med_r3_format_reward, retrieval_hit_reward, run_search_rollouts,
-                             stage_rewards, stage_start_model, train_med_r3)
+from ermedrag.training.answer_rewards import correctness_reward, format_reward  # noqa: E402
+from ermedrag.training.config import MedR3TrainingConfig  # noqa: E402
+from ermedrag.training.med_r3 import STAGES, stage_rewards, stage_start_model, train_med_r3  # noqa: E402
+from ermedrag.training.med_r3_data import med_r3_dataset  # noqa: E402
+from ermedrag.training.rollouts import index_search, run_search_rollouts  # noqa: E402
+from ermedrag.training.search_rewards import retrieval_hit_reward  # noqa: E402
 
 
 def rows_for(questions, index_ids: set[str]) -> list[dict[str, Any]]:
@@ -40,8 +43,10 @@ def rows_for(questions, index_ids: set[str]) -> list[dict[str, Any]]:
             for q in questions]
 
 
-def evaluate(model_dir: str, rows: list[dict[str, Any]], stage: int, search, args: argparse.Namespace) -> dict:
-    """Greedy rollouts of the held-out prompts in `stage`'s mode, scored with `stage`'s rewards and weights."""
+def evaluate(model_dir: str, rows: list[dict[str, Any]], stage: int, search, config: MedR3TrainingConfig,
+             args: argparse.Namespace) -> dict:
+    """Greedy rollouts of the held-out prompts in `stage`'s mode, scored with `stage`'s rewards and weights
+    (as `config` sets them)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -65,10 +70,10 @@ def evaluate(model_dir: str, rows: list[dict[str, Any]], stage: int, search, arg
     columns["retrieved_ids"] = [r.retrieved_ids for r in rollouts]
     completions = [[{"role": "assistant", "content": tokenizer.decode(r.completion_ids, skip_special_tokens=True)}]
                    for r in rollouts]
-    funcs, weights = stage_rewards(stage)
-    scores = {f.__name__: f(completions, **columns) for f in funcs}
-    total = [sum(w * (scores[f.__name__][i] or 0.0) for f, w in zip(funcs, weights)) for i in range(len(rows))]
-    formats = med_r3_format_reward(completions, **columns)
+    rewards = stage_rewards(stage, settings=config.reward_settings())
+    scores = {r.func.__name__: r.func(completions, **columns) for r in rewards}  # by curve name, as TRL logs them
+    total = [sum(r.weight * (scores[r.func.__name__][i] or 0.0) for r in rewards) for i in range(len(rows))]
+    formats = format_reward(completions, **columns)
     hits = [h for h in retrieval_hit_reward(completions, **columns) if h is not None]
     del model
     n = len(rows)
@@ -76,7 +81,7 @@ def evaluate(model_dir: str, rows: list[dict[str, Any]], stage: int, search, arg
         "mean_reward": round(sum(total) / n, 4),
         "format_rate": round(sum(f == 1.0 for f in formats) / n, 4),
         "answer_parsed_rate": round(answer_parsed_rate(columns["model_text"], columns["options"]), 4),
-        "accuracy": round(sum(med_r3_correctness_reward(completions, **columns)) / n, 4),
+        "accuracy": round(sum(correctness_reward(completions, **columns)) / n, 4),
         "searches_per_question": round(sum(len(r.searches) for r in rollouts) / n, 3),
         "retrieval_hit_rate": round(sum(hits) / len(hits), 4) if hits else 0.0,
         "mean_model_tokens": round(sum(r.generated_tokens for r in rollouts) / n, 1),
@@ -141,16 +146,16 @@ def main() -> None:
     for stage in STAGES:
         searching = search if STAGES[stage].search else None
         before_model = stage_start_model(config, stage)
-        before = evaluate(before_model, eval_rows, stage, searching, args)
+        before = evaluate(before_model, eval_rows, stage, searching, config, args)
         log(f"stage {stage} before: {json.dumps(before)}")
         stage_started = time.time()
         summary = train_med_r3(config, stages=[stage])["stages"][stage]
         minutes = (time.time() - stage_started) / 60
-        after = evaluate(summary["model_dir"], eval_rows, stage, searching, args)
+        after = evaluate(summary["model_dir"], eval_rows, stage, searching, config, args)
         log(f"stage {stage} after ({minutes:.1f} min): {json.dumps(after)}")
         result[f"stage{stage}"] = {"name": STAGES[stage].name, "search": STAGES[stage].search, "before": before,
                                    "after": after, "steps": summary["steps"], "minutes": round(minutes, 1),
-                                   "reward_weights": dict(zip(summary["reward_functions"], summary["reward_weights"]))}
+                                   "reward_weights": summary["reward_weights"]}
         if summary.get("plot_path") and not args.smoke:
             shutil.copy(summary["plot_path"], results_dir / f"med_r3_stage{stage}_curves.png")
     result.update({

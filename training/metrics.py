@@ -1,0 +1,114 @@
+"""What a training run records: every dict the trainer logs, as JSON lines, and the curves plotted from them.
+
+- `metrics.jsonl` (`MetricsRecorder`): one JSON line per log call, with `step` added (loss, learning rate,
+  for GRPO `reward`, `rewards/<func>/mean|std`, `kl` when beta > 0, `entropy`, `completions/mean_length`...;
+  for DPO `rewards/chosen|rejected|margins|accuracies`, `logps/*`, `entropy`). Only the main process writes.
+- `curves.png` (`plot_curves`): those curves, one panel per metric family.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "curves.png"
+
+
+class MetricsRecorder(TrainerCallback):
+    """Append every dict the trainer logs to a JSON-lines file (main process only), with the step number."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.records: list[dict[str, Any]] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("", encoding="utf-8")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or not state.is_world_process_zero:
+            return
+        record = {"step": state.global_step, **{k: _jsonable(v) for k, v in logs.items()}}
+        self.records.append(record)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+# Panels of the curve plot: title and a predicate on metric names. A metric goes to the first panel it fits.
+_PANELS: list[tuple[str, Callable[[str], bool]]] = [
+    ("loss", lambda k: k == "loss"),
+    ("reward (total and per function)", lambda k: k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))),
+    ("DPO implicit rewards", lambda k: k in ("rewards/chosen", "rewards/rejected", "rewards/margins")),
+    ("DPO preference accuracy", lambda k: k == "rewards/accuracies"),
+    ("KL to reference", lambda k: k in ("kl", "objective/kl")),
+    ("entropy", lambda k: k == "entropy"),
+    ("completion length (tokens)", lambda k: k in ("completions/mean_length", "completions/mean_terminated_length")),
+]
+
+
+def plot_curves(records: list[dict[str, Any]], path: str | Path, *, title: str = "") -> Path | None:
+    """Plot the logged training curves (one panel per metric family present) to a PNG; None if nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in records:
+        step = record.get("step")
+        for key, value in record.items():
+            if key == "step" or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if math.isfinite(value):
+                series.setdefault(key, []).append((step, float(value)))
+    panels: list[tuple[str, list[str]]] = []
+    used: set[str] = set()
+    for name, fits in _PANELS:
+        keys = sorted(k for k in series if k not in used and fits(k))
+        if keys:
+            panels.append((name, keys))
+            used.update(keys)
+    if not panels:
+        return None
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
+    for ax, (name, keys) in zip(axes.flat, panels):
+        for key in keys:
+            steps, values = zip(*series[key])
+            ax.plot(steps, values, marker="o", markersize=3, label=key)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    """A logged value as strict JSON: numbers stay numbers, NaN/inf become null, anything else a string."""
+    if isinstance(value, (str, bool)) or value is None:
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if not math.isfinite(number):
+        return None
+    return value if isinstance(value, int) else number
