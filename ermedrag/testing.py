@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 # ChatML, as Qwen2 uses it, without a default system prompt. `add_generation_prompt` opens the assistant turn.
 CHAT_TEMPLATE = (
@@ -95,33 +96,34 @@ def build_tokenizer(vocab_size: int = 768):
     return tokenizer
 
 
+def qwen2_for(tokenizer: Any, *, vocab_size: int | None = None, max_position_embeddings: int = 512,
+              **shape: int) -> tuple[Any, Any]:
+    """A Qwen2 config of the given shape around `tokenizer` (its ids for eos and pad, no bos), and a sampling
+    generation config that stops at its eos: what every randomly initialised test model here is built from."""
+    from transformers import GenerationConfig, Qwen2Config
+
+    config = Qwen2Config(vocab_size=vocab_size or len(tokenizer), max_position_embeddings=max_position_embeddings,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **shape)
+    config.architectures = ["Qwen2ForCausalLM"]
+    generation = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                  do_sample=True)
+    return config, generation
+
+
 def build_tiny_causal_lm(directory: str | Path, *, seed: int = 0) -> str:
     """Write a tiny Qwen2 causal LM and its tokenizer to `directory`; return the path as a string."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    config.architectures = ["Qwen2ForCausalLM"]
+    config, generation = qwen2_for(tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
-    )
+    model.generation_config = generation
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)

@@ -117,9 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_model(directory: Path, size: str, vocab_size: int | None, *, on_cuda: bool, seed: int) -> dict[str, Any]:
     """Write the offline tokenizer and a random Qwen2 causal LM (bf16 on CUDA) to `directory`."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    from ermedrag.testing import build_tokenizer
+    from ermedrag.testing import build_tokenizer, qwen2_for
 
     tokenizer = build_tokenizer()
     shape = dict(SIZES[size])
@@ -128,24 +128,13 @@ def build_model(directory: Path, size: str, vocab_size: int | None, *, on_cuda: 
     vocab = (preset_vocab if vocab_size is None else vocab_size) or len(tokenizer)
     if vocab < len(tokenizer):
         raise SystemExit(f"--vocab-size {vocab} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-    config = Qwen2Config(
-        vocab_size=vocab,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        **shape,
-    )
-    config.architectures = ["Qwen2ForCausalLM"]
+    config, generation = qwen2_for(tokenizer, vocab_size=vocab, max_position_embeddings=4096, **shape)
     dtype = torch.bfloat16 if on_cuda else torch.float32
     torch.manual_seed(seed)
     with torch.device("cuda" if on_cuda else "cpu"):
         model = Qwen2ForCausalLM(config)
     model.to(dtype)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
-    )
+    model.generation_config = generation
     total = sum(p.numel() for p in model.parameters())  # the tied head counts once
     embedding = model.get_input_embeddings().weight.numel()
     model.save_pretrained(directory)
