@@ -34,6 +34,8 @@ MAX_SEARCHES = 4  # per question, as in Med-R³: a further search ends the loop
 TAG = re.compile(r"</?\s*(document|search|answer|think)\s*>", re.IGNORECASE)
 SEARCH = re.compile(r"<search>(.*?)</search>\s*$", re.DOTALL | re.IGNORECASE)
 DOCUMENT_BLOCK = re.compile(r"<document>.*?</document>", re.DOTALL | re.IGNORECASE)
+# Exactly what `render_documents` inserts right after a closed search (a training rollout's transcript).
+INSERTED_DOCUMENT = re.compile(r"(?<=</search>)\n<document>\n.*?\n</document>\n", re.DOTALL | re.IGNORECASE)
 
 
 class Step(TypedDict):

@@ -15,11 +15,12 @@ import re
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from ermedrag.agents import reasoner
+
 logger = logging.getLogger(__name__)
 
 MAX_TEXT_CHARS = 200_000  # longer model output is cut before any scanning (bounded work)
 
-ENVIRONMENT_DOCUMENT = re.compile(r"(?<=</search>)\n<document>\n.*?\n</document>\n", re.DOTALL | re.IGNORECASE)
 
 
 class RewardFunc(Protocol):
@@ -77,7 +78,7 @@ def column(kwargs: Mapping[str, Any], name: str, index: int) -> Any:
 
 def strip_environment_documents(transcript: str) -> str:
     """The transcript without the document blocks the search loop inserted (right after `</search>`)."""
-    return ENVIRONMENT_DOCUMENT.sub("", transcript)
+    return reasoner.INSERTED_DOCUMENT.sub("", transcript)
 
 
 def own_text(completion: Any, kwargs: Mapping[str, Any], index: int) -> str:

@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ermedrag.agents import reasoner
 from ermedrag.agents.reasoner import MAX_QUERY_CHARS, MAX_SEARCHES
 from ermedrag.tools.gold_evidence import doc_id
 from ermedrag.training.reward_text import (
-    ENVIRONMENT_DOCUMENT,
     MAX_TEXT_CHARS,
     column,
     completion_text,
@@ -41,7 +41,6 @@ _SNIPPET_LINE = re.compile(r"^\[([^\[\]\s]+)\]", re.MULTILINE)
 _DOCUMENT_TAG = re.compile(r"</?\s*document\s*>", re.IGNORECASE)
 _SEARCH_OPEN = re.compile(r"<search>", re.IGNORECASE)
 _SEARCH_CLOSE = re.compile(r"</search>", re.IGNORECASE)
-_ANY_TAG = re.compile(r"</?\s*(document|search|answer|think)\s*>", re.IGNORECASE)
 _THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL | re.IGNORECASE)
 
 
@@ -69,7 +68,7 @@ def audit_searches(text: str, max_searches: int = MAX_SEARCHES) -> SearchAudit:
             continue  # unclosed, or a second <search> opened inside it
         query = " ".join(text[body_start:close.start()].split())
         inside_think = any(s <= start and close.end() <= e for s, e in think_spans)
-        if query and len(query) <= MAX_QUERY_CHARS and not _ANY_TAG.search(query) and inside_think \
+        if query and len(query) <= MAX_QUERY_CHARS and not reasoner.TAG.search(query) and inside_think \
                 and n < max_searches:
             good += 1
     return SearchAudit(searches=len(opens), well_formed=good, forged_document=forged)
@@ -89,7 +88,7 @@ def _retrieved(completion: Any, kwargs: dict[str, Any], index: int) -> set[str]:
     if isinstance(given, (list, tuple)):
         return {doc_id(d) for d in given if d is not None}
     text = completion_text(completion)[:MAX_TEXT_CHARS]
-    return {doc_id(sid) for block in ENVIRONMENT_DOCUMENT.findall(text) for sid in _SNIPPET_LINE.findall(block)}
+    return {doc_id(sid) for block in reasoner.INSERTED_DOCUMENT.findall(text) for sid in _SNIPPET_LINE.findall(block)}
 
 
 def _log(kwargs: dict[str, Any], name: str, values: Sequence[float]) -> None:
