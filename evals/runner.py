@@ -30,20 +30,24 @@ BAD_ROWS = "bad_rows.jsonl"
 @dataclass(frozen=True)
 class EvalConfig:
     """What defines a result: the graph, every setting it uses (`graphs.registry`), the samples per question.
-    Change any of them and the questions are answered again."""
+    Change any of them and the questions are answered again. `plumbing` holds the other context fields given
+    (where the vectors are served, ...): they reach the graph but do not change its answers, so not the key."""
 
     system: str
     settings: dict[str, Any] = field(default_factory=dict)
     samples: int = 1
+    plumbing: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def for_graph(cls, system: str, overrides: Mapping[str, Any] | None = None, samples: int = 1) -> EvalConfig:
         """`system`'s settings with `overrides` (context fields; None = the default) applied."""
-        given = {key: value for key, value in (overrides or {}).items() if value is not None}
+        known = context_fields(system)
+        given = {key: value for key, value in (overrides or {}).items() if value is not None and key in known}
         settings = resolved_settings(system, given)
         if samples > 1 and settings.get("temperature", 0) <= 0:
             raise ValueError("--samples > 1 measures answer entropy and needs --temperature > 0")
-        return cls(system=system, settings=settings, samples=samples)
+        plumbing = {key: value for key, value in given.items() if key not in settings}
+        return cls(system=system, settings=settings, samples=samples, plumbing=plumbing)
 
     @property
     def model(self) -> str:
@@ -59,7 +63,7 @@ class EvalConfig:
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def context(self, base_url: str | None, trace_db: str) -> dict[str, Any]:
-        return {**self.settings, "trace_db": trace_db, **({"base_url": base_url} if base_url else {})}
+        return {**self.plumbing, **self.settings, "trace_db": trace_db, **({"base_url": base_url} if base_url else {})}
 
 
 def parse_overrides(pairs: Iterable[str], systems: Iterable[str]) -> dict[str, Any]:

@@ -36,6 +36,10 @@ def test_a_result_key_changes_only_with_what_the_graph_uses():
     searches = EvalConfig.for_graph("med_r3", {**base, "max_searches": 2})
     assert searches.settings["max_searches"] == 2 and "extractor_model" not in searches.settings
     assert cot.model == "scripted:ermedrag.agents.scripted"
+    # A field that does not change answers (where the vectors are served) reaches the graph, not the key.
+    served = EvalConfig.for_graph("vanilla_rag", {**base, "chroma_url": "http://127.0.0.1:8000"})
+    assert served.context(None, "t.db")["chroma_url"] == "http://127.0.0.1:8000"
+    assert served.key() == EvalConfig.for_graph("vanilla_rag", base).key()
 
 
 def test_settings_fall_back_to_the_environment(monkeypatch):
