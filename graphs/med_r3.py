@@ -36,9 +36,9 @@ class MedR3Context(Context):
     """Searches allowed per question (Med-R³ uses 4)."""
     search_k: int = env_int("ERMEDRAG_SEARCH_K", SEARCH_K)
     """Snippets returned per search (Med-R³ uses the top 5). Env ERMEDRAG_SEARCH_K."""
-    step_max_new_tokens: int = env_int("ERMEDRAG_STEP_MAX_NEW_TOKENS", 256)
+    step_max_new_tokens: int = env_int("ERMEDRAG_STEP_MAX_NEW_TOKENS", reasoner.STEP_MAX_NEW_TOKENS)
     """Generation budget of one reasoning step (until a search closes or the answer ends)."""
-    max_total_tokens: int = env_int("ERMEDRAG_MAX_TOTAL_TOKENS", 1024)
+    max_total_tokens: int = env_int("ERMEDRAG_MAX_TOTAL_TOKENS", reasoner.MAX_TOTAL_TOKENS)
     """Generated tokens allowed over all steps; then the model must answer with what it has."""
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ermedrag.agents.reasoner import MAX_SEARCHES
+from ermedrag.agents.reasoner import MAX_SEARCHES, STEP_MAX_NEW_TOKENS
 from ermedrag.tools.retrieval import COARSE_K, SEARCH_K
 
 OFFLINE_PREFIX = "offline:"
@@ -366,7 +366,7 @@ class MedR3TrainingConfig(GRPOTrainingConfig):
     coarse_k: int = field(default=COARSE_K, metadata={"help": "Chunks kept by coarse hybrid retrieval before re-scoring."})
     max_searches: int = field(default=MAX_SEARCHES, metadata={"help": "Searches per rollout (Med-R³: 4)."})
     step_max_new_tokens: int = field(
-        default=256, metadata={"help": "Tokens of one generation step (until a search closes or the answer ends)."})
+        default=STEP_MAX_NEW_TOKENS, metadata={"help": "Tokens of one generation step (until a search closes or the answer ends)."})
     max_chars: int = field(
         default=3000, metadata={"help": "Model-written characters at which the length and overlong penalties are "
                                         "full; they start at two thirds of it."})

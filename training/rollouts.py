@@ -42,7 +42,7 @@ from typing import Any
 from transformers import StoppingCriteria
 
 from ermedrag.agents import reasoner
-from ermedrag.agents.reasoner import MAX_SEARCHES, SEARCH_STOP, render_documents
+from ermedrag.agents.reasoner import MAX_SEARCHES, MAX_TOTAL_TOKENS, SEARCH_STOP, STEP_MAX_NEW_TOKENS, render_documents
 from ermedrag.tools.gold_evidence import doc_id
 from ermedrag.tools.retrieval import COARSE_K, SEARCH_K
 
@@ -149,7 +149,7 @@ def _generate_step(model: Any, tokenizer: Any, contexts: list[list[int]], budget
 
 def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *,
                         generation_config: Any, search: SearchFn | None, max_searches: int = MAX_SEARCHES,
-                        step_max_new_tokens: int = 256, max_total_tokens: int = 1024,
+                        step_max_new_tokens: int = STEP_MAX_NEW_TOKENS, max_total_tokens: int = MAX_TOTAL_TOKENS,
                         logits_processor: Sequence[Any] | None = None,
                         end_stops: Sequence[str] = (ANSWER_STOP,)) -> list[Rollout]:
     """The reason ↔ search loop for a batch of tokenised prompts, with `model.generate` (call under
@@ -202,7 +202,7 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
 
 
 def make_search_rollout(search: SearchFn | None, *, max_searches: int = MAX_SEARCHES,
-                        step_max_new_tokens: int = 256, max_total_tokens: int | None = None,
+                        step_max_new_tokens: int = STEP_MAX_NEW_TOKENS, max_total_tokens: int | None = None,
                         logits_processor: Sequence[Any] | None = None,
                         end_stops: Sequence[str] = (ANSWER_STOP,)) -> RolloutFunc:
     """A TRL `rollout_func(prompts, trainer) -> dict` running the search loop with the trainer's model.
