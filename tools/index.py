@@ -119,8 +119,9 @@ class Index:
 
     def identity(self) -> dict[str, Any]:
         """Which index answered a retrieval (traces): its folder, its encoder, and its chunk count, which
-        changes when documents are added."""
-        return {"directory": str(self.directory), "encoder": self.encoder, "chunks": self.size}
+        changes when documents are added. The count is the opened BM25 index's, held in memory: recording it
+        costs no store round trip on every retrieval (one through a Chroma server)."""
+        return {"directory": str(self.directory), "encoder": self.encoder, "chunks": len(self.bm25_ids)}
 
     def chunks(self, ids: Sequence[str]) -> dict[str, Chunk]:
         """Chunks by id, with their provenance."""
