@@ -1,10 +1,15 @@
 """Med-R³: the model reasons, searches mid-reasoning, and answers.
 
     reason ──(closed a <search>, budget left)──► search ──► reason ──► … ──► finish
+       │ └─(step cut by its token limit, budget left)──► reason
+       └──(no answer and no way on: budget spent, model stopped, bad search)──► force_answer ──► finish
 
 `reason` generates until the model closes a search query or answers; `search` runs the same retrieval as
-ER-MedRAG and appends the results inside <document> tags; the loop is bounded by the search budget and
-the total generated tokens.
+ER-MedRAG and appends the results inside <document> tags; `force_answer` appends the system's `<answer>` and
+lets the model write only the answer (as Med-R³'s and Search-R1's inference do), so a question always ends
+with the model's answer. The loop rule is `agents.reasoner.after_step`, shared with the training rollout;
+the transcript is typed segments (`agents.reasoner.Segment`) and the answer is read only from the model's own
+segments, never from a retrieved document.
 """
 
 from __future__ import annotations
@@ -48,10 +53,12 @@ class Search(TypedDict):
 
 
 class State(InputState, total=False):
-    transcript: str
-    segments: Annotated[list[dict[str, Any]], operator.add]  # {"kind": "model"|"document", "text": ...}
+    transcript: str  # the segments' text, as the model reads it (for Studio and the trace)
+    segments: Annotated[list[reasoner.Segment], operator.add]
     searches: Annotated[list[Search], operator.add]
     pending_query: str | None
+    next_action: reasoner.LoopAction
+    forced_answer: reasoner.ForceReason | None  # why the system had to ask for the answer (None: the model gave it)
     generated_tokens: int
     forged_document: bool
     answer: Answer
@@ -64,40 +71,53 @@ def _model_spec(ctx: MedR3Context) -> str:
 
 def start(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
     return begin_run(state, runtime.context, GRAPH_NAME) | {"transcript": "", "generated_tokens": 0,
-                                                             "forged_document": False}
+                                                             "forged_document": False, "forced_answer": None}
 
 
-def reason(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
-    ctx = runtime.context
-    budget = min(ctx.step_max_new_tokens, ctx.max_total_tokens - state["generated_tokens"])
+def _generate(state: State, ctx: MedR3Context, budget: int, stop: list[str], node: str
+              ) -> tuple[reasoner.Step, str, int]:
+    """One recorded call continuing the transcript: the parsed step, the completion and its token count."""
     transcript = state["transcript"]
-    started = time.perf_counter()
     step, event = call_agent(
         chat_model(ctx, _model_spec(ctx), budget),
         reasoner.build_messages(state["question"], state.get("options"), transcript),
         reasoner.parse_step,
-        agent="reasoner", node="reason", run_id=state["run_id"], gold=state.get("gold"),
-        sampling=sampling(ctx, _model_spec(ctx), budget), stop=reasoner.STOP,
+        agent="reasoner", node=node, run_id=state["run_id"], gold=state.get("gold"),
+        sampling=sampling(ctx, _model_spec(ctx), budget), stop=stop,
         inputs={"question": state["question"], "options": state.get("options"), "transcript": transcript},
     )
     trace_store(ctx).add_event(event)
-    tokens = (event.usage or {}).get("output_tokens", 0)
+    return step, event.completion, (event.usage or {}).get("output_tokens", 0)
+
+
+def _timed(state: State, key: str, started: float) -> dict[str, float]:
+    return {key: state.get("timings", {}).get(key, 0.0) + time.perf_counter() - started}
+
+
+def reason(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
+    ctx = runtime.context
+    budget = max(0, min(ctx.step_max_new_tokens, ctx.max_total_tokens - state["generated_tokens"]))
+    started = time.perf_counter()
+    step, completion, tokens = _generate(state, ctx, budget, reasoner.STOP, "reason")
+    generated = state["generated_tokens"] + tokens
+    action, why = reasoner.after_step(step, hit_step_limit=budget > 0 and tokens >= budget,
+                                      searches_done=len(state.get("searches", [])), generated_tokens=generated,
+                                      max_searches=ctx.max_searches, max_total_tokens=ctx.max_total_tokens)
     return {
-        "transcript": transcript + event.completion,
-        "segments": [{"kind": "model", "text": event.completion}],
-        "pending_query": step["query"],
-        "generated_tokens": state["generated_tokens"] + tokens,
+        "transcript": state["transcript"] + completion,
+        "segments": [reasoner.Segment(kind="model", text=completion)],
+        "pending_query": step["query"] if action == "search" else None,
+        "next_action": action,
+        "forced_answer": why,
+        "generated_tokens": generated,
         "forged_document": state["forged_document"] or step["forged_document"],
-        "timings": {"reason_s": state.get("timings", {}).get("reason_s", 0.0) + time.perf_counter() - started},
+        "timings": _timed(state, "reason_s", started),
     }
 
 
-def after_reason(state: State, runtime: Runtime[MedR3Context]) -> Literal["search", "finish"]:
-    ctx = runtime.context
-    action = reasoner.after_step(state.get("pending_query"), searches_done=len(state.get("searches", [])),
-                                 generated_tokens=state["generated_tokens"], max_searches=ctx.max_searches,
-                                 max_total_tokens=ctx.max_total_tokens)
-    return "search" if action == "search" else "finish"
+def after_reason(state: State) -> Literal["search", "reason", "force_answer", "finish"]:
+    return {"search": "search", "continue": "reason", "force_answer": "force_answer"}.get(state["next_action"],
+                                                                                          "finish")
 
 
 def search(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
@@ -109,19 +129,36 @@ def search(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
     documents = reasoner.render_documents(snippets)
     return {
         "transcript": state["transcript"] + documents,
-        "segments": [{"kind": "document", "text": documents}],
+        "segments": [reasoner.Segment(kind="document", text=documents)],
         "searches": [Search(query=query, snippet_ids=[s["id"] for s in snippets])],
         "pending_query": None,
         "timings": {"search_s": state.get("timings", {}).get("search_s", 0.0) + seconds},
     }
 
 
+def force_answer(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
+    """Append the system's `<answer>` and let the model write the answer (a small budget of its own)."""
+    prompt = reasoner.force_answer_prompt(reasoner.model_text(state.get("segments", [])))
+    prompted = {**state, "transcript": state["transcript"] + prompt}
+    started = time.perf_counter()
+    _, completion, tokens = _generate(prompted, runtime.context, reasoner.ANSWER_MAX_NEW_TOKENS,
+                                      [reasoner.ANSWER_STOP], "force_answer")
+    return {
+        "transcript": prompted["transcript"] + completion,
+        "segments": [reasoner.Segment(kind="prompt", text=prompt), reasoner.Segment(kind="model", text=completion)],
+        "generated_tokens": state["generated_tokens"] + tokens,
+        "timings": _timed(state, "reason_s", started),
+    }
+
+
 def finish(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
-    answer = reasoner.parse_final(state["transcript"], state.get("options"))
-    if state.get("forged_document"):
-        answer = {**answer, "well_formed": False, "error": answer["error"] or "model wrote its own <document>"}
+    answer = reasoner.parse_final(state.get("segments", []), state.get("options"))
+    if state.get("forced_answer") or state.get("forged_document"):
+        answer = {**answer, "well_formed": False}  # the answer stands, the format was not the model's own
     trace_store(runtime.context).finish_run(
-        state["run_id"], dict(answer) | {"searches": state.get("searches", []), "transcript": state["transcript"]})
+        state["run_id"], dict(answer) | {"searches": state.get("searches", []), "transcript": state["transcript"],
+                                         "forced_answer": state.get("forced_answer"),
+                                         "forged_document": state.get("forged_document", False)})
     return {"answer": answer}
 
 
@@ -129,10 +166,12 @@ builder = StateGraph(State, context_schema=MedR3Context, input_schema=InputState
 builder.add_node(start)
 builder.add_node(reason)
 builder.add_node(search)
+builder.add_node(force_answer)
 builder.add_node(finish)
 builder.add_edge(START, "start")
 builder.add_edge("start", "reason")
 builder.add_conditional_edges("reason", after_reason)
 builder.add_edge("search", "reason")
+builder.add_edge("force_answer", "finish")
 builder.add_edge("finish", END)
 graph = builder.compile(name="Med-R3")

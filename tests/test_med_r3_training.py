@@ -320,7 +320,9 @@ def test_rollout_masks_exactly_the_inserted_documents(tiny_model, tiny_index, tm
     assert [tokenizer.decode(ids[s:e]) for s, e in runs] == expected_docs
     assert [ids[s:e] for s, e in runs] == [
         tokenizer(d, add_special_tokens=False, split_special_tokens=True)["input_ids"] for d in expected_docs]
-    assert "<|im_end|>" in expected_docs[1] and tokenizer.eos_token_id not in ids  # retrieved text stays text
+    # a retrieved control token is defused, and retrieved text stays text
+    assert "im_end" in expected_docs[1] and "<|im_end|>" not in expected_docs[1]
+    assert tokenizer.eos_token_id not in ids
     assert [t for t, m in zip(ids, mask) if m] == [t for seg in SCRIPTS[0] for t in encode(seg)]
     assert tokenizer.decode(ids) == SCRIPTS[0][0] + expected_docs[0] + SCRIPTS[0][1] + expected_docs[1] + SCRIPTS[0][2]
     assert out["model_text"][0] == "".join(SCRIPTS[0])
@@ -342,6 +344,47 @@ def test_rollout_masks_exactly_the_inserted_documents(tiny_model, tiny_index, tm
         n = len(out["completion_ids"][row])
         assert batch["completion_ids"][row, :n].tolist() == out["completion_ids"][row]
         assert loss_mask[row][:n] == out["env_mask"][row] and not any(loss_mask[row][n:])
+
+
+def test_rollout_forces_the_answer_as_the_graph_does(tiny_model, tiny_index):
+    """The graph's `force_answer` at token level: a row that stops without answering and a row whose search is
+    over budget both get the system's `<answer>` (masked) and write the answer themselves (unmasked)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from ermedrag.agents.reasoner import force_answer_prompt
+    from ermedrag.tools.index import open_index
+    from ermedrag.training.rollouts import index_search, run_search_rollouts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    prompts = [row["prompt"] for row in med_r3_dataset(questions(2))]
+    prompt_ids = tokenizer.apply_chat_template(conversation=prompts, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+    scripts = [["<think>No idea", "A</answer>"], ["<think>Check. <search>metformin glucose</search>", "B</answer>"]]
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    policy = ScriptedPolicy({tuple(p): [encode(s) for s in script] for p, script in zip(prompt_ids, scripts)},
+                            tokenizer.pad_token_id, tokenizer.eos_token_id)
+    generation = GenerationConfig(do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        rollouts = run_search_rollouts(model, tokenizer, prompt_ids, generation_config=generation,
+                                       search=index_search(open_index(tiny_index)), max_searches=0,
+                                       step_max_new_tokens=40, max_total_tokens=100, logits_processor=[policy])
+    assert [r.forced_reason for r in rollouts] == ["stopped", "search_budget"]
+    for rollout, script in zip(rollouts, scripts):
+        prompt = force_answer_prompt(script[0])
+        assert prompt == "\n</think>\n<answer>" and rollout.ended == "forced" and rollout.searches == []
+        assert [s["kind"] for s in rollout.segments] == ["model", "prompt", "model"]
+        ids, mask = rollout.completion_ids, rollout.env_mask
+        assert ids[-1] == tokenizer.eos_token_id  # the forced answer closed: TRL counts it terminated
+        assert [t for t, m in zip(ids, mask) if not m] == tokenizer(prompt, add_special_tokens=False,
+                                                                    split_special_tokens=True)["input_ids"]
+        assert tokenizer.eos_token_id not in ids[:-1]  # the model's own EOS before the answer was dropped
+        assert rollout.model_text == script[0] + script[1]
+    answers = correctness_reward([msg("")] * 2, answer_text=[r.answer_text for r in rollouts],
+                                 gold=["A", "B"], options=[OPTIONS, OPTIONS])
+    assert answers == [1.0, 1.0]
+    assert format_reward([msg("")] * 2, model_text=[r.model_text for r in rollouts]) == [0.0, 0.0]
 
 
 class NudgedPolicy(LogitsProcessor):

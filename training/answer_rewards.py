@@ -22,6 +22,8 @@ evidence the respondent was shown: dicts with condition/relation/conclusion/snip
 | `evidence_use_reward` | evidence | 1.0 if correct and grounded in a triplet the reasoning refers to, else 0.0 |
 
 `correctness_reward` (no format gate) is what evaluation counts; benches report it, training does not use it.
+It reads a search rollout's `answer_text` (an answer the system had to ask for counts, as in the graph);
+every other reward reads only what the model wrote, so a forced answer earns no format credit.
 
 - Correct means: with options, the chosen option key equals the gold key (gold given as a key, an option's
   text or "(B)" is mapped to its key first); yes/no/maybe gold without options: the answer's first word;
@@ -55,7 +57,7 @@ from typing import Any
 
 from ermedrag.agents.extractor import FIELDS
 from ermedrag.agents.respondent import normalise_answer, parse_answer
-from ermedrag.training.reward_text import MAX_TEXT_CHARS, column, content_tokens, own_text
+from ermedrag.training.reward_text import MAX_TEXT_CHARS, answer_source, column, content_tokens, own_text
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,7 @@ def _is_correct(text: str, kwargs: dict[str, Any], index: int) -> bool:
 
 def correctness_reward(completions: list, **kwargs: Any) -> list[float]:
     """1.0 when the answer parsed from the completion (never the prompt) equals the row's `gold`, else 0.0."""
-    return [1.0 if _is_correct(own_text(c, kwargs, i), kwargs, i) else 0.0 for i, c in enumerate(completions)]
+    return [1.0 if _is_correct(answer_source(c, kwargs, i), kwargs, i) else 0.0 for i, c in enumerate(completions)]
 
 
 def well_formed_correctness_reward(completions: list, **kwargs: Any) -> list[float]:

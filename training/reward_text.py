@@ -87,6 +87,13 @@ def own_text(completion: Any, kwargs: Mapping[str, Any], index: int) -> str:
     return given if isinstance(given, str) else strip_environment_documents(completion_text(completion))
 
 
+def answer_source(completion: Any, kwargs: Mapping[str, Any], index: int) -> str:
+    """The text an answer is read from: the rollout's `answer_text` (the model's segments and the system's
+    answer-forcing prompt, never a document) when given, else `own_text`."""
+    given = column(kwargs, "answer_text", index)
+    return given if isinstance(given, str) else own_text(completion, kwargs, index)
+
+
 STOP_WORDS = frozenset(
     """a about above after again against all also am an and any are as at be because been before being below
     between both but by can could did do does doing down during each either few for from further had has have

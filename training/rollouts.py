@@ -2,22 +2,25 @@
 function, runs the reason ↔ search loop at token level with the inserted documents masked out of the loss.
 
     rollout = make_search_rollout(index_search(index, k=5))          # Med-R³ stages 2 and 3
-    rollout = make_search_rollout(None, end_stops=["</answer>"])     # plain GRPO: stop at </answer>
+    rollout = make_search_rollout(None, end_stops=["</answer>"], force_answer=False)  # plain GRPO: one step
 
 The search loop runs at token level, as `graphs.med_r3` runs it at text level: the policy generates until it
 closes `</search>` or an end stop such as `</answer>` (or EOS, or its token budget); after a closed search
 the query is run (`index_search`: the graph's own `tools.retrieval.search`, top `k`), the results are
-rendered with `agents.reasoner.render_documents` (tags inside them neutralised), tokenised on their own and
-appended to the completion, and generation continues from the exact token sequence. Whether to search or
-stop is `agents.reasoner.after_step`, the graph's rule: at most `max_searches` searches;
-`max_total_tokens` bounds the tokens the *model* writes over all steps (inserted documents are not counted);
-an empty query, a search over budget or a search without budget left ends the rollout. Each rollout returns
-`env_mask`: 1 for every token the model sampled, 0 for every inserted document token, exactly; TRL
-multiplies it into the loss mask ("tool mask"), so retrieved tokens carry no gradient and do not count in
+rendered with `agents.reasoner.render_documents` (every field defused), tokenised on their own and appended
+to the completion, and generation continues from the exact token sequence. What follows a step is
+`agents.reasoner.after_step`, the graph's rule: search (at most `max_searches`), continue a step cut by its
+own limit, or force the answer — the system's `<answer>` prompt is inserted and the model writes the answer
+(`ANSWER_MAX_NEW_TOKENS`), as the graph's `force_answer` node does. `max_total_tokens` bounds the tokens the
+*model* writes over the reasoning steps (inserted text is not counted). Each rollout returns `env_mask`: 1 for
+every token the model sampled, 0 for every inserted token (documents, the forcing prompt), exactly; TRL
+multiplies it into the loss mask ("tool mask"), so inserted tokens carry no gradient and do not count in
 `completions/mean_length`. Extra fields returned per completion reach the reward functions: `model_text`
-(what the model wrote: its segments, without the inserted documents), `retrieved_ids` (doc ids of every
-retrieved snippet, deduplicated, in order), `searches` (`{"query", "snippet_ids"}` per executed search).
-With `search=None` a rollout is one step: it ends at an end stop (kept in the completion), EOS or the budget.
+(what the model wrote: its segments only; format and search rewards read it), `answer_text` (the model's
+segments and the forcing prompt, never a document; correctness reads it), `forced_answer` (why the answer was
+forced, or None), `retrieved_ids` (doc ids of every retrieved snippet, deduplicated, in order), `searches`
+(`{"query", "snippet_ids"}` per executed search). With `search=None, force_answer=False` a rollout is one
+step: it ends at an end stop (kept in the completion), EOS or the budget.
 
 Why `rollout_func` and not `tools=` / `environment_factory=`: TRL's tool loop parses JSON tool calls with the
 chat template's response schema and inserts results as `tool` turns, while Med-R³ searches inline
@@ -25,9 +28,8 @@ chat template's response schema and inserts results as `tool` turns, while Med-R
 control of stop strings and of the token sequence, and works without vLLM (the rollout calls the trainer's
 own model through `trl.models.utils.unwrap_model_for_generation`, as TRL's transformers path does).
 Limits: generation is transformers' `generate` (no vLLM) and no sampling log-probs are returned (TRL
-recomputes them). A rollout that ended at an end stop is closed with an EOS token, so TRL counts it
-terminated; one cut by the token budget, or ended by a search beyond the limit or an empty query, has none
-and counts as truncated (`completions/clipped_ratio`; `mask_truncated_completions: true` leaves those out of
+recomputes them). A rollout that ended at an end stop (its own or the forced answer's) is closed with an EOS
+token, so TRL counts it terminated; one cut by a token budget has none and counts as truncated (`completions/clipped_ratio`; `mask_truncated_completions: true` leaves those out of
 the loss).
 """
 
@@ -42,11 +44,10 @@ from typing import Any
 from transformers import StoppingCriteria
 
 from ermedrag.agents import reasoner
-from ermedrag.agents.reasoner import MAX_SEARCHES, MAX_TOTAL_TOKENS, SEARCH_STOP, STEP_MAX_NEW_TOKENS, render_documents
+from ermedrag.agents.reasoner import (ANSWER_MAX_NEW_TOKENS, ANSWER_STOP, MAX_SEARCHES, MAX_TOTAL_TOKENS, SEARCH_STOP,
+                                      STEP_MAX_NEW_TOKENS, render_documents)
 from ermedrag.tools.gold_evidence import doc_id
 from ermedrag.tools.retrieval import COARSE_K, SEARCH_K
-
-ANSWER_STOP = "</answer>"
 
 SearchFn = Callable[[str], list[dict]]
 RolloutFunc = Callable[[list, Any], dict[str, Any]]
@@ -61,22 +62,35 @@ def index_search(index: Any, k: int = SEARCH_K, coarse_k: int = COARSE_K) -> Sea
 
 @dataclass
 class Rollout:
-    """One completion of the search loop. `env_mask[i]` is 0 exactly where `completion_ids[i]` was inserted."""
+    """One completion of the search loop. `env_mask[i]` is 0 exactly where `completion_ids[i]` was inserted
+    (documents, the answer-forcing prompt); `segments` are the same pieces as text (`agents.reasoner.Segment`)."""
 
     completion_ids: list[int] = field(default_factory=list)
     env_mask: list[int] = field(default_factory=list)
-    model_segments: list[str] = field(default_factory=list)
+    segments: list[reasoner.Segment] = field(default_factory=list)
     searches: list[dict[str, Any]] = field(default_factory=list)
     generated_tokens: int = 0
-    ended: str = ""  # answer (an end stop) | eos | budget | search_budget (a search beyond max_searches) | bad_search
+    ended: str = ""  # answer (an end stop) | eos | budget (cut mid-answer) | forced (the system asked for the answer)
+    forced_reason: str | None = None  # why the answer was forced (`agents.reasoner.ForceReason`)
 
     @property
     def model_text(self) -> str:
-        return "".join(self.model_segments)
+        return reasoner.model_text(self.segments)
+
+    @property
+    def answer_text(self) -> str:
+        return reasoner.answer_text(self.segments)
 
     @property
     def retrieved_ids(self) -> list[str]:
         return list(dict.fromkeys(d for s in self.searches for d in s["doc_ids"]))
+
+    def add(self, kind: reasoner.SegmentKind, token_ids: list[int], text: str) -> None:
+        self.completion_ids += token_ids
+        self.env_mask += [1 if kind == "model" else 0] * len(token_ids)
+        self.segments.append(reasoner.Segment(kind=kind, text=text))
+        if kind == "model":
+            self.generated_tokens += len(token_ids)
 
 
 class _StopOnStrings(StoppingCriteria):
@@ -147,70 +161,106 @@ def _generate_step(model: Any, tokenizer: Any, contexts: list[list[int]], budget
     return segments
 
 
+def _inserted_ids(tokenizer: Any, text: str) -> list[int]:
+    # split_special_tokens: a retrieved "<|im_end|>" stays text, never a control token
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *,
                         generation_config: Any, search: SearchFn | None, max_searches: int = MAX_SEARCHES,
                         step_max_new_tokens: int = STEP_MAX_NEW_TOKENS, max_total_tokens: int = MAX_TOTAL_TOKENS,
                         logits_processor: Sequence[Any] | None = None,
-                        end_stops: Sequence[str] = (ANSWER_STOP,)) -> list[Rollout]:
+                        end_stops: Sequence[str] = (ANSWER_STOP,), force_answer: bool = True) -> list[Rollout]:
     """The reason ↔ search loop for a batch of tokenised prompts, with `model.generate` (call under
-    `torch.no_grad`). `search=None` disables retrieval: generation then stops only at an `end_stops` string
-    (kept in the completion), EOS or the budget."""
+    `torch.no_grad`), following `agents.reasoner.after_step` as the graph does: search, continue a step cut by
+    its limit, or force the answer. `search=None` disables retrieval. `force_answer=False` makes a plain
+    one-step rollout instead: it ends at an `end_stops` string (kept in the completion), EOS or the budget."""
     stops = [SEARCH_STOP, *end_stops] if search is not None else list(end_stops)
     eos_id = next(iter(_eos_ids(generation_config, tokenizer)), None)
     rollouts = [Rollout() for _ in prompt_ids]
-    active = list(range(len(rollouts)))
+    active, to_force = list(range(len(rollouts))), []
     while active:
         budgets = [min(step_max_new_tokens, max_total_tokens - rollouts[i].generated_tokens) for i in active]
         contexts = [list(prompt_ids[i]) + rollouts[i].completion_ids for i in active]
         steps = _generate_step(model, tokenizer, contexts, budgets, generation_config, stops, logits_processor)
         still_active = []
-        for i, (tokens, why) in zip(active, steps):
+        for i, budget, (tokens, why) in zip(active, budgets, steps):
             rollout = rollouts[i]
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            rollout.completion_ids += tokens
-            rollout.env_mask += [1] * len(tokens)
-            rollout.model_segments.append(text)
-            rollout.generated_tokens += len(tokens)
-            if why != SEARCH_STOP:
+            rollout.add("model", tokens, tokenizer.decode(tokens, skip_special_tokens=True))
+            if search is None and not force_answer:
                 rollout.ended = {"eos": "eos", "budget": "budget"}.get(why, "answer")
-                if rollout.ended == "answer" and eos_id is not None:
-                    # TRL counts a completion without a final EOS as truncated (clipped_ratio, and
-                    # mask_truncated_completions would drop it from the loss); ending here is the model's choice
-                    rollout.completion_ids.append(eos_id)
-                    rollout.env_mask.append(1)
+                _close(rollout, eos_id)
                 continue
             raw = tokenizer.decode(tokens, skip_special_tokens=False)
-            query = reasoner.parse_step(raw[: raw.index(SEARCH_STOP) + len(SEARCH_STOP)])["query"]
-            action = reasoner.after_step(query, searches_done=len(rollout.searches),
-                                         generated_tokens=rollout.generated_tokens, max_searches=max_searches,
-                                         max_total_tokens=max_total_tokens)
-            if action != "search":
-                rollout.ended = {"no_search": "bad_search", "search_budget": "search_budget",
-                                 "token_budget": "budget"}[action]
-            else:
-                snippets = search(query)
-                # split_special_tokens: a retrieved "<|im_end|>" stays text, never a control token
-                document_ids = tokenizer(render_documents(snippets), add_special_tokens=False,
-                                         split_special_tokens=True)["input_ids"]
-                rollout.completion_ids += document_ids
-                rollout.env_mask += [0] * len(document_ids)
-                rollout.searches.append({"query": query, "snippet_ids": [s["id"] for s in snippets],
+            step = reasoner.parse_step(raw[: raw.index(SEARCH_STOP) + len(SEARCH_STOP)] if why == SEARCH_STOP else raw)
+            action, reason = reasoner.after_step(
+                step, hit_step_limit=why == "budget" and len(tokens) >= budget, searches_done=len(rollout.searches),
+                generated_tokens=rollout.generated_tokens, max_searches=max_searches if search else 0,
+                max_total_tokens=max_total_tokens)
+            if action == "answered":
+                rollout.ended = {"eos": "eos", "budget": "budget"}.get(why, "answer")
+                _close(rollout, eos_id)
+            elif action == "search":
+                snippets = search(step["query"])
+                documents = render_documents(snippets)
+                rollout.add("document", _inserted_ids(tokenizer, documents), documents)
+                rollout.searches.append({"query": step["query"], "snippet_ids": [s["id"] for s in snippets],
                                          "doc_ids": [str(s.get("doc_id") or doc_id(s["id"])) for s in snippets]})
                 still_active.append(i)
+            elif action == "continue":
+                still_active.append(i)
+            elif not force_answer:
+                rollout.ended = str(reason)
+            else:
+                if why == "eos":  # the model's EOS would end the sequence before the answer it is asked for
+                    rollout.completion_ids.pop()
+                    rollout.env_mask.pop()
+                rollout.forced_reason = reason
+                to_force.append(i)
         active = still_active
+    if to_force:
+        _force_answers([rollouts[i] for i in to_force], [prompt_ids[i] for i in to_force], model, tokenizer,
+                       generation_config, logits_processor, eos_id)
     return rollouts
+
+
+def _close(rollout: Rollout, eos_id: int | None) -> None:
+    """TRL counts a completion without a final EOS as truncated (clipped_ratio, and mask_truncated_completions
+    would drop it from the loss); ending at an end stop is the model's choice, so it is closed with EOS."""
+    if rollout.ended == "answer" and eos_id is not None:
+        rollout.completion_ids.append(eos_id)
+        rollout.env_mask.append(1)
+
+
+def _force_answers(rollouts: list[Rollout], prompt_ids: Sequence[Sequence[int]], model: Any, tokenizer: Any,
+                   generation_config: Any, logits_processor: Sequence[Any] | None, eos_id: int | None) -> None:
+    """The graph's `force_answer` node at token level: the system's `<answer>` is inserted (masked) and the
+    model writes the answer, up to `ANSWER_MAX_NEW_TOKENS` and `</answer>`."""
+    for rollout in rollouts:
+        prompt = reasoner.force_answer_prompt(rollout.model_text)
+        rollout.add("prompt", _inserted_ids(tokenizer, prompt), prompt)
+    contexts = [list(p) + r.completion_ids for p, r in zip(prompt_ids, rollouts)]
+    steps = _generate_step(model, tokenizer, contexts, [ANSWER_MAX_NEW_TOKENS] * len(rollouts), generation_config,
+                           [ANSWER_STOP], logits_processor)
+    for rollout, (tokens, why) in zip(rollouts, steps):
+        rollout.add("model", tokens, tokenizer.decode(tokens, skip_special_tokens=True))
+        rollout.ended = "forced"
+        if why == ANSWER_STOP and eos_id is not None:
+            rollout.completion_ids.append(eos_id)
+            rollout.env_mask.append(1)
 
 
 def make_search_rollout(search: SearchFn | None, *, max_searches: int = MAX_SEARCHES,
                         step_max_new_tokens: int = STEP_MAX_NEW_TOKENS, max_total_tokens: int | None = None,
                         logits_processor: Sequence[Any] | None = None,
-                        end_stops: Sequence[str] = (ANSWER_STOP,)) -> RolloutFunc:
+                        end_stops: Sequence[str] = (ANSWER_STOP,), force_answer: bool = True) -> RolloutFunc:
     """A TRL `rollout_func(prompts, trainer) -> dict` running the search loop with the trainer's model.
 
     Returns `prompt_ids`, `completion_ids`, `logprobs` (None: TRL recomputes them), `env_mask` and, per
-    completion, `model_text`, `retrieved_ids`, `searches`. `max_total_tokens` defaults to the trainer's
-    `max_completion_length`; `logits_processor` (transformers LogitsProcessors) constrains sampling. With
-    `search=None` it is a plain rollout that ends at an `end_stops` string (`GRPOTrainingConfig.stop_strings`)."""
+    completion, `model_text`, `answer_text`, `forced_answer`, `retrieved_ids`, `searches`. `max_total_tokens`
+    defaults to the trainer's `max_completion_length`; `logits_processor` (transformers LogitsProcessors)
+    constrains sampling. With `search=None, force_answer=False` it is a plain rollout that ends at an
+    `end_stops` string (`GRPOTrainingConfig.stop_strings`)."""
     import torch
 
     def search_rollout(prompts: list, trainer: Any) -> dict[str, Any]:
@@ -230,13 +280,16 @@ def make_search_rollout(search: SearchFn | None, *, max_searches: int = MAX_SEAR
             rollouts = run_search_rollouts(model, tokenizer, prompt_ids, generation_config=trainer.generation_config,
                                            search=search, max_searches=max_searches,
                                            step_max_new_tokens=step_max_new_tokens, max_total_tokens=total,
-                                           logits_processor=logits_processor, end_stops=end_stops)
+                                           logits_processor=logits_processor, end_stops=end_stops,
+                                           force_answer=force_answer)
         return {
             "prompt_ids": prompt_ids,
             "completion_ids": [r.completion_ids for r in rollouts],
             "logprobs": None,
             "env_mask": [r.env_mask for r in rollouts],
             "model_text": [r.model_text for r in rollouts],
+            "answer_text": [r.answer_text for r in rollouts],
+            "forced_answer": [r.forced_reason for r in rollouts],
             "retrieved_ids": [r.retrieved_ids for r in rollouts],
             "searches": [[{"query": s["query"], "snippet_ids": s["snippet_ids"]} for s in r.searches]
                          for r in rollouts],

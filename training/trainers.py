@@ -125,7 +125,7 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
     model_path = config.model_path()
     recorder = MetricsRecorder(Path(config.output_dir) / METRICS_FILE)
     if rollout_func is None and config.stop_strings and not config.use_vllm:
-        rollout_func = make_search_rollout(None, end_stops=config.stop_strings,
+        rollout_func = make_search_rollout(None, end_stops=config.stop_strings, force_answer=False,
                                            step_max_new_tokens=config.max_completion_length)
     with warnings.catch_warnings():  # rollout_func is marked experimental in TRL 1.16: said once, in training.rollouts
         warnings.filterwarnings("ignore", message="You are using 'rollout_func'")

@@ -67,6 +67,7 @@ def evaluate(model_dir: str, rows: list[dict[str, Any]], stage: int, search, con
                                             max_total_tokens=args.completion_tokens)
     columns = {key: [r[key] for r in dataset] for key in ("gold", "options", "gold_evidence")}
     columns["model_text"] = [r.model_text for r in rollouts]
+    columns["answer_text"] = [r.answer_text for r in rollouts]
     columns["retrieved_ids"] = [r.retrieved_ids for r in rollouts]
     completions = [[{"role": "assistant", "content": tokenizer.decode(r.completion_ids, skip_special_tokens=True)}]
                    for r in rollouts]
