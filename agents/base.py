@@ -15,6 +15,16 @@ def clip(text: str, limit: int = MAX_INPUT_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + " …"
 
 
+def fold_case(text: str) -> str:
+    """`text` lower-cased with its length kept, so a position found in it is the same position in `text`.
+
+    Literal search in the folded text (`str.find`, a pattern with a literal prefix) is how the parsers match
+    tags case-insensitively in linear time: an IGNORECASE pattern tries every position. The three letters
+    that IGNORECASE also matches to ASCII letters (`İ` `ı` → i, `ſ` → s) fold to them; `İ` is also the one
+    character whose `lower()` is two characters long."""
+    return text.replace("\u0130", "i").replace("\u0131", "i").replace("\u017f", "s").lower()
+
+
 def chat_messages(system: str, user: str, example: tuple[str, str] | None = None) -> list[BaseMessage]:
     """System prompt, an optional worked example as a previous turn (small models copy its shape), the input."""
     shot = [HumanMessage(content=example[0]), AIMessage(content=example[1])] if example else []

@@ -1,24 +1,26 @@
 """The graph behind a real `langgraph dev` server (what Studio talks to), driven with langgraph-sdk.
 
-Scripted model only: this checks the server wiring (graph loading, context, streaming, state, traces),
-not model quality.
+Scripted model only: this checks the server wiring (graph loading, context, streaming, state, traces,
+the input/output schemas Studio draws its forms from), not model quality. The server tests are slow; one
+fast test checks every graph's schemas in-process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, SCRIPTED, free_port, log_tail, stop_process_group
+from ermedrag.graphs.registry import GRAPHS, load_graph
 from ermedrag.tools.traces import TraceStore
-
-pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 90
 RUN_TIMEOUT_S = 180
@@ -112,6 +114,7 @@ def _check_state(client, thread_id: str, trace_db: Path, k: int | None) -> dict:
     return values
 
 
+@pytest.mark.slow
 def test_stream_run_through_server(server):
     from langgraph_sdk import get_sync_client
 
@@ -132,6 +135,7 @@ def test_stream_run_through_server(server):
     assert len(values["snippets"]) == 4  # Context.snippets_k default
 
 
+@pytest.mark.slow
 def test_run_context_sets_snippets_k(server):
     from langgraph_sdk import get_sync_client
 
@@ -144,3 +148,37 @@ def test_run_context_sets_snippets_k(server):
     extract_updates = [p for p in parts if p.event == "updates" and "extract" in p.data]
     assert len(extract_updates) == 2
     _check_state(client, thread["thread_id"], trace_db, k=2)
+
+
+def _check_schemas(graph_name: str, input_schema: dict | None, output_schema: dict | None) -> None:
+    """Studio's forms: the input asks for the question and options; the output shows the parsed answer."""
+    assert input_schema and output_schema, f"{graph_name}: input {input_schema!r}, output {output_schema!r}"
+    assert {"question", "options"} <= set(input_schema["properties"]), (graph_name, input_schema)
+    assert "answer" in output_schema["properties"], (graph_name, output_schema)
+    json.dumps([input_schema, output_schema])  # plain JSON, as the server sends it
+
+
+@pytest.mark.parametrize("graph_name", list(GRAPHS))
+def test_every_graph_has_input_and_output_json_schemas(graph_name):
+    """pydantic builds them from the state types: a `typing.TypedDict` anywhere in them fails on Python < 3.12."""
+    graph = load_graph(graph_name)
+    _check_schemas(graph_name, graph.get_input_jsonschema(), graph.get_output_jsonschema())
+
+
+@pytest.mark.slow
+def test_server_serves_schemas_of_every_graph(server):
+    """`GET /assistants/{assistant_id}/schemas`, what Studio asks for, for every registered graph."""
+    from langgraph_sdk import get_sync_client
+
+    url, _, log = server
+    client = get_sync_client(url=url, timeout=RUN_TIMEOUT_S)
+    for graph_name in GRAPHS:
+        assistants = client.assistants.search(graph_id=graph_name)
+        assert assistants, f"graph {graph_name} not registered"
+        endpoint = f"{url}/assistants/{assistants[0]['assistant_id']}/schemas"
+        try:
+            with urllib.request.urlopen(endpoint, timeout=RUN_TIMEOUT_S) as response:
+                schemas = json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            pytest.fail(f"{endpoint}: HTTP {err.code} {err.read()[:2000]!r}\n{log_tail(log)}")
+        _check_schemas(graph_name, schemas.get("input_schema"), schemas.get("output_schema"))

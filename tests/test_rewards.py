@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ermedrag.agents.respondent import EXAMPLE, parse_answer
+from ermedrag.agents.respondent import example as example_turns
 from ermedrag.training.answer_rewards import (
     LengthPenalty,
     correctness_reward,
@@ -73,10 +74,12 @@ def test_gold_given_as_option_text_is_mapped_to_its_key():
 
 
 def test_answer_only_in_the_prompt_scores_zero():
-    """The respondent prompt carries an example `<answer>B</answer>`: it must never count as the model's."""
-    prompt = [{"role": "system", "content": "..."}, {"role": "user", "content": EXAMPLE[0]},
-              {"role": "assistant", "content": EXAMPLE[1]}, {"role": "user", "content": "Question: ..."}]
-    assert "<answer>B</answer>" in EXAMPLE[1]
+    """The respondent prompt carries an example answer (`<answer>B</answer>` here): it must never count as the
+    model's."""
+    example = next(e for e in (example_turns(f"Question {i}", {"A": "x", "B": "y", "C": "z"}) for i in range(50))
+                   if "<answer>B</answer>" in e[1])
+    prompt = [{"role": "system", "content": "..."}, {"role": "user", "content": example[0]},
+              {"role": "assistant", "content": example[1]}, {"role": "user", "content": "Question: ..."}]
     completion = [{"role": "assistant", "content": "<think>It is probably vitamin D.</think>"}]
     for fn in (correctness_reward, format_reward, evidence_use_reward):
         assert fn(prompts=[prompt], completions=[completion], **cols(triplets=TRIPLETS)) == [0.0]
