@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from ermedrag.graphs.registry import GRAPHS
-from ermedrag.tools.chat_models import DEFAULT_MODEL, ModelSpecError, parse_model_spec
+from ermedrag.tools.chat_models import DEFAULT_MODEL, ModelServerError, ModelSpecError, parse_model_spec
 from ermedrag.tools.corpus import CorpusError
 from ermedrag.tools.index import DEFAULT_ENCODER, IndexUnavailable
+from ermedrag.tools.traces import TraceStoreError
 
 DEMO_QUESTION = ("A 52-year-old man is newly diagnosed with type 2 diabetes; his kidney function is normal. "
                  "Which drug should he start first?")
 DEMO_OPTIONS = {"A": "Insulin glargine", "B": "Glipizide", "C": "Metformin", "D": "Pioglitazone"}
-USER_ERRORS = (CorpusError, IndexUnavailable, ModelSpecError, ValueError, FileNotFoundError)
+USER_ERRORS = (CorpusError, IndexUnavailable, TraceStoreError, ModelSpecError, ValueError, FileNotFoundError)
+SERVER_ERROR_EXIT = 3  # a model server failed (not the user's input): scripts can tell the two apart
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except ModelServerError as err:  # one line naming the server, the cause and the knob; no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return SERVER_ERROR_EXIT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument("--chunk-size", type=int, default=256, help="chunk size in tokens")
     index.add_argument("--chunk-overlap", type=int, default=32, help="overlap between chunks in tokens")
     index.add_argument("--chroma-url", default=None, help="a Chroma server (http://host:port) instead of embedded")
+    index.add_argument("--encoding", default=None,
+                       help=".txt/.md/.jsonl encoding (default UTF-8, read strictly; e.g. latin-1, cp1252)")
+    index.add_argument("--on-duplicate-id", choices=("rename", "error"), default="rename",
+                       help="a reused id with other text: index it as id~2, id~3, ... (default) or stop")
     index.set_defaults(handler=_index)
 
     evaluate = sub.add_parser("eval", help="run systems on benchmarks (concurrent, resumable)")
@@ -133,27 +144,97 @@ def _add_batch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                         help="any other context field of the graphs, e.g. --set max_searches=2 (repeat)")
     parser.add_argument("--trace-db", default=None, help="trace database for the runs")
+    _add_server_args(parser)
+    parser.add_argument("--checkpoint-db", default=None,
+                        help="where questions in flight keep their checkpoints (a rerun continues them): a SQLite "
+                             "file or a postgres:// URL (default: OUT/checkpoints.sqlite)")
 
 
 def _add_question_args(parser: argparse.ArgumentParser, default_question: bool) -> None:
     if default_question:
-        parser.add_argument("--question", default=DEMO_QUESTION, help="the question to answer")
+        parser.add_argument("--question", default=None, help="the question to answer (default: a sample question)")
     else:
-        parser.add_argument("question", help="the question to answer")
+        parser.add_argument("question", nargs="?", default=None,
+                            help="the question to answer (with --resume: optional, must be the run's question)")
+    parser.set_defaults(sample_question=default_question)
     parser.add_argument("--option", "-o", action="append", default=[], metavar="KEY=TEXT",
                         help="an answer option, e.g. -o 'A=Metformin' (repeat)")
-    parser.add_argument("--graph", default="er_medrag", choices=list(GRAPHS), help="the graph that answers")
+    parser.add_argument("--graph", default=None, choices=list(GRAPHS),
+                        help="the graph that answers (default er_medrag)")
     parser.add_argument("--model", default=None, help=f"chat model for every agent (default {DEFAULT_MODEL})")
     parser.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
     parser.add_argument("--index-dir", default=None, help="corpus index (default: the starter knowledge base)")
     parser.add_argument("--snippets", type=int, default=None, help="snippets to extract from")
     parser.add_argument("--json", action="store_true", help="print the final state as JSON")
+    _add_server_args(parser)
+    parser.add_argument("--resume", default=None, metavar="RUN_ID",
+                        help="continue a killed or failed run from its last finished node (its question, graph and "
+                             "settings come from its checkpoints; flags given here override those settings)")
+    parser.add_argument("--checkpoint-db", default=None,
+                        help="checkpoint store: a SQLite file or a postgres:// URL (default: ERMEDRAG_CHECKPOINT_DB, "
+                             "else ~/.cache/ermedrag/checkpoints.sqlite)")
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Timeouts and retries of model-server calls (openai: models); they never change an answer."""
+    parser.add_argument("--timeout", type=float, default=None, dest="request_timeout_s", metavar="SECONDS",
+                        help="seconds a model server may take to answer one request (default 60; "
+                             "env ERMEDRAG_REQUEST_TIMEOUT_S)")
+    parser.add_argument("--connect-timeout", type=float, default=None, dest="connect_timeout_s", metavar="SECONDS",
+                        help="seconds to connect to a model server (default 5; env ERMEDRAG_CONNECT_TIMEOUT_S)")
+    parser.add_argument("--retries", type=int, default=None, dest="max_retries", metavar="N",
+                        help="retries of a failed model-server request, with exponential backoff (default 2; "
+                             "env ERMEDRAG_MAX_RETRIES)")
+
+
+def _server_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The context fields that the server flags set (None: not given), checked before any work starts."""
+    from ermedrag.tools.chat_models import ServerPolicy
+
+    given = {name: getattr(args, name) for name in ("request_timeout_s", "connect_timeout_s", "max_retries")}
+    policy_fields = {"request_timeout_s": "timeout_s", "connect_timeout_s": "connect_timeout_s",
+                     "max_retries": "max_retries"}
+    ServerPolicy(**{policy_fields[name]: value for name, value in given.items() if value is not None})
+    return given
 
 
 def _ask(args: argparse.Namespace) -> int:
-    options = _parse_options(args.option)
-    if args.question == DEMO_QUESTION and not options:
-        options = DEMO_OPTIONS
+    from ermedrag.graphs.durable import default_checkpoint_db, durable, open_saver, run_config, run_durably
+    from ermedrag.graphs.registry import load_graph
+
+    checkpoint_db = args.checkpoint_db or default_checkpoint_db()
+    overrides = _ask_overrides(args)
+    with open_saver(checkpoint_db) as saver:
+        if args.resume:
+            run_id = args.resume
+            graph_name, inputs, context = _resumed_run(args, saver, checkpoint_db, overrides)
+        else:
+            run_id = uuid.uuid4().hex
+            graph_name, inputs = args.graph or "er_medrag", _new_question(args, run_id)
+            # The whole context is recorded with the run, so a resume runs with what the run started with.
+            context = dataclasses.asdict(load_graph(graph_name).context_schema(**overrides))
+            again = " with the same --checkpoint-db" if args.checkpoint_db else ""
+            print(f"Run id: {run_id}; if interrupted, continue it with `ermedrag ask --resume {run_id}`{again}",
+                  file=sys.stderr)  # stderr, and before any work: a killed run can still be resumed
+        if not context.get("index_dir"):
+            from ermedrag.tools.starter_kb import starter_index_dir
+
+            print("Starter knowledge base (demo content, not clinical advice): building/opening its index…",
+                  file=sys.stderr)  # stderr: keeps `ask --json` output parseable
+            starter_index_dir(progress=True)
+        graph = durable(load_graph(graph_name), saver)
+        started = time.perf_counter()
+        state = run_durably(graph, run_config(run_id, graph_name, context), inputs, context)
+        total = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(state, indent=2, default=str))
+    else:
+        print(render_run(state, total))
+    return 0
+
+
+def _ask_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The context fields that `ask`'s flags set."""
     context: dict[str, Any] = {}
     if args.model:
         parse_model_spec(args.model)  # fail before retrieval, not in the middle of a run
@@ -164,32 +245,67 @@ def _ask(args: argparse.Namespace) -> int:
         context["snippets_k"] = args.snippets
     if args.index_dir:
         context["index_dir"] = args.index_dir
-    else:
-        from ermedrag.tools.starter_kb import starter_index_dir
+    context.update({name: value for name, value in _server_overrides(args).items() if value is not None})
+    return context
 
-        print("Starter knowledge base (demo content, not clinical advice): building/opening its index…",
-              file=sys.stderr)  # stderr: keeps `ask --json` output parseable
-        starter_index_dir(progress=True)
-    from ermedrag.graphs.registry import load_graph
 
-    graph = load_graph(args.graph)
-    started = time.perf_counter()
-    state = graph.invoke({"question": args.question, "options": options}, context=context)
-    total = time.perf_counter() - started
-    if args.json:
-        print(json.dumps(state, indent=2, default=str))
-    else:
-        print(render_run(state, total))
-    return 0
+def _new_question(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
+    question = args.question
+    if question is None:
+        if not args.sample_question:
+            raise ValueError("ask needs a question (or --resume RUN_ID to continue a run)")
+        question = DEMO_QUESTION
+    options = _parse_options(args.option)
+    if question == DEMO_QUESTION and not options:
+        options = DEMO_OPTIONS
+    return {"question": question, "options": options, "run_id": run_id}
+
+
+def _resumed_run(args: argparse.Namespace, saver: Any, checkpoint_db: str, overrides: dict[str, Any]
+                 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """The graph, inputs and context of the run to resume. The run's own question is the one answered: another
+    question, options or graph given with --resume is an error; other flags override the recorded settings
+    (e.g. a server that moved) and are named on stderr."""
+    from ermedrag.graphs.durable import saved_run
+
+    saved = saved_run(saver, args.resume, checkpoint_db)
+    question = str(saved.values.get("question") or "").strip()
+    if args.question is not None and args.question.strip() != question:
+        raise ValueError(f"run {args.resume} answers {question[:80]!r}, not the question given; "
+                         "omit the question to resume it, or drop --resume to ask a new one")
+    options, saved_options = _parse_options(args.option), saved.values.get("options")
+    if options is not None and _same_options(options) != _same_options(saved_options):
+        raise ValueError(f"run {args.resume} has options {saved_options}; omit -o to resume it")
+    if args.graph and args.graph != saved.graph:
+        raise ValueError(f"run {args.resume} ran the graph {saved.graph!r}, not {args.graph!r}")
+    changed = sorted(key for key, value in overrides.items() if saved.context.get(key) != value)
+    if changed:
+        print(f"Resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
+    state = "finished; printing its result" if saved.finished else "continuing from its last finished node"
+    print(f"Run {args.resume} ({saved.graph}): {state}", file=sys.stderr)
+    return saved.graph, {}, saved.context | overrides
+
+
+def _same_options(options: Any) -> dict[str, str]:
+    """Options as the graph keeps them (keys 'a' and ' A ' are the option 'A'), to compare a resume's with its run's."""
+    if not isinstance(options, dict):
+        return {}
+    return {str(key).strip().upper(): str(text).strip() for key, text in options.items()}
 
 
 def _parse_options(pairs: list[str]) -> dict[str, str] | None:
-    options = {}
+    options: dict[str, str] = {}
+    seen: dict[str, str] = {}  # upper-cased key → the key as given: 'a' and 'A' are one option
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"option {pair!r} must look like KEY=TEXT, e.g. 'A=Metformin'")
-        options[key.strip()] = text.strip()
+        key = key.strip()
+        if key.upper() in seen:
+            raise ValueError(f"option {key!r} is given twice (-o {seen[key.upper()]}=... and -o {key}=...); "
+                             "option keys are letters A-Z, case-insensitive")
+        seen[key.upper()] = key
+        options[key] = text.strip()
     return options or None
 
 
@@ -218,17 +334,28 @@ def render_run(state: dict[str, Any], total_s: float) -> str:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from ermedrag.tools.corpus import read_documents
+    from ermedrag.tools.corpus import read_corpus
     from ermedrag.tools.index import build_index
 
     started = time.perf_counter()
-    documents = read_documents(args.paths)
-    print(f"read {len(documents)} documents in {time.perf_counter() - started:.1f}s")
-    stats = build_index(documents, Path(args.index_dir), encoder=args.encoder, chunk_size=args.chunk_size,
+    corpus = read_corpus(args.paths, on_duplicate_id=args.on_duplicate_id, encoding=args.encoding)
+    print(f"read {len(corpus.documents)} documents in {time.perf_counter() - started:.1f}s")
+    stats = build_index(corpus.documents, Path(args.index_dir), encoder=args.encoder, chunk_size=args.chunk_size,
                         chunk_overlap=args.chunk_overlap, chroma_url=args.chroma_url)
-    print(f"{stats['chunks_added']} new chunks ({stats['chunks_seen'] - stats['chunks_added']} already indexed), "
-          f"{stats['chunks_total']} in the index; {stats['seconds']:.1f}s")
+    print(_index_summary(len(corpus.documents), corpus.summary(), stats, time.perf_counter() - started))
     return 0
+
+
+def _index_summary(documents: int, left_out: str, stats: dict[str, Any], seconds: float) -> str:
+    """One line: documents (and what was renamed or left out), chunks new / already there / in the index."""
+    resumed, removed = stats["chunks_resumed"], stats["uncommitted_removed"]
+    new = stats["chunks_added"] + resumed
+    there = stats["chunks_seen"] - new
+    repairs = (f"; {resumed} of them left by an interrupted build" if resumed else "") + (
+        f"; removed {removed} uncommitted chunks of an interrupted build" if removed else "")
+    return (f"indexed {documents} documents" + (f" ({left_out})" if left_out else "")
+            + f": {new} new chunks ({there} already indexed{repairs}), {stats['chunks_total']} in the index; "
+            f"{seconds:.1f}s")
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -239,7 +366,7 @@ def _eval(args: argparse.Namespace) -> int:
     systems = [s.strip() for s in args.system.split(",") if s.strip()]
     summary = run_eval(systems, benches, args.model, args.out, data_dir=args.data, limit=args.limit, seed=args.seed,
                        concurrency=args.concurrency, base_url=args.base_url, trace_db=args.trace_db,
-                       samples=args.samples, **_context_overrides(args, systems),
+                       checkpoint_db=args.checkpoint_db, samples=args.samples, **_context_overrides(args, systems),
                        respondent_max_new_tokens=args.max_new_tokens)
     for system, counts in summary.items():
         print(f"{system}: {counts}")
@@ -254,7 +381,8 @@ def _context_overrides(args: argparse.Namespace, systems: list[str]) -> dict[str
     """The graph context fields that `eval` and `run` set (None: the graph's default)."""
     from ermedrag.evals.runner import parse_overrides
 
-    named = {"index_dir": args.index_dir, "snippets_k": args.snippets, "temperature": args.temperature}
+    named = {"index_dir": args.index_dir, "snippets_k": args.snippets, "temperature": args.temperature,
+             **_server_overrides(args)}  # timeouts/retries: context fields outside every graph's settings
     return {**named, **parse_overrides(args.settings, systems)}
 
 
@@ -266,7 +394,7 @@ def _record(args: argparse.Namespace) -> int:
     out = args.out or str(Path(trace_db).with_suffix("")) + "-runs"
     summary = run_eval([args.system], [args.bench], args.model, out, data_dir=args.data, limit=args.limit,
                        seed=args.seed, concurrency=args.concurrency, base_url=args.base_url, trace_db=trace_db,
-                       **_context_overrides(args, [args.system]))
+                       checkpoint_db=args.checkpoint_db, **_context_overrides(args, [args.system]))
     print(f"{summary[args.system]}; traces in {trace_db}")
     return 0
 
@@ -327,10 +455,12 @@ def _traces(args: argparse.Namespace) -> int:
     if args.action == "list":
         for run in store.runs(args.limit):
             answer = (run.get("answer") or {}).get("answer")
+            outcome = {"finished": f"answer={answer}", "failed": "FAILED"}.get(run["status"], "unfinished")
+            error = f"  error: {' '.join(run['error'].split())[:300]}" if run["status"] == "failed" else ""
             print(f"{run['run_id']}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run['created_at']))}  "
-                  f"{run['graph']}  events={run['n_events']}  retrievals={run['n_retrievals']}  answer={answer}  "
+                  f"{run['graph']}  events={run['n_events']}  retrievals={run['n_retrievals']}  {outcome}  "
                   f"gold={run['gold']}  "
-                  f"{run['question']['question'][:60]!r}")
+                  f"{run['question']['question'][:60]!r}{error}")
         return 0
     if not args.run_id:
         raise ValueError("traces show needs a run id (see `ermedrag traces list`)")

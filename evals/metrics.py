@@ -25,7 +25,9 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # Rounding can put a bound a hair past p (6/6 gave 0.9999999999999999 < 1.0): the interval always holds p
+    # and stays inside [0, 1], so error bars derived from it are never negative.
+    return (min(max(0.0, centre - half), p), max(min(1.0, centre + half), p))
 
 
 def answer_entropy(answers: Iterable[str | None]) -> float:

@@ -74,8 +74,9 @@ def plot_report(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
                     xs.append(j + i * width)
                     ys.append(s[metric])
                     low, high = s["ci95"] if metric == "accuracy" else (s[metric], s[metric])
-                    errs[0].append(s[metric] - low)
-                    errs[1].append(high - s[metric])
+                    # matplotlib refuses negative error bars; rounding must not fail a whole report
+                    errs[0].append(max(0.0, s[metric] - low))
+                    errs[1].append(max(0.0, high - s[metric]))
             if xs:
                 ax.bar(xs, ys, width, label=system, yerr=errs if metric == "accuracy" else None, capsize=2)
         ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(benchmarks))], benchmarks,

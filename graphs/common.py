@@ -7,21 +7,26 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import BaseMessage
 
 from ermedrag.agents import respondent
 from ermedrag.tools.agent_calls import call_agent
 
-from ermedrag.tools.chat_models import DEFAULT_MODEL, load_chat_model
+from ermedrag.tools.chat_models import (DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_RETRIES, DEFAULT_MODEL,
+                                        DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_BACKOFF_S, ServerPolicy,
+                                        load_chat_model)
 from ermedrag.tools.index import Index, cached_index
 from ermedrag.tools.retrieval import COARSE_K, DEFAULT_CONFIG, SNIPPETS_K, RetrievalConfig, retrieval_settings
 from ermedrag.tools.retrieval import retrieve as retrieve_snippets
-from ermedrag.tools.traces import RetrievalEvent, TraceStore, default_trace_db, snippet_record
+from ermedrag.tools.traces import RetrievalEvent, TraceEvent, TraceStore, default_trace_db, snippet_record
 from ermedrag.tools.cache import shared_resource
 
 MAX_OPTIONS = 26
+OPTION_KEYS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+Parsed = TypeVar("Parsed")
 
 
 def env(name: str, default: str) -> Any:
@@ -32,12 +37,23 @@ def env_model(name: str) -> Any:
     return field(default_factory=lambda: os.environ.get(name) or os.environ.get("ERMEDRAG_MODEL", DEFAULT_MODEL))
 
 
+def _from_env(name: str, default: Any, kind: type) -> Any:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be a{'n' if kind is int else ''} "
+                         f"{kind.__name__}") from None
+
+
 def env_int(name: str, default: int) -> Any:
-    return field(default_factory=lambda: int(os.environ.get(name, default)))
+    return field(default_factory=lambda: _from_env(name, default, int))
 
 
 def env_float(name: str, default: float) -> Any:
-    return field(default_factory=lambda: float(os.environ.get(name, default)))
+    return field(default_factory=lambda: _from_env(name, default, float))
 
 
 @dataclass(kw_only=True)
@@ -69,19 +85,47 @@ class Context:
     """Generation budget of the respondent."""
     trace_db: str = env("ERMEDRAG_TRACE_DB", "")
     """SQLite file of recorded runs; empty = ~/.cache/ermedrag/traces.sqlite. Env ERMEDRAG_TRACE_DB."""
+    # How long a model server (openai: models) may take. They change when an answer arrives, never which one:
+    # not part of any graph's settings (graphs.registry), so results do not split on them.
+    request_timeout_s: float = env_float("ERMEDRAG_REQUEST_TIMEOUT_S", DEFAULT_REQUEST_TIMEOUT_S)
+    """Seconds a model server may take to answer one request (read timeout). Env ERMEDRAG_REQUEST_TIMEOUT_S."""
+    connect_timeout_s: float = env_float("ERMEDRAG_CONNECT_TIMEOUT_S", DEFAULT_CONNECT_TIMEOUT_S)
+    """Seconds to open a connection to a model server. Env ERMEDRAG_CONNECT_TIMEOUT_S."""
+    max_retries: int = env_int("ERMEDRAG_MAX_RETRIES", DEFAULT_MAX_RETRIES)
+    """Retries of a failed model-server request (refused, timed out, dropped, 408/409/429/5xx); 0 = none.
+    Env ERMEDRAG_MAX_RETRIES."""
+    retry_backoff_s: float = env_float("ERMEDRAG_RETRY_BACKOFF_S", DEFAULT_RETRY_BACKOFF_S)
+    """Wait before the first retry; it doubles per retry (capped at 8 s). Env ERMEDRAG_RETRY_BACKOFF_S."""
+
+    def __post_init__(self) -> None:
+        # Counts, budgets, temperatures and timeouts are never negative: a negative k would reach a Python slice
+        # and silently mean "all but the last few". Subclasses (Med-R³'s budgets) are checked the same way.
+        for name, value in vars(self).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"context field {name!r} must be >= 0, got {value}")
 
 
 def sampling(ctx: Context, model: str, max_new_tokens: int) -> dict[str, Any]:
     return {"model": model, "temperature": ctx.temperature, "max_new_tokens": max_new_tokens}
 
 
+def server_policy(ctx: Context) -> ServerPolicy:
+    """The context's timeouts and retries (a ValueError naming the field when one is out of range)."""
+    return ServerPolicy(ctx.request_timeout_s, ctx.connect_timeout_s, ctx.max_retries, ctx.retry_backoff_s)
+
+
 def chat_model(ctx: Context, spec: str, max_new_tokens: int) -> BaseChatModel:
-    return _cached_chat_model(spec, ctx.base_url or None, ctx.temperature, max_new_tokens)
+    return _cached_chat_model(spec, ctx.base_url or None, ctx.temperature, max_new_tokens, server_policy(ctx))
 
 
 @shared_resource(maxsize=16)
-def _cached_chat_model(spec: str, base_url: str | None, temperature: float, max_new_tokens: int) -> BaseChatModel:
-    return load_chat_model(spec, base_url=base_url, temperature=temperature, max_new_tokens=max_new_tokens)
+def _cached_chat_model(spec: str, base_url: str | None, temperature: float, max_new_tokens: int,
+                       policy: ServerPolicy) -> BaseChatModel:
+    """One model per distinct configuration: the timeouts and retries are part of it (a model built with
+    other ones must not be handed out)."""
+    return load_chat_model(spec, base_url=base_url, temperature=temperature, max_new_tokens=max_new_tokens,
+                           timeout_s=policy.timeout_s, connect_timeout_s=policy.connect_timeout_s,
+                           max_retries=policy.max_retries, retry_backoff_s=policy.retry_backoff_s)
 
 
 def index_for(ctx: Context) -> Index:
@@ -120,20 +164,38 @@ def validate_question(state: Mapping[str, Any]) -> tuple[str, dict[str, str] | N
         raise ValueError(f"input 'options' must be a mapping like {{'A': '...'}}, got {type(options).__name__}")
     if len(options) > MAX_OPTIONS:
         raise ValueError(f"input 'options' has {len(options)} entries; at most {MAX_OPTIONS}")
-    clean = {}
+    clean: dict[str, str] = {}
+    given: dict[str, Any] = {}
     for key, text in options.items():
-        if not isinstance(key, str) or not key.strip() or not isinstance(text, (str, int, float)):
-            raise ValueError(f"input 'options' entry {key!r}: keys must be non-empty strings, values text")
-        clean[key.strip()] = str(text)
+        letter = canonical_option_key(key)
+        if letter in given:
+            raise ValueError(f"input 'options' has both {given[letter]!r} and {key!r}: option keys are letters "
+                             f"A-Z and a lowercase key is the same option as its uppercase one")
+        if not isinstance(text, (str, int, float)):
+            raise ValueError(f"input 'options' entry {key!r}: keys must be non-empty strings, values text "
+                             f"(this value is a {type(text).__name__})")
+        given[letter], clean[letter] = key, str(text)
     return question.strip(), clean
+
+
+def canonical_option_key(key: Any) -> str:
+    """An option key as every part downstream sees it: one uppercase letter A-Z ('b' and ' B ' are 'B'), or a
+    ValueError naming the key. Answers are parsed into, and gold answers compared with, these keys."""
+    letter = key.strip().upper() if isinstance(key, str) else None
+    if letter is None or len(letter) != 1 or letter not in OPTION_KEYS:
+        raise ValueError(f"input 'options' key {key!r}: option keys are single letters A-Z (e.g. 'A', 'B')")
+    return letter
 
 
 def begin_run(state: Mapping[str, Any], ctx: Context, graph_name: str) -> dict[str, Any]:
     """Check the input and open its run in the trace store; the state update every graph starts with."""
     question, options = validate_question(state)
+    gold = state.get("gold")
+    if options and isinstance(gold, str) and gold.strip().upper() in options:
+        gold = gold.strip().upper()  # the same canonical key as the options (and the parsed answers)
     run_id = state.get("run_id") or uuid.uuid4().hex
-    trace_store(ctx).start_run(run_id, graph_name, {"question": question, "options": options}, state.get("gold"))
-    return {"run_id": run_id, "question": question, "options": options}
+    trace_store(ctx).start_run(run_id, graph_name, {"question": question, "options": options}, gold)
+    return {"run_id": run_id, "question": question, "options": options, "gold": gold}
 
 
 def retrieve_recorded(ctx: Context, query: str, *, run_id: str, node: str, k: int, coarse_k: int
@@ -157,18 +219,43 @@ def retrieve_evidence(ctx: Context, question: str, *, run_id: str, node: str) ->
     return {"snippets": snippets, "timings": {"retrieve_s": seconds}}
 
 
+def record_call(
+    ctx: Context,
+    model_spec: str,
+    max_new_tokens: int,
+    messages: list[BaseMessage],
+    parse: Callable[[str], Parsed],
+    *,
+    agent: str,
+    node: str,
+    run_id: str,
+    gold: str | None = None,
+    stop: list[str] | None = None,
+    inputs: dict[str, Any] | None = None,
+) -> tuple[Parsed, TraceEvent]:
+    """Call an agent's model once (the context's model `model_spec`, with its sampling, timeouts and retries)
+    and record the call as an event of the run: how every graph node calls a model. A call that fails (a model
+    server that did not answer, ...) marks the run failed with its error, then the error goes on up."""
+    try:
+        parsed, event = call_agent(
+            chat_model(ctx, model_spec, max_new_tokens), messages, parse, agent=agent, node=node, run_id=run_id,
+            sampling=sampling(ctx, model_spec, max_new_tokens), gold=gold, stop=stop, inputs=inputs)
+    except Exception as err:
+        trace_store(ctx).fail_run(run_id, f"{node}: {type(err).__name__}: {err}")
+        raise
+    trace_store(ctx).add_event(event)
+    return parsed, event
+
+
 def respond_with(state: Mapping[str, Any], ctx: Context, evidence: str) -> dict[str, Any]:
     """Call the respondent on `evidence`, record the call, close the run; the state update."""
     started = time.perf_counter()
-    answer, event = call_agent(
-        chat_model(ctx, ctx.respondent_model, ctx.respondent_max_new_tokens),
+    answer, _ = record_call(
+        ctx, ctx.respondent_model, ctx.respondent_max_new_tokens,
         respondent.build_messages(state["question"], state.get("options"), evidence),
         lambda completion: respondent.parse_answer(completion, state.get("options")),
-        agent="respondent", node="respond", run_id=state["run_id"], gold=state.get("gold"),
-        sampling=sampling(ctx, ctx.respondent_model, ctx.respondent_max_new_tokens), stop=respondent.STOP,
+        agent="respondent", node="respond", run_id=state["run_id"], gold=state.get("gold"), stop=respondent.STOP,
         inputs={"question": state["question"], "options": state.get("options"), "evidence": evidence},
     )
-    store = trace_store(ctx)
-    store.add_event(event)
-    store.finish_run(state["run_id"], dict(answer))
+    trace_store(ctx).finish_run(state["run_id"], dict(answer))
     return {"answer": answer, "timings": {"respond_s": time.perf_counter() - started}}

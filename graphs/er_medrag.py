@@ -16,8 +16,7 @@ from langgraph.types import Send
 from typing_extensions import TypedDict
 
 from ermedrag.agents import extractor, respondent
-from ermedrag.tools.agent_calls import call_agent
-from ermedrag.graphs.common import Context, begin_run, chat_model, respond_with, retrieve_evidence, sampling, trace_store
+from ermedrag.graphs.common import Context, begin_run, record_call, respond_with, retrieve_evidence
 
 GRAPH_NAME = "er_medrag"
 
@@ -63,15 +62,13 @@ def fan_out(state: State) -> list[Send] | str:
 def extract(task: ExtractTask, runtime: Runtime[Context]) -> dict[str, Any]:
     ctx = runtime.context
     snippet = task["snippet"]
-    parsed, event = call_agent(
-        chat_model(ctx, ctx.extractor_model, ctx.extractor_max_new_tokens),
+    parsed, _ = record_call(
+        ctx, ctx.extractor_model, ctx.extractor_max_new_tokens,
         extractor.build_messages(task["question"], snippet["text"]),
         lambda completion: extractor.parse_triplets(completion, snippet["id"]),
-        agent="extractor", node="extract", run_id=task["run_id"], gold=task.get("gold"),
-        sampling=sampling(ctx, ctx.extractor_model, ctx.extractor_max_new_tokens), stop=extractor.STOP,
+        agent="extractor", node="extract", run_id=task["run_id"], gold=task.get("gold"), stop=extractor.STOP,
         inputs={"question": task["question"], "snippet_id": snippet["id"], "snippet": snippet["text"]},
     )
-    trace_store(ctx).add_event(event)
     return {"extractions": [parsed]}
 
 

@@ -24,9 +24,8 @@ from langgraph.runtime import Runtime
 from typing_extensions import TypedDict
 
 from ermedrag.agents import reasoner
-from ermedrag.tools.agent_calls import call_agent
 from ermedrag.agents.respondent import Answer
-from ermedrag.graphs.common import Context, begin_run, chat_model, env_int, retrieve_recorded, sampling, trace_store
+from ermedrag.graphs.common import Context, begin_run, env_int, record_call, retrieve_recorded, trace_store
 from ermedrag.graphs.er_medrag import InputState
 from ermedrag.tools.retrieval import SEARCH_K, search_coarse_k
 
@@ -78,15 +77,11 @@ def _generate(state: State, ctx: MedR3Context, budget: int, stop: list[str], nod
               ) -> tuple[reasoner.Step, str, int]:
     """One recorded call continuing the transcript: the parsed step, the completion and its token count."""
     transcript = state["transcript"]
-    step, event = call_agent(
-        chat_model(ctx, _model_spec(ctx), budget),
-        reasoner.build_messages(state["question"], state.get("options"), transcript),
-        reasoner.parse_step,
-        agent="reasoner", node=node, run_id=state["run_id"], gold=state.get("gold"),
-        sampling=sampling(ctx, _model_spec(ctx), budget), stop=stop,
+    step, event = record_call(
+        ctx, _model_spec(ctx), budget, reasoner.build_messages(state["question"], state.get("options"), transcript),
+        reasoner.parse_step, agent="reasoner", node=node, run_id=state["run_id"], gold=state.get("gold"), stop=stop,
         inputs={"question": state["question"], "options": state.get("options"), "transcript": transcript},
     )
-    trace_store(ctx).add_event(event)
     return step, event.completion, (event.usage or {}).get("output_tokens", 0)
 
 

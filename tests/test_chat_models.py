@@ -31,6 +31,30 @@ def test_openai_backend_needs_a_server(monkeypatch):
         load_chat_model("openai:Qwen/Qwen3-8B")
 
 
+def test_openai_backend_takes_its_timeouts_and_retries():
+    model = load_chat_model("openai:Qwen/Qwen3-8B", base_url="http://127.0.0.1:9/v1", timeout_s=7,
+                            connect_timeout_s=2, max_retries=4, retry_backoff_s=0.25)
+    timeout = model.root_client.timeout
+    assert (timeout.read, timeout.write, timeout.connect) == (7, 7, 2)
+    # One retry loop (ours, with the configured backoff and one error at the end), not the OpenAI client's too.
+    assert model.root_client.max_retries == 0
+    assert (model.policy.max_retries, model.policy.retry_backoff_s) == (4, 0.25)
+    assert model.spec == "openai:Qwen/Qwen3-8B"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [(dict(timeout_s=0), r"request_timeout_s \(--timeout\) must be a positive number of seconds, got 0"),
+     (dict(timeout_s=float("nan")), "request_timeout_s"),
+     (dict(connect_timeout_s=-1), r"connect_timeout_s \(--connect-timeout\)"),
+     (dict(max_retries=11), r"max_retries \(--retries\) must be an integer from 0 to 10"),
+     (dict(retry_backoff_s=-0.5), "retry_backoff_s must be a non-negative")],
+)
+def test_openai_backend_refuses_bad_timeouts_naming_the_setting(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        load_chat_model("openai:x", base_url="http://127.0.0.1:9/v1", **kwargs)
+
+
 def test_vllm_backend_without_vllm_says_how_to_install():
     pytest.importorskip("torch")
     try:

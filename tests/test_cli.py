@@ -32,6 +32,7 @@ def _entry_point() -> list[str]:
 
 def ermedrag(*args: str, trace_db: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ERMEDRAG_TRACE_DB": str(trace_db), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "ERMEDRAG_CHECKPOINT_DB": str(trace_db.with_name("checkpoints.sqlite")),  # never the user's cache
            "ANONYMIZED_TELEMETRY": "False", "TOKENIZERS_PARALLELISM": "false"}
     for name in ("ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL", "ERMEDRAG_RESPONDENT_MODEL",
                  "OPENAI_BASE_URL", "ERMEDRAG_SNIPPETS_K", "ERMEDRAG_COARSE_K"):
@@ -101,6 +102,15 @@ def test_ask_json_prints_the_final_state(trace_db: Path) -> None:
     assert TraceStore(trace_db).run(state["run_id"])["answer"]["answer"] == "A"
 
 
+def test_lowercase_option_keys_are_the_uppercase_options(tmp_path: Path) -> None:
+    proc = ermedrag("ask", QUESTION, "-o", "a=Intramuscular epinephrine", "-o", "b=Oral antihistamine", "--graph",
+                    "cot", "--model", SCRIPTED, "--json", trace_db=tmp_path / "traces.sqlite")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads(proc.stdout)
+    assert state["options"] == {"A": "Intramuscular epinephrine", "B": "Oral antihistamine"}
+    assert state["answer"]["answer"] == "A"
+
+
 def test_traces_list_shows_the_run(asked: subprocess.CompletedProcess[str], trace_db: Path) -> None:
     run_id = _run_id(asked)
     proc = ermedrag("traces", "list", trace_db=trace_db)
@@ -157,8 +167,16 @@ def test_traces_list_of_a_missing_db_exits_2(tmp_path: Path) -> None:
         (["ask", QUESTION, "-o", "notakeyvalue"], "error: option 'notakeyvalue' must look like KEY=TEXT"),
         (["ask", QUESTION, "-o", "=Metformin"], "error: option '=Metformin' must look like KEY=TEXT"),
         (["ask", QUESTION, "--model", "foo:bar"], "error: unknown model provider 'foo' in 'foo:bar'"),
+        (["ask", QUESTION, "-o", "A=Epinephrine", "-o", "a=Salbutamol"],
+         "error: option 'a' is given twice (-o A=... and -o a=...)"),
+        (["ask", QUESTION, "-o", "B=x", "-o", "B=y"], "error: option 'B' is given twice"),
+        (["ask", QUESTION, "-o", "1=Epinephrine", "-o", "2=Salbutamol"],
+         "error: input 'options' key '1': option keys are single letters A-Z"),
+        (["ask", QUESTION, "--timeout", "0"], "error: request_timeout_s (--timeout) must be a positive number"),
+        (["ask", QUESTION, "--retries", "-1"], "error: max_retries (--retries) must be an integer from 0 to 10"),
     ],
-    ids=["empty-question", "blank-question", "option-without-equals", "option-without-key", "unknown-provider"],
+    ids=["empty-question", "blank-question", "option-without-equals", "option-without-key", "unknown-provider",
+         "option-twice-any-case", "option-twice", "digit-option-keys", "zero-timeout", "negative-retries"],
 )
 def test_bad_input_exits_2_naming_the_problem(tmp_path: Path, args: list[str], message: str) -> None:
     model = [] if "--model" in args else ["--model", SCRIPTED]

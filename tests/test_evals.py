@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 
 from ermedrag.tools import benchmarks
 from ermedrag.tools.benchmarks import BadRow, gpqa_row, load_benchmark, mirage_rows, normalise
@@ -63,6 +64,20 @@ def test_bad_rows_are_reported_with_their_ids_and_left_out(tmp_path):
         "no-options": "no", "bad-answer": "answer", "medqa_us_test.jsonl:4": "not"}
 
 
+def test_lines_that_are_not_json_objects_become_bad_rows_naming_the_line(tmp_path):
+    ok = {"id": "ok-1", "question": "Q?", "options": {"A": "yes", "B": "no"}, "answer": "A"}
+    lines = [json.dumps(ok), '["a", "list"]', '"a string"', "42", "null"]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    bad: list[BadRow] = []
+    questions = benchmarks.load_questions_file(path, bad_rows=bad)
+    assert [q.id for q in questions] == ["ok-1"]
+    assert {b.id: b.problem for b in bad} == {
+        "mine.jsonl:2": "a JSON array is not a JSON object", "mine.jsonl:3": "a JSON string is not a JSON object",
+        "mine.jsonl:4": "a JSON number is not a JSON object", "mine.jsonl:5": "JSON null is not a JSON object"}
+    assert normalise(["not", "a", "row"], "upstream") == BadRow("upstream", "?", "a JSON array is not a JSON object")
+
+
 def test_upstream_formats_normalise_to_the_same_question(monkeypatch):
     hub_rows = {
         "openlifescienceai/medmcqa": [{"id": "x1", "question": "Q?", "opa": "a", "opb": "b", "opc": "c", "opd": "d",
@@ -102,6 +117,19 @@ def test_metrics_definitions():
     summary = summarise(rows)
     assert summary["accuracy"] == 0.5 and summary["questions"] == 1
     assert math.isclose(summary["answer_entropy"], math.log(2)) and summary["token_entropy"] == 0.5
+
+
+def test_wilson_interval_always_holds_the_rate_so_error_bars_are_never_negative(tmp_path):
+    for successes, n in [(6, 6), (0, 6), (1, 1), (0, 1), (3, 7), (99, 100), (10**6, 10**6)]:
+        low, high = wilson_interval(successes, n)
+        assert 0.0 <= low <= successes / n <= high <= 1.0, (successes, n, low, high)
+    # 6/6 correct used to give an upper bound of 0.9999999999999999 and matplotlib refused the report
+    rows = [{"benchmark": "b", "question_id": f"q{i}", "answer": "A", "correct": True, "ok": True,
+             "well_formed": True, "config": {"system": "cot", "model": "m"}} for i in range(6)]
+    (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = write_report([str(tmp_path)], tmp_path)
+    assert "100.0 [61–100] (n=6)" in Path(written["report"]).read_text()
+    assert all(Path(p).stat().st_size > 1000 for p in written["plots"])
 
 
 def test_runner_records_resumes_and_reports(shared_data, tmp_path):
@@ -154,3 +182,14 @@ def test_report_adds_rag_quality_from_the_traces(shared_data, tmp_path):
     assert "## RAG quality" in table and "| vanilla_rag | bioasq | 2 |" in table
     quality = json.loads((out / "rag_quality.json").read_text())
     assert quality["groups"][0]["context_precision"] == 0.0  # the starter index holds no BioASQ snippets
+
+
+def test_one_eval_at_a_time_writes_a_results_folder(tmp_path):
+    from ermedrag.evals.runner import ResultsFolderBusy, results_folder_lock, run_eval
+
+    out = tmp_path / "out"
+    with results_folder_lock(out):
+        with pytest.raises(ResultsFolderBusy, match=rf"{out} is being written by process {os.getpid()}"):
+            run_eval(["cot"], ["medqa"], "scripted:ermedrag.agents.scripted", out)
+    with results_folder_lock(out):  # released: the next eval may start (a dead holder releases it too)
+        pass

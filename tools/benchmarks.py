@@ -212,9 +212,20 @@ def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
         for line_no, line in enumerate(handle, 1):
             if line.strip():
                 try:
-                    yield json.loads(line)
+                    row = json.loads(line)
                 except json.JSONDecodeError:
                     yield {"id": f"{path.name}:{line_no}", "_problem": "not valid JSON"}
+                    continue
+                if isinstance(row, dict):
+                    yield row
+                else:  # e.g. a JSON array: reported as a bad row with its line, never a crash
+                    yield {"id": f"{path.name}:{line_no}", "_problem": f"{_json_kind(row)} is not a JSON object"}
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "a JSON array", str: "a JSON string", bool: "a JSON boolean", int: "a JSON number",
+             float: "a JSON number", type(None): "JSON null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _zip_rows(path: Path) -> Iterator[dict[str, Any]]:
@@ -226,6 +237,8 @@ def _zip_rows(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def normalise(row: dict[str, Any], benchmark: str) -> Question | BadRow:
+    if not isinstance(row, dict):  # upstream rows are untrusted too
+        return BadRow(benchmark, "?", f"{_json_kind(row)} is not a JSON object")
     qid = str(row.get("id", "?"))
     if "_problem" in row:
         return BadRow(benchmark, qid, row["_problem"])
@@ -234,6 +247,10 @@ def normalise(row: dict[str, Any], benchmark: str) -> Question | BadRow:
         return BadRow(benchmark, qid, "no question text")
     if not isinstance(options, dict) or len(options) < 2:
         return BadRow(benchmark, qid, "no options (at least two needed)")
+    keys = [str(k).strip().upper() for k in options]
+    # The graphs' canonical option keys (graphs.common.validate_question): one letter A-Z, case-insensitive.
+    if any(len(k) != 1 or k not in string.ascii_uppercase for k in keys) or len(set(keys)) != len(keys):
+        return BadRow(benchmark, qid, f"option keys {list(options)[:8]} must be distinct letters A-Z (case-insensitive)")
     options = {str(k).strip().upper(): str(v) for k, v in sorted(options.items(), key=lambda kv: str(kv[0]))}
     if str(answer).strip().upper() not in options:
         return BadRow(benchmark, qid, f"answer {answer!r} is not among the options {list(options)}")

@@ -3,19 +3,33 @@
 Sources: JSONL files in the shared schema (`{"id", "title", "text", "source", ...}`, also `.gz`), folders
 of `.txt`/`.md` files (one document each), and Hugging Face datasets by name (`hf://name[:split]`).
 Reading is strict: a bad line stops everything with the file and line named, before anything is written.
+Nothing is lost silently: documents are kept whole whatever their length; files are decoded strictly
+(UTF-8 unless told otherwise, a byte-order mark is skipped) and binary files are refused; renamed repeated
+ids, dropped exact repeats, empty text files and files of other types in a folder are counted (`Corpus`).
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
+import re
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz")
-MAX_DOCUMENT_CHARS = 2_000_000
+DEFAULT_ENCODING = "utf-8-sig"  # UTF-8; a leading byte-order mark is skipped
+# A text file is refused as binary when it holds a NUL or when more than this share of its characters are
+# control characters other than tab, newlines, vertical tab and form feed (random bytes read as latin-1: ~23%).
+MAX_CONTROL_SHARE = 0.10
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x9f]")
+BINARY_SAMPLE = 65536  # bytes of an undecodable file looked at to tell binary from another encoding
+UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+NON_BLANK = re.compile(r"\S")
+EXAMPLES_KEPT = 3  # renamed ids shown as examples
 
 
 class CorpusError(ValueError):
@@ -45,38 +59,119 @@ class Chunk:
     end: int
 
 
-def read_documents(paths: Iterable[str | Path], on_duplicate_id: str = "rename") -> list[Document]:
-    """All documents of all `paths`, validated; raises CorpusError on the first bad record.
+@dataclass(frozen=True)
+class Corpus:
+    """What `read_corpus` read, with everything it did not index as given counted."""
+
+    documents: list[Document]
+    renamed_ids: int = 0  # documents that reused an id with other text, indexed as `id~2`, `id~3`, ...
+    dropped_repeats: int = 0  # exact repeats (same id, same text) left out
+    empty_files: int = 0  # .txt/.md files with no text, left out
+    ignored_files: int = 0  # files of other types inside the folders given
+    renamed_examples: tuple[str, ...] = ()  # a few "new-id (file:line)" for the summary
+
+    def summary(self) -> str:
+        """What was left out or renamed, for people ("" when nothing was)."""
+        parts = []
+        if self.renamed_ids:
+            examples = ", ".join(self.renamed_examples)
+            parts.append(f"{self.renamed_ids} reused ids renamed id~N, e.g. {examples}")
+        if self.dropped_repeats:
+            parts.append(f"{self.dropped_repeats} exact repeats dropped")
+        if self.empty_files:
+            parts.append(f"{self.empty_files} empty files skipped")
+        if self.ignored_files:
+            parts.append(f"{self.ignored_files} files of other types ignored")
+        return "; ".join(parts)
+
+
+def read_documents(paths: Iterable[str | Path], on_duplicate_id: str = "rename",
+                   encoding: str | None = None) -> list[Document]:
+    """The documents of `read_corpus` (for callers that do not report what was renamed or left out)."""
+    return read_corpus(paths, on_duplicate_id, encoding).documents
+
+
+def read_corpus(paths: Iterable[str | Path], on_duplicate_id: str = "rename",
+                encoding: str | None = None) -> Corpus:
+    """All documents of all `paths`, validated; raises CorpusError on the first bad record or file.
 
     Real corpora reuse ids for different passages (MedQuAD does, 4k times): by default a repeated id with
-    different text becomes `id~2`, `id~3`, ... and an exact repeat (same id, same text) is dropped;
-    `on_duplicate_id="error"` refuses them instead, naming both places.
+    different text becomes `id~2`, `id~3`, ... and an exact repeat (same id, same text) is dropped, both
+    counted; `on_duplicate_id="error"` refuses them instead, naming both places. `encoding` is the encoding
+    of .txt/.md/.jsonl files (default UTF-8, read strictly: a file that is not valid in it is refused).
     """
     if on_duplicate_id not in ("rename", "error"):
         raise ValueError(f"on_duplicate_id must be 'rename' or 'error', not {on_duplicate_id!r}")
+    encoding = _checked_encoding(encoding)
+    ids = _IdAssigner(on_duplicate_id)
     documents: list[Document] = []
-    first: dict[str, Document] = {}
-    repeats: dict[str, int] = {}
+    counts = {"empty_files": 0, "ignored_files": 0}
     for path in paths:
-        read = list(_read_one(str(path)))
+        read = 0
+        for doc in _read_one(str(path), encoding, counts):
+            read += 1
+            kept = ids.assign(doc)
+            if kept is not None:
+                documents.append(kept)
         if not read:
             raise CorpusError(f"{path}: no documents in it")
-        for doc in read:
-            earlier = first.get(doc.id)
-            if earlier is None:
-                first[doc.id] = doc
-            elif earlier.text == doc.text:
-                continue
-            elif on_duplicate_id == "error":
-                raise CorpusError(f"{doc.origin}: document id {doc.id!r} already used at {earlier.origin}")
-            else:
-                repeats[doc.id] = repeats.get(doc.id, 1) + 1
-                doc = replace(doc, id=f"{doc.id}~{repeats[doc.id]}")
-            documents.append(doc)
-    return documents
+    return Corpus(documents, ids.renamed, ids.dropped, counts["empty_files"], counts["ignored_files"],
+                  tuple(ids.examples))
 
 
-def _read_one(path: str) -> Iterator[Document]:
+class _IdAssigner:
+    """Gives each document a unique id: exact repeats are dropped, reused ids renamed `id~N` (or refused).
+
+    A rename never takes an id already used; a later document whose own id a rename took (a literal `x~2`)
+    is renamed in turn. Repeats are found by (id, text hash), so many documents under one id stay linear."""
+
+    def __init__(self, on_duplicate_id: str):
+        self.on_duplicate_id = on_duplicate_id
+        self.texts: dict[tuple[str, int], list[str]] = {}  # (original id, hash of text) -> texts kept
+        self.first_origin: dict[str, str] = {}  # original id -> where it was first read
+        self.next_suffix: dict[str, int] = {}
+        self.taken: set[str] = set()
+        self.renamed = 0
+        self.dropped = 0
+        self.examples: list[str] = []
+
+    def assign(self, doc: Document) -> Document | None:
+        same_hash = self.texts.setdefault((doc.id, hash(doc.text)), [])
+        if any(text == doc.text for text in same_hash):
+            self.dropped += 1
+            return None
+        same_hash.append(doc.text)
+        if doc.id in self.taken:
+            if self.on_duplicate_id == "error":  # nothing is renamed in this mode: the id was read before
+                raise CorpusError(f"{doc.origin}: document id {doc.id!r} already used at {self.first_origin[doc.id]}")
+            n = self.next_suffix.get(doc.id, 2)
+            while f"{doc.id}~{n}" in self.taken:
+                n += 1
+            self.next_suffix[doc.id] = n + 1
+            self.renamed += 1
+            doc = replace(doc, id=f"{doc.id}~{n}")
+            if len(self.examples) < EXAMPLES_KEPT:
+                self.examples.append(f"{doc.id} from {doc.origin}")
+        self.taken.add(doc.id)
+        self.first_origin.setdefault(doc.id, doc.origin)
+        return doc
+
+
+def _checked_encoding(encoding: str | None) -> str:
+    if encoding is None:
+        return DEFAULT_ENCODING
+    try:
+        name = codecs.lookup(encoding).name
+    except LookupError as err:
+        raise CorpusError(f"unknown encoding {encoding!r} (e.g. utf-8, latin-1, cp1252, utf-16)") from err
+    return DEFAULT_ENCODING if name == "utf-8" else encoding  # a BOM is skipped for UTF-8 however it is named
+
+
+def _encoding_hint(encoding: str) -> str:
+    return "UTF-8" if encoding == DEFAULT_ENCODING else encoding
+
+
+def _read_one(path: str, encoding: str, counts: dict[str, int]) -> Iterator[Document]:
     if path.startswith("hf://"):
         yield from _read_hf_dataset(path.removeprefix("hf://"))
         return
@@ -84,35 +179,107 @@ def _read_one(path: str) -> Iterator[Document]:
     if not target.exists():
         raise CorpusError(f"{path}: no such file or folder")
     if target.is_dir():
-        files = sorted(p for p in target.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES))
+        files, others = [], 0
+        for candidate in sorted(p for p in target.rglob("*") if p.is_file()):
+            if candidate.name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES):
+                files.append(candidate)
+            else:
+                others += 1
         if not files:
             raise CorpusError(f"{path}: no .txt, .md or .jsonl[.gz] files inside")
+        counts["ignored_files"] += others
         for file in files:
-            yield from _read_file(file, root=target)
+            yield from _read_file(file, target, encoding, counts)
     else:
-        yield from _read_file(target, root=target.parent)
+        yield from _read_file(target, target.parent, encoding, counts)
 
 
-def _read_file(file: Path, root: Path) -> Iterator[Document]:
+def _read_file(file: Path, root: Path, encoding: str, counts: dict[str, int]) -> Iterator[Document]:
     if file.name.endswith(TEXT_SUFFIXES):
-        text = file.read_text(encoding="utf-8", errors="replace")
+        text = read_text_file(file, encoding)
+        if not text.strip():
+            counts["empty_files"] += 1
+            return
         rel = file.relative_to(root).as_posix()
-        yield Document(id=rel, text=text[:MAX_DOCUMENT_CHARS], title=file.stem, source=rel, origin=str(file))
+        yield Document(id=rel, text=text, title=file.stem, source=rel, origin=str(file))
     elif file.name.endswith(JSONL_SUFFIXES):
-        yield from _read_jsonl(file)
+        yield from _read_jsonl(file, encoding)
     else:
         raise CorpusError(f"{file}: unsupported file type (expected .txt, .md, .jsonl or .jsonl.gz)")
 
 
-def _read_jsonl(file: Path) -> Iterator[Document]:
-    opener = gzip.open if file.suffix == ".gz" else open
+def read_text_file(file: Path, encoding: str = DEFAULT_ENCODING) -> str:
+    """The whole text of a file, decoded strictly; CorpusError naming the file when it is binary or not in
+    `encoding`."""
     try:
-        with opener(file, "rt", encoding="utf-8") as handle:
-            for line_no, line in enumerate(handle, 1):
-                if line.strip():
-                    yield _record_to_document(_json_line(line, file, line_no), f"{file}:{line_no}")
-    except (OSError, EOFError, UnicodeDecodeError) as err:
+        data = file.read_bytes()
+    except OSError as err:
         raise CorpusError(f"{file}: cannot read ({err})") from err
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as err:
+        raise CorpusError(_undecodable(file, data, encoding, err)) from None
+    del data  # only the text is kept: a large file is not held twice
+    _refuse_binary(file, text)
+    return text
+
+
+def _undecodable(file: Path, data: bytes, encoding: str, err: UnicodeDecodeError) -> str:
+    if data.startswith(UTF16_BOMS) and encoding == DEFAULT_ENCODING:
+        return f"{file}: starts with a UTF-16 byte-order mark; pass --encoding utf-16 (encoding='utf-16')"
+    nul = data.find(b"\x00", 0, BINARY_SAMPLE)
+    if nul >= 0:
+        return f"{file}: looks like a binary file, not text (NUL byte at offset {nul}); only text files are indexed"
+    sample = data[:BINARY_SAMPLE].decode("latin-1")  # any bytes: C0 and C1 control bytes show as controls
+    controls = len(CONTROL_CHARS.findall(sample))
+    if controls > MAX_CONTROL_SHARE * len(sample):
+        return (f"{file}: looks like a binary file, not text ({controls / len(sample):.0%} control bytes); only "
+                "text files are indexed")
+    return (f"{file}: not valid {_encoding_hint(encoding)} (byte 0x{data[err.start]:02x} at offset {err.start}); "
+            "if you know its encoding, pass it: --encoding latin-1 (encoding='latin-1'), cp1252, ...")
+
+
+def _refuse_binary(file: Path, text: str) -> None:
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise CorpusError(f"{file}: looks like a binary file, not text (NUL character at offset {nul}); "
+                          "only text files are indexed")
+    controls = len(CONTROL_CHARS.findall(text)) if text else 0
+    if controls > MAX_CONTROL_SHARE * len(text):
+        raise CorpusError(f"{file}: looks like a binary file, not text ({controls / len(text):.0%} control "
+                          "characters); only text files are indexed")
+
+
+def _read_jsonl(file: Path, encoding: str) -> Iterator[Document]:
+    try:
+        for line_no, line in _decoded_lines(file, encoding):
+            if line.strip():
+                yield _record_to_document(_json_line(line, file, line_no), f"{file}:{line_no}")
+    except (OSError, EOFError, zlib.error) as err:  # a truncated or corrupt .gz, an unreadable file
+        raise CorpusError(f"{file}: cannot read ({err})") from err
+
+
+def _decoded_lines(file: Path, encoding: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line, decoded strictly. Lines are split on bytes and decoded one by one
+    when the encoding writes newlines as ASCII (UTF-8, latin-1, cp1252, ...), so an error names its own line;
+    otherwise (UTF-16, ...) the file is decoded as a stream and an error names the line after the last read."""
+    ascii_newlines = "a\n".encode(encoding).endswith(b"a\n")
+    opener: Any = gzip.open if file.suffix == ".gz" else open
+    line_no = 0
+    try:
+        if ascii_newlines:
+            with opener(file, "rb") as handle:
+                for line_no, raw in enumerate(handle, 1):
+                    yield line_no, raw.decode(encoding)
+        else:
+            with opener(file, "rt", encoding=encoding, errors="strict") as handle:
+                for line_no, line in enumerate(handle, 1):
+                    yield line_no, line
+                line_no = 0
+    except UnicodeDecodeError as err:
+        where = line_no if ascii_newlines else line_no + 1
+        raise CorpusError(f"{file}:{where}: not valid {_encoding_hint(encoding)} ({err.reason}); if you know its "
+                          "encoding, pass it: --encoding latin-1 (encoding='latin-1'), cp1252, ...") from None
 
 
 def _json_line(line: str, file: Path, line_no: int) -> dict[str, Any]:
@@ -134,7 +301,7 @@ def _record_to_document(record: dict[str, Any], where: str) -> Document:
         raise CorpusError(f"{where}: missing 'id'")
     meta = {k: v for k, v in record.items() if k not in ("id", "_id", "text", "contents", "title", "source")
             and isinstance(v, (str, int, float, bool))}
-    return Document(id=str(doc_id), text=text[:MAX_DOCUMENT_CHARS], title=str(record.get("title") or ""),
+    return Document(id=str(doc_id), text=text, title=str(record.get("title") or ""),
                     source=str(record.get("source") or where.rsplit(":", 1)[0]), meta=meta, origin=where)
 
 
@@ -151,19 +318,47 @@ def _read_hf_dataset(name: str) -> Iterator[Document]:
         yield _record_to_document(record, f"hf://{dataset_name} row {index}")
 
 
-def chunk_documents(documents: Iterable[Document], chunk_size: int = 256, chunk_overlap: int = 32) -> list[Chunk]:
-    """Split documents into token-bounded chunks (llama-index SentenceSplitter), keeping offsets."""
+def iter_chunks(documents: Iterable[Document], chunk_size: int = 256, chunk_overlap: int = 32) -> Iterator[Chunk]:
+    """Token-bounded chunks of each whole document (llama-index SentenceSplitter), with exact offsets.
+
+    The splitter is linear in the text (a 5 MB document: 5-15 s), so documents are not cut to a maximum
+    length. Its pieces are stripped spans of the text; each is found in a window after the previous one
+    (`_locate`; bounded, so a long document stays linear)."""
     from llama_index.core.node_parser import SentenceSplitter
 
     splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=chunk_overlap)
-    chunks: list[Chunk] = []
     for doc in documents:
-        cursor = 0
-        for piece in splitter.split_text(doc.text):
-            start = doc.text.find(piece, max(0, cursor - len(piece)))
-            start = cursor if start < 0 else start
+        try:
+            pieces = splitter.split_text(doc.text)
+        except ValueError as err:  # "Single token exceeded chunk size" and the like
+            raise CorpusError(f"{doc.origin or doc.id}: cannot be chunked ({err})") from err
+        previous_start, previous_end = -1, 0
+        for piece in pieces:
+            start = _locate(doc, piece, previous_start, previous_end)
             end = start + len(piece)
-            cursor = end
-            chunks.append(Chunk(id=f"{doc.id}#{start}-{end}", doc_id=doc.id, text=piece, title=doc.title,
-                                source=doc.source, start=start, end=end))
-    return chunks
+            previous_start, previous_end = start, end
+            yield Chunk(id=f"{doc.id}#{start}-{end}", doc_id=doc.id, text=piece, title=doc.title,
+                        source=doc.source, start=start, end=end)
+
+
+def _locate(doc: Document, piece: str, previous_start: int, previous_end: int) -> int:
+    """Where `piece` starts. A chunk starts after the previous one's start and no later than the first
+    non-blank character after its end (chunks overlap or follow each other; the splitter strips blanks).
+    The latest match in that window is taken: in repetitive text an earlier one would drift backwards and
+    leave the document's end in no chunk."""
+    next_text = NON_BLANK.search(doc.text, previous_end)
+    latest = next_text.start() if next_text else len(doc.text)
+    start = doc.text.rfind(piece, previous_start + 1, latest + len(piece))
+    if start < 0:  # not expected from the splitter: a little further back, then the rest once; never a guess
+        start = doc.text.rfind(piece, max(0, previous_start - 4 * len(piece)), latest + len(piece))
+    if start < 0:
+        start = doc.text.find(piece, previous_start + 1)
+    if start < 0:
+        raise CorpusError(f"{doc.origin or doc.id}: the chunker returned text that is not in the document "
+                          f"(after offset {previous_start}); please report this")
+    return start
+
+
+def chunk_documents(documents: Iterable[Document], chunk_size: int = 256, chunk_overlap: int = 32) -> list[Chunk]:
+    """All chunks of `documents` (see `iter_chunks`)."""
+    return list(iter_chunks(documents, chunk_size, chunk_overlap))

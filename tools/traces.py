@@ -9,6 +9,10 @@ Each event is committed on its own (WAL journal, synchronous=NORMAL: a committed
 process being killed), so an interrupted process loses at most the call in flight. Each thread keeps its
 connection open: opening and closing one per call cost ~20 ms (the last close checkpoints the WAL).
 `training/` reads only this store (and the corpus index).
+
+A run is `finished` (its answer recorded), `failed` (`fail_run`: the error that stopped it, e.g. a model server
+that did not answer) or `unfinished` (in flight, or killed): the `status` of each row that `runs`/`run` return.
+A failed run keeps `finished_at` empty, so readers of finished runs (exporters) never meet it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ CREATE TABLE IF NOT EXISTS runs (
     gold TEXT,
     answer TEXT,
     created_at REAL NOT NULL,
-    finished_at REAL
+    finished_at REAL,
+    error TEXT,
+    failed_at REAL
 );
 CREATE TABLE IF NOT EXISTS events (
     event_id TEXT PRIMARY KEY,
@@ -76,6 +82,7 @@ JSON_RETRIEVAL_FIELDS = ("snippets", "settings", "index_info")
 # What a retrieval keeps of each snippet: enough to score it against gold evidence and to see why it ranked.
 # Not the text: it is in the index (and in the prompts of the model calls that read it).
 RECORDED_SNIPPET_FIELDS = ("id", "doc_id", "chunk_id", "score", "scores")
+MAX_ERROR_CHARS = 2000  # a run's error is a message, not a log
 
 
 def default_trace_db() -> str:
@@ -123,19 +130,57 @@ def snippet_record(snippet: Mapping[str, Any]) -> dict[str, Any]:
     return {name: snippet.get(name) for name in RECORDED_SNIPPET_FIELDS}
 
 
+class TraceStoreError(RuntimeError):
+    """The trace store cannot be opened (a path that is not a writable folder, a file that is not SQLite)."""
+
+
+def _open_failure(path: Path, err: BaseException) -> TraceStoreError:
+    """One line naming the file, the cause and the knob that moves it."""
+    cause = f"{type(err).__name__}: {getattr(err, 'strerror', None) or err}"
+    if isinstance(err, OSError):
+        advice = "make its folder writable or"
+    elif isinstance(err, sqlite3.OperationalError):  # unable to open, read-only, locked
+        advice = "check that the file and its folder are writable and not locked, or"
+    else:  # DatabaseError: "file is not a database"
+        advice = "it is not a trace store (SQLite); move it away or"
+    return TraceStoreError(f"cannot open the trace store {path} ({cause}); {advice} point ERMEDRAG_TRACE_DB "
+                           "(or --trace-db / trace_db) at another file")
+
+
 class TraceStore:
-    """A SQLite file of runs and their events. Safe to use from many threads (one connection per call)."""
+    """A SQLite file of runs and their events. Safe to use from many threads (one connection per call).
+
+    Opening it raises `TraceStoreError` (naming the file) when it cannot be created or is not a trace store.
+    """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
+        try:
+            self._open()
+        except (OSError, sqlite3.Error) as err:
+            db = getattr(self._local, "db", None)
+            if db is not None:
+                db.close()
+            raise _open_failure(self.path, err) from err
+
+    def _open(self) -> None:
+        """Create the file and its tables, and bring a store written by an older version up to date."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         db = self._connect()
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(SCHEMA)
         columns = {row["name"] for row in db.execute("PRAGMA table_info(events)")}
         if "inputs" not in columns:  # stores written before events kept their inputs
             db.execute("ALTER TABLE events ADD COLUMN inputs TEXT")
+        run_columns = {row["name"] for row in db.execute("PRAGMA table_info(runs)")}
+        for name, kind in (("error", "TEXT"), ("failed_at", "REAL")):  # stores written before runs could fail
+            if name not in run_columns:
+                try:
+                    db.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+                except sqlite3.OperationalError as err:  # another process opening the store added it first
+                    if "duplicate column" not in str(err):
+                        raise
 
     def _connect(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -154,10 +199,19 @@ class TraceStore:
         )
 
     def finish_run(self, run_id: str, answer: dict[str, Any]) -> None:
+        """Record the run's answer. A run that failed before and was resumed to the end is finished."""
         db = self._connect()
         db.execute(
-            "UPDATE runs SET answer = ?, finished_at = ? WHERE run_id = ?",
+            "UPDATE runs SET answer = ?, finished_at = ?, error = NULL, failed_at = NULL WHERE run_id = ?",
             (json.dumps(answer), time.time(), run_id),
+        )
+
+    def fail_run(self, run_id: str, error: str) -> None:
+        """Mark the run failed with the (one-line) error that stopped it; a finished run stays finished."""
+        db = self._connect()
+        db.execute(
+            "UPDATE runs SET error = ?, failed_at = ? WHERE run_id = ? AND finished_at IS NULL",
+            (error[:MAX_ERROR_CHARS], time.time(), run_id),
         )
 
     def add_event(self, event: TraceEvent) -> None:
@@ -187,12 +241,12 @@ class TraceStore:
                  "FROM runs r ORDER BY created_at DESC")
         db = self._connect()
         rows = db.execute(query + (" LIMIT ?" if limit else ""), (limit,) if limit else ()).fetchall()
-        return [_decode(row) for row in rows]
+        return [_with_status(_decode(row)) for row in rows]
 
     def run(self, run_id: str) -> dict[str, Any] | None:
         db = self._connect()
         row = db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-        return _decode(row) if row else None
+        return _with_status(_decode(row)) if row else None
 
     def events(self, run_id: str | None = None, agent: str | None = None) -> Iterator[dict[str, Any]]:
         clauses, params = [], []
@@ -210,6 +264,17 @@ class TraceStore:
         """The run's retrievals in the order they ran."""
         rows = self._connect().execute("SELECT * FROM retrievals WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
         return [_decode(row) for row in rows]
+
+
+def run_status(run: Mapping[str, Any]) -> str:
+    """finished | failed | unfinished (in flight, or its process was killed)."""
+    if run.get("finished_at") is not None:
+        return "finished"
+    return "failed" if run.get("error") else "unfinished"
+
+
+def _with_status(run: dict[str, Any]) -> dict[str, Any]:
+    return run | {"status": run_status(run)}
 
 
 def _decode(row: sqlite3.Row) -> dict[str, Any]:

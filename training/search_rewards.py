@@ -19,6 +19,7 @@ snippet ids come from the `[id]` lines of the documents the environment inserted
 
 from __future__ import annotations
 
+import bisect
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -54,22 +55,27 @@ class SearchAudit:
 
 
 def audit_searches(text: str, max_searches: int = MAX_SEARCHES) -> SearchAudit:
-    """Check every `<search>` of the model's own text (see the module docstring for the rules)."""
+    """Check every `<search>` of the model's own text (see the module docstring for the rules). Linear time:
+    opening and closing tags and `<think>` spans are each found once and walked in order (bisect)."""
     text = str(text or "")[:MAX_TEXT_CHARS]
     forged = bool(_DOCUMENT_TAG.search(text))
-    think_spans = [m.span(1) for m in _THINK.finditer(text)]
+    think_spans = [m.span(1) for m in _THINK.finditer(text)]  # in order, not overlapping
+    think_starts = [start for start, _ in think_spans]
     opens = [m.start() for m in _SEARCH_OPEN.finditer(text)]
+    closes = [(m.start(), m.end()) for m in _SEARCH_CLOSE.finditer(text)]
+    close_starts = [start for start, _ in closes]
     good = 0
-    for n, start in enumerate(opens):
+    for n, start in enumerate(opens[:max_searches]):  # later searches are over budget: never well formed
         body_start = start + len("<search>")
-        close = _SEARCH_CLOSE.search(text, body_start)
+        at = bisect.bisect_left(close_starts, body_start)
         next_open = opens[n + 1] if n + 1 < len(opens) else len(text)
-        if close is None or close.start() > next_open:
+        if at == len(closes) or closes[at][0] > next_open:
             continue  # unclosed, or a second <search> opened inside it
-        query = " ".join(text[body_start:close.start()].split())
-        inside_think = any(s <= start and close.end() <= e for s, e in think_spans)
-        if query and len(query) <= MAX_QUERY_CHARS and not reasoner.TAG.search(query) and inside_think \
-                and n < max_searches:
+        close_start, close_end = closes[at]
+        query = " ".join(text[body_start:close_start].split())
+        span = bisect.bisect_right(think_starts, start) - 1
+        inside_think = span >= 0 and close_end <= think_spans[span][1]
+        if query and len(query) <= MAX_QUERY_CHARS and not reasoner.TAG.search(query) and inside_think:
             good += 1
     return SearchAudit(searches=len(opens), well_formed=good, forged_document=forged)
 
