@@ -20,6 +20,7 @@ that were in flight when the process died (their model calls are made again).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, closing, contextmanager
@@ -34,6 +35,20 @@ from langgraph.types import Durability
 
 from ermedrag.graphs.registry import GRAPHS, load_graph
 from ermedrag.tools.offline_model import cache_home
+
+
+class _LateWriteAfterFailure(logging.Filter):
+    """When one task of a fan-out fails, LangGraph stops the step and shuts its executor down; a sibling task that
+    ends a moment later then cannot save its writes, and `concurrent.futures` logs that as a traceback on stderr
+    ("cannot schedule new futures after shutdown") under the run's one clear error. The failed run is redone from
+    its last checkpoint on resume either way (that sibling's call included), so the record says nothing: drop it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, RuntimeError) and "cannot schedule new futures after shutdown" in str(error))
+
+
+logging.getLogger("concurrent.futures").addFilter(_LateWriteAfterFailure())
 
 if TYPE_CHECKING:
     from langgraph.graph.state import CompiledStateGraph
