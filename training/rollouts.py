@@ -188,8 +188,7 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
             rollout = rollouts[i]
             rollout.add("model", tokens, tokenizer.decode(tokens, skip_special_tokens=True))
             if search is None and not force_answer:
-                rollout.ended = {"eos": "eos", "budget": "budget"}.get(why, "answer")
-                _close(rollout, eos_id)
+                _end(rollout, why, eos_id)
                 continue
             raw = tokenizer.decode(tokens, skip_special_tokens=False)
             step = reasoner.parse_step(raw[: raw.index(SEARCH_STOP) + len(SEARCH_STOP)] if why == SEARCH_STOP else raw)
@@ -198,8 +197,7 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
                 generated_tokens=rollout.generated_tokens, max_searches=max_searches if search else 0,
                 max_total_tokens=max_total_tokens)
             if action == "answered":
-                rollout.ended = {"eos": "eos", "budget": "budget"}.get(why, "answer")
-                _close(rollout, eos_id)
+                _end(rollout, why, eos_id)
             elif action == "search":
                 snippets = search(step["query"])
                 documents = render_documents(snippets)
@@ -224,10 +222,17 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
     return rollouts
 
 
-def _close(rollout: Rollout, eos_id: int | None) -> None:
+def _end(rollout: Rollout, why: str, eos_id: int | None) -> None:
+    """End a rollout whose last step ended for `why` (eos, budget, or an end stop: the answer)."""
+    rollout.ended = why if why in ("eos", "budget") else "answer"
+    if rollout.ended == "answer":
+        _close_with_eos(rollout, eos_id)
+
+
+def _close_with_eos(rollout: Rollout, eos_id: int | None) -> None:
     """TRL counts a completion without a final EOS as truncated (clipped_ratio, and mask_truncated_completions
-    would drop it from the loss); ending at an end stop is the model's choice, so it is closed with EOS."""
-    if rollout.ended == "answer" and eos_id is not None:
+    would drop it from the loss); ending at a stop string is the model's choice, so it is closed with EOS."""
+    if eos_id is not None:
         rollout.completion_ids.append(eos_id)
         rollout.env_mask.append(1)
 
@@ -245,9 +250,8 @@ def _force_answers(rollouts: list[Rollout], prompt_ids: Sequence[Sequence[int]],
     for rollout, (tokens, why) in zip(rollouts, steps):
         rollout.add("model", tokens, tokenizer.decode(tokens, skip_special_tokens=True))
         rollout.ended = "forced"
-        if why == ANSWER_STOP and eos_id is not None:
-            rollout.completion_ids.append(eos_id)
-            rollout.env_mask.append(1)
+        if why == ANSWER_STOP:
+            _close_with_eos(rollout, eos_id)
 
 
 def make_search_rollout(search: SearchFn | None, *, max_searches: int = MAX_SEARCHES,
