@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from typing_extensions import TypedDict  # pydantic (Studio's schemas) rejects typing.TypedDict on Python < 3.12
+from typing_extensions import NotRequired, TypedDict  # pydantic (Studio's schemas) rejects typing.TypedDict on Python < 3.12
 
 from ermedrag.agents.base import chat_messages, clip, fold_case
 from ermedrag.agents.extractor import NO_EVIDENCE
@@ -81,13 +81,15 @@ LEADING_LETTER = re.compile(r"\(?([A-Za-z])\)?(?:$|[\s.:)\-])")
 
 
 class Answer(TypedDict):
-    """Parsed respondent output. `answer` is an option letter when options were given (else free text)."""
+    """Parsed respondent output. `answer` is an option letter when options were given (else free text).
+    `extracted`: the answer came from answer extraction (`extraction_messages`), not from the reply itself."""
 
     answer: str | None
     reasoning: str
     ok: bool
     well_formed: bool
     error: str | None
+    extracted: NotRequired[bool]
 
 
 def format_options(options: dict[str, str] | None) -> str:
@@ -148,6 +150,36 @@ def parse_answer(completion: str, options: dict[str, str] | None = None) -> Answ
                       error=f"answer {' '.join(raw[:200].split())[:80]!r} matches no option")
     well_formed = think_closed >= 0 and closed >= 0 and not NOT_SPACE.search(text, closed + len(ANSWER_CLOSE))
     return Answer(answer=answer, reasoning=reasoning, ok=True, well_formed=well_formed, error=None)
+
+
+# Answer extraction (the second prompt of Kojima et al., 2022, "Large Language Models are Zero-Shot Reasoners"):
+# when a reply names no option, the model reads its own reasoning as evidence and writes only the letter. The
+# offline 270M model copies document lines or tags into a Med-R³ `<answer>` (18 of 22 held-out answers
+# invalid); read back through the respondent's prompt, whose example ends in a letter, 18 of those 18 became
+# letters. The reply's own answer is never replaced: only an answer that matches no option is extracted.
+EXTRACTION_THOUGHT = "From the evidence, the answer is"
+EXTRACTION_MAX_NEW_TOKENS = 8
+MAX_EXTRACTION_REASONING_CHARS = 800  # the end of the reasoning, where a conclusion stands (as measured)
+
+
+def extraction_messages(question: str, options: dict[str, str] | None, reasoning: str) -> list:
+    """The respondent's conversation with the model's own reasoning as its evidence (defused, its last
+    `MAX_EXTRACTION_REASONING_CHARS`), continued at `<answer>`: the model writes only the answer."""
+    from langchain_core.messages import AIMessage
+
+    evidence = " ".join(defuse(reasoning[-MAX_EXTRACTION_REASONING_CHARS * 4:]).split())
+    messages = build_messages(question, options, evidence[-MAX_EXTRACTION_REASONING_CHARS:] or NO_EVIDENCE)
+    return messages + [AIMessage(content=f"{THINK_OPEN}{EXTRACTION_THOUGHT}{THINK_CLOSE}{ANSWER_OPEN}")]
+
+
+def parse_extracted(completion: str, options: dict[str, str] | None, reply: Answer) -> Answer:
+    """The extracted answer (what follows the prompt's `<answer>`), keeping the reply's reasoning; never well
+    formed (the format was the system's). Unparsed, it keeps the reply's error and says extraction failed."""
+    extracted = parse_answer(ANSWER_OPEN + (completion or ""), options)
+    if not extracted["ok"]:
+        return {**reply, "extracted": False, "error": f"{reply['error']}; answer extraction: {extracted['error']}"}
+    return Answer(answer=extracted["answer"], reasoning=reply["reasoning"], ok=True, well_formed=False, error=None,
+                  extracted=True)
 
 
 def normalise_answer(raw: str, options: dict[str, str] | None) -> str | None:

@@ -141,7 +141,8 @@ def result_row(config: EvalConfig, question: Question, sample: int, state: dict[
         "config_key": config.key(), "config": config.record(), "benchmark": question.benchmark,
         "question_id": question.id, "subject": question.subject, "sample": sample, "gold": question.answer,
         "answer": answer.get("answer"), "ok": bool(answer.get("ok")), "well_formed": bool(answer.get("well_formed")),
-        "correct": answer.get("answer") == question.answer, "error": answer.get("error"),
+        "extracted": bool(answer.get("extracted")), "correct": answer.get("answer") == question.answer,
+        "error": answer.get("error"),
         "run_id": state.get("run_id"), "timings": state.get("timings", {}), "seconds": seconds,
         **respondent_stats(store, state["run_id"]),
     }

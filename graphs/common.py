@@ -56,6 +56,28 @@ def env_float(name: str, default: float) -> Any:
     return field(default_factory=lambda: _from_env(name, default, float))
 
 
+def parse_bool(value: str | bool) -> bool:
+    """'1/true/yes/on' or '0/false/no/off' (any case) as a bool, else a ValueError."""
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean (use true or false)")
+
+
+def env_bool(name: str, default: bool) -> Any:
+    def read() -> bool:
+        value = os.environ.get(name)
+        try:
+            return default if value is None else parse_bool(value)
+        except ValueError as err:
+            raise ValueError(f"environment variable {name}: {err}") from None
+    return field(default_factory=read)
+
+
 @dataclass(kw_only=True)
 class Context:
     """Run configuration. Each field falls back to the environment variable named in its comment."""
@@ -83,6 +105,9 @@ class Context:
     """Generation budget of one extractor call."""
     respondent_max_new_tokens: int = env_int("ERMEDRAG_RESPONDENT_MAX_NEW_TOKENS", 192)
     """Generation budget of the respondent."""
+    answer_extraction: bool = env_bool("ERMEDRAG_ANSWER_EXTRACTION", True)
+    """When a reply names no option, ask the model once more for the letter alone, from its own reasoning
+    (answer extraction); the answer is marked `extracted` and never well formed. Env ERMEDRAG_ANSWER_EXTRACTION."""
     trace_db: str = env("ERMEDRAG_TRACE_DB", "")
     """SQLite file of recorded runs; empty = ~/.cache/ermedrag/traces.sqlite. Env ERMEDRAG_TRACE_DB."""
     # How long a model server (openai: models) may take. They change when an answer arrives, never which one:
@@ -247,15 +272,35 @@ def record_call(
     return parsed, event
 
 
+def extract_if_unparsed(state: Mapping[str, Any], ctx: Context, model_spec: str, reply: respondent.Answer,
+                        reasoning: str) -> respondent.Answer:
+    """The reply's answer, or, when it names no option (and `ctx.answer_extraction` is on), one recorded
+    answer-extraction call (`agents.respondent.extraction_messages`) that reads `reasoning` and writes the
+    letter: every graph applies the same rule. Agent `answer_extractor`, so training never takes it for a reply."""
+    options = state.get("options")
+    if reply["ok"] or not options or not ctx.answer_extraction:
+        return reply
+    extracted, _ = record_call(
+        ctx, model_spec, respondent.EXTRACTION_MAX_NEW_TOKENS,
+        respondent.extraction_messages(state["question"], options, reasoning),
+        lambda completion: respondent.parse_extracted(completion, options, reply),
+        agent="answer_extractor", node="extract_answer", run_id=state["run_id"], gold=state.get("gold"),
+        stop=respondent.STOP, inputs={"question": state["question"], "options": options, "reasoning": reasoning},
+    )
+    return extracted
+
+
 def respond_with(state: Mapping[str, Any], ctx: Context, evidence: str) -> dict[str, Any]:
-    """Call the respondent on `evidence`, record the call, close the run; the state update."""
+    """Call the respondent on `evidence` (and extract its answer when it names none), record the calls, close
+    the run; the state update."""
     started = time.perf_counter()
-    answer, _ = record_call(
+    reply, _ = record_call(
         ctx, ctx.respondent_model, ctx.respondent_max_new_tokens,
         respondent.build_messages(state["question"], state.get("options"), evidence),
         lambda completion: respondent.parse_answer(completion, state.get("options")),
         agent="respondent", node="respond", run_id=state["run_id"], gold=state.get("gold"), stop=respondent.STOP,
         inputs={"question": state["question"], "options": state.get("options"), "evidence": evidence},
     )
+    answer = extract_if_unparsed(state, ctx, ctx.respondent_model, reply, reply["reasoning"])
     trace_store(ctx).finish_run(state["run_id"], dict(answer))
     return {"answer": answer, "timings": {"respond_s": time.perf_counter() - started}}

@@ -25,7 +25,8 @@ from typing_extensions import TypedDict
 
 from ermedrag.agents import reasoner
 from ermedrag.agents.respondent import Answer
-from ermedrag.graphs.common import Context, begin_run, env_int, record_call, retrieve_recorded, trace_store
+from ermedrag.graphs.common import (Context, begin_run, env_int, extract_if_unparsed, record_call, retrieve_recorded,
+                                   trace_store)
 from ermedrag.graphs.er_medrag import InputState
 from ermedrag.tools.retrieval import SEARCH_K, search_coarse_k
 
@@ -147,10 +148,13 @@ def force_answer(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]
 
 
 def finish(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
-    answer = reasoner.parse_final(state.get("segments", []), state.get("options"))
+    ctx = runtime.context
+    segments = state.get("segments", [])
+    answer = reasoner.parse_final(segments, state.get("options"))
     if state.get("forced_answer") or state.get("forged_document"):
         answer = {**answer, "well_formed": False}  # the answer stands, the format was not the model's own
-    trace_store(runtime.context).finish_run(
+    answer = extract_if_unparsed(state, ctx, _model_spec(ctx), answer, reasoner.model_text(segments))
+    trace_store(ctx).finish_run(
         state["run_id"], dict(answer) | {"searches": state.get("searches", []), "transcript": state["transcript"],
                                          "forced_answer": state.get("forced_answer"),
                                          "forged_document": state.get("forged_document", False)})

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:  # importing the registry stays cheap: a graph's module loads when it is asked for
     from langgraph.graph.state import CompiledStateGraph
 
-RESPONDENT = ("respondent_model", "temperature", "respondent_max_new_tokens")
+RESPONDENT = ("respondent_model", "temperature", "respondent_max_new_tokens", "answer_extraction")
 RETRIEVAL = ("index_dir", "snippets_k", "coarse_k", "reranker")
 EXTRACTOR = ("extractor_model", "extractor_max_new_tokens")
 SEARCH_LOOP = ("reasoner_model", "max_searches", "search_k", "step_max_new_tokens", "max_total_tokens")
@@ -47,7 +47,8 @@ GRAPHS: dict[str, GraphSpec] = {
                              RESPONDENT + RETRIEVAL),
     "cot": GraphSpec("baselines:cot", "respond from the model's own knowledge", RESPONDENT),
     "med_r3": GraphSpec("med_r3:graph", "reason, searching mid-reasoning in a bounded loop, then answer",
-                        ("respondent_model", "temperature", "index_dir", "coarse_k", "reranker") + SEARCH_LOOP),
+                        ("respondent_model", "temperature", "answer_extraction", "index_dir", "coarse_k", "reranker")
+                        + SEARCH_LOOP),
 }
 
 

@@ -20,7 +20,9 @@ multiplies it into the loss mask ("tool mask"), so inserted tokens carry no grad
 segments and the forcing prompt, never a document; correctness reads it), `forced_answer` (why the answer was
 forced, or None), `retrieved_ids` (doc ids of every retrieved snippet, deduplicated, in order), `searches`
 (`{"query", "snippet_ids"}` per executed search). With `search=None, force_answer=False` a rollout is one
-step: it ends at an end stop (kept in the completion), EOS or the budget.
+step: it ends at an end stop (kept in the completion), EOS or the budget. The graphs' answer extraction (an
+answer naming no option is read back once, `graphs.common.extract_if_unparsed`) is deliberately not applied
+here: a reward must judge the answer the policy itself wrote, or garbage answers would earn correctness.
 
 Why `rollout_func` and not `tools=` / `environment_factory=`: TRL's tool loop parses JSON tool calls with the
 chat template's response schema and inserts results as `tool` turns, while Med-R³ searches inline
