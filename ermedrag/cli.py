@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
                                                                    "needs --temperature > 0)")
     evaluate.add_argument("--max-new-tokens", type=int, default=None,
                           help="respondent generation budget (default: the graph context's)")
+    evaluate.add_argument("--permute-options", type=int, default=1, metavar="N",
+                          help="also ask each question with its options in N-1 other cyclic orders (answers mapped "
+                               "back to the option text) and add a position-bias section to the report (default 1: "
+                               "as given; results of order 0 are those of a run without it)")
     _add_batch_args(evaluate)
     evaluate.set_defaults(handler=_eval)
 
@@ -133,8 +137,8 @@ def _add_batch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=f"chat model for every agent (default {DEFAULT_MODEL})")
     parser.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
     parser.add_argument("--data", default=None,
-                        help="folder of benchmark JSONL files (default: ERMEDRAG_SHARED_DATA/benchmarks; "
-                             "without either, the upstream hub datasets)")
+                        help="the data root holding benchmarks/, or that benchmarks folder itself (default: "
+                             "ERMEDRAG_SHARED_DATA, either form; without either, the upstream datasets)")
     parser.add_argument("--limit", type=int, default=None, help="seeded sample of N questions per benchmark")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for --limit")
     parser.add_argument("--concurrency", type=int, default=8, help="questions in flight at once")
@@ -366,7 +370,8 @@ def _eval(args: argparse.Namespace) -> int:
     systems = [s.strip() for s in args.system.split(",") if s.strip()]
     summary = run_eval(systems, benches, args.model, args.out, data_dir=args.data, limit=args.limit, seed=args.seed,
                        concurrency=args.concurrency, base_url=args.base_url, trace_db=args.trace_db,
-                       checkpoint_db=args.checkpoint_db, samples=args.samples, **_context_overrides(args, systems),
+                       checkpoint_db=args.checkpoint_db, samples=args.samples, permute_options=args.permute_options,
+                       progress=True, **_context_overrides(args, systems),
                        respondent_max_new_tokens=args.max_new_tokens)
     for system, counts in summary.items():
         print(f"{system}: {counts}")

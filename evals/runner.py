@@ -6,6 +6,11 @@ checkpointer (`graphs.durable`, `OUT/checkpoints.sqlite` by default) in a thread
 after a kill continues it from its last finished node: no finished model call is made again. A question that
 fails (a model server error, ...) is logged in `OUT/failures.jsonl` and continued the same way on the next run.
 Every question is also a trace run (evals feed training).
+
+With `permute_options=N` each question is also asked with its options in N - 1 other cyclic orders
+(`evals.position_bias`); the order is part of the question's key, and order 0 keys exactly as a run without
+permutations, so turning it on keeps every result already recorded. One progress bar covers the whole eval: the
+configurations' chat models and indexes are loaded first, so it moves from the first finished question.
 """
 
 from __future__ import annotations
@@ -27,11 +32,15 @@ from typing import Any, Iterable, Iterator, Mapping
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
 from ermedrag.tools.benchmarks import BadRow, Question, load_benchmark, load_questions_file
-from ermedrag.tools.chat_models import ModelServerError
+from ermedrag.tools.chat_models import HFChatModel, ModelServerError, hf_generator
+from ermedrag.tools.index import load_encoder
+from ermedrag.tools.retrieval import load_cross_encoder
+from ermedrag.graphs.common import MAX_OPTIONS, chat_model, index_for, parse_bool, retrieval_config
 from ermedrag.graphs.durable import arun_durably, describe_target, durable, open_async_saver, run_config
 from ermedrag.graphs.registry import context_fields, graph_spec, load_graph, resolved_settings
 from ermedrag.tools.jsonl import AppendLog, read_records
 from ermedrag.tools.traces import TraceStore, default_trace_db
+from ermedrag.evals.position_bias import option_orders, original_key, rotate_options, shown_key
 
 RESULTS = "results.jsonl"
 BAD_ROWS = "bad_rows.jsonl"
@@ -43,14 +52,20 @@ MAX_ERROR_CHARS = 2000  # a server's error text is untrusted and unbounded
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """What defines a result: the graph, every setting it uses (`graphs.registry`), the samples per question.
-    Change any of them and the questions are answered again. `plumbing` holds the other context fields given
-    (where the vectors are served, ...): they reach the graph but do not change its answers, so not the key."""
+    """What defines a result: the graph, its prompts' version and every setting it uses (`graphs.registry`), the
+    samples per question. Change any of them and the questions are answered again. `plumbing` holds the other
+    context fields given (where the vectors are served, ...): they reach the graph but do not change its answers,
+    so not the key."""
 
     system: str
     settings: dict[str, Any] = field(default_factory=dict)
     samples: int = 1
     plumbing: dict[str, Any] = field(default_factory=dict)
+    prompt_version: str = ""  # the graph's prompts (`graphs.registry.PROMPT_VERSIONS`); "" = the current ones
+
+    def __post_init__(self) -> None:
+        if not self.prompt_version:
+            object.__setattr__(self, "prompt_version", graph_spec(self.system).prompt_version)
 
     @classmethod
     def for_graph(cls, system: str, overrides: Mapping[str, Any] | None = None, samples: int = 1) -> EvalConfig:
@@ -71,10 +86,12 @@ class EvalConfig:
         return " + ".join(dict.fromkeys(models))
 
     def record(self) -> dict[str, Any]:
-        return {"system": self.system, "model": self.model, "settings": self.settings, "samples": self.samples}
+        return {"system": self.system, "model": self.model, "settings": self.settings, "samples": self.samples,
+                "prompt_version": self.prompt_version}
 
     def key(self) -> str:
-        identity = {"system": self.system, "settings": self.settings, "samples": self.samples}
+        identity = {"system": self.system, "prompt_version": self.prompt_version, "settings": self.settings,
+                    "samples": self.samples}
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def context(self, base_url: str | None, trace_db: str) -> dict[str, Any]:
@@ -82,8 +99,9 @@ class EvalConfig:
 
 
 def parse_overrides(pairs: Iterable[str], systems: Iterable[str]) -> dict[str, Any]:
-    """`KEY=VALUE` strings → context overrides, each value converted to the type of the field it sets; a key
-    that no graph in `systems` has is an error naming the keys they do have."""
+    """`KEY=VALUE` strings → context overrides, each value converted to the type of the field it sets (a bool
+    field takes true/false, 1/0, yes/no, on/off); a key that no graph in `systems` has is an error naming the keys
+    they do have."""
     types: dict[str, Any] = {}
     for system in systems:
         schema = load_graph(system).context_schema
@@ -96,37 +114,78 @@ def parse_overrides(pairs: Iterable[str], systems: Iterable[str]) -> dict[str, A
             raise ValueError(f"--set {pair!r}: expected KEY=VALUE with KEY among {', '.join(sorted(types))}")
         kind = types[key]
         try:
-            overrides[key] = kind(value) if kind in (int, float) else value
+            overrides[key] = parse_bool(value) if kind is bool else kind(value) if kind in (int, float) else value
         except ValueError:
-            raise ValueError(f"--set {pair!r}: {key} takes a {kind.__name__}") from None
+            takes = "true or false" if kind is bool else f"a{'n' if kind is int else ''} {kind.__name__}"
+            raise ValueError(f"--set {pair!r}: {key} takes {takes}") from None
     return overrides
 
 
-def done_keys(path: Path) -> set[tuple[str, str, str, int]]:
-    """Keys already recorded (a line cut short by a kill is not one: its question is redone)."""
-    return {(r["config_key"], r["benchmark"], r["question_id"], r["sample"]) for r in read_records(path)
-            if {"config_key", "benchmark", "question_id", "sample"} <= r.keys()}
+@dataclass(frozen=True)
+class Asking:
+    """One time a question is asked: which sample, and in which of its `orders` option orders (0 = as given)."""
+
+    question: Question
+    sample: int = 0
+    order: int = 0
+    orders: int = 1
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The options as this order shows them (`evals.position_bias.rotate_options`)."""
+        options = self.question.options
+        return rotate_options(options, self.order) if self.order and options else options
+
+    @property
+    def shown_gold(self) -> str | None:
+        """The letter the gold option stands at in this order."""
+        if not self.question.options:
+            return self.question.answer
+        return shown_key(list(self.question.options), self.question.answer, self.order)
+
+    def key(self, config: EvalConfig) -> tuple[str, str, str, int, int]:
+        return (config.key(), self.question.benchmark, self.question.id, self.sample, self.order)
 
 
-def question_thread(out_dir: Path, config: EvalConfig, question: Question, sample: int) -> str:
-    """The checkpoint thread of one (config, question, sample) of this results folder: the same on every rerun
-    (so a rerun finds it), different for another folder (so folders sharing a Postgres store never meet)."""
+def askings(question: Question, samples: int, permute_options: int) -> list[Asking]:
+    """Every (order, sample) a question is asked in: orders interleaved, so a cut-short run has whole questions."""
+    orders = option_orders(question.options, permute_options)
+    return [Asking(question, sample, order, orders) for order in range(orders) for sample in range(samples)]
+
+
+def done_keys(path: Path) -> set[tuple[str, str, str, int, int]]:
+    """Keys already recorded, (config, benchmark, question, sample, order); a row written before orders existed is
+    order 0. A line cut short by a kill is not one: its question is redone."""
+    return {(r["config_key"], r["benchmark"], r["question_id"], r["sample"], int(r.get("order") or 0))
+            for r in read_records(path) if {"config_key", "benchmark", "question_id", "sample"} <= r.keys()}
+
+
+def question_thread(out_dir: Path, config: EvalConfig, question: Question, sample: int, order: int = 0) -> str:
+    """The checkpoint thread of one (config, question, sample, order) of this results folder: the same on every
+    rerun (so a rerun finds it), different for another folder (so folders sharing a Postgres store never meet).
+    Order 0 is named as before orders existed, so a run killed before them continues."""
     identity = [str(out_dir.resolve()), config.key(), question.benchmark, question.id, sample]
+    identity += [order] if order else []
     return "eval-" + hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]
 
 
 def failure_record(config: EvalConfig, question: Question, sample: int, thread_id: str,
-                   err: BaseException) -> dict[str, Any]:
+                   err: BaseException, order: int = 0) -> dict[str, Any]:
     """One line of `failures.jsonl`: which question failed, how, and when."""
     return {"config_key": config.key(), "system": config.system, "benchmark": question.benchmark,
-            "question_id": question.id, "sample": sample, "thread_id": thread_id, "error_type": type(err).__name__,
-            "error": str(err)[:MAX_ERROR_CHARS], "time": time.time()}
+            "question_id": question.id, "sample": sample, "order": order, "thread_id": thread_id,
+            "error_type": type(err).__name__, "error": str(err)[:MAX_ERROR_CHARS], "time": time.time()}
 
 
 def respondent_stats(store: TraceStore, run_id: str) -> dict[str, Any]:
     """Tokens over the whole run, and the mean token entropy of the respondent's completion (when known)."""
+    return token_stats(list(store.events(run_id=run_id)))
+
+
+def token_stats(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """`respondent_stats` of a run's events."""
     output_tokens, entropy = 0, None
-    for event in store.events(run_id=run_id):
+    for event in events:
         output_tokens += (event.get("usage") or {}).get("output_tokens", 0)
         if event["agent"] == "respondent":
             values = [t["entropy"] for t in event.get("logprobs") or [] if t.get("entropy") is not None]
@@ -134,18 +193,107 @@ def respondent_stats(store: TraceStore, run_id: str) -> dict[str, Any]:
     return {"output_tokens": output_tokens, "token_entropy": entropy}
 
 
-def result_row(config: EvalConfig, question: Question, sample: int, state: dict[str, Any],
-               store: TraceStore, seconds: float) -> dict[str, Any]:
+def call_seconds(events: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The model's own time over a run's calls (`compute_s`, else the call's `latency_s`), and the time the calls
+    waited before computing (`queue_s`, summed; None when no call recorded it: a backend that does not queue)."""
+    model_seconds, wait_seconds = 0.0, None
+    for event in events:
+        compute = event.get("compute_s")
+        model_seconds += float(compute if compute is not None else event.get("latency_s") or 0.0)
+        if event.get("queue_s") is not None:
+            wait_seconds = (wait_seconds or 0.0) + float(event["queue_s"])
+    return {"model_seconds": model_seconds, "wait_seconds": wait_seconds}
+
+
+def result_row(config: EvalConfig, asking: Asking, state: dict[str, Any], store: TraceStore,
+               seconds: float) -> dict[str, Any]:
+    """The row of one answered question. `answer`, `gold` and `correct` are in the question's own option keys
+    whatever order it was asked in; `answer_position`/`gold_position` are the letters in the order it saw."""
+    question = asking.question
     answer = state.get("answer") or {}
+    shown = answer.get("answer")
+    keys = list(question.options or {})
+    chosen = original_key(keys, shown, asking.order) if keys else shown
+    events = list(store.events(run_id=state["run_id"]))
     return {
         "config_key": config.key(), "config": config.record(), "benchmark": question.benchmark,
-        "question_id": question.id, "subject": question.subject, "sample": sample, "gold": question.answer,
-        "answer": answer.get("answer"), "ok": bool(answer.get("ok")), "well_formed": bool(answer.get("well_formed")),
-        "extracted": bool(answer.get("extracted")), "correct": answer.get("answer") == question.answer,
+        "question_id": question.id, "subject": question.subject, "sample": asking.sample, "order": asking.order,
+        "orders": asking.orders, "gold": question.answer, "answer": chosen,
+        "answer_position": shown if shown in keys else None, "gold_position": asking.shown_gold,
+        "ok": bool(answer.get("ok")), "well_formed": bool(answer.get("well_formed")),
+        "extracted": bool(answer.get("extracted")), "correct": chosen == question.answer,
         "error": answer.get("error"),
         "run_id": state.get("run_id"), "timings": state.get("timings", {}), "seconds": seconds,
-        **respondent_stats(store, state["run_id"]),
+        **token_stats(events), **call_seconds(events),
     }
+
+
+@dataclass
+class Outcome:
+    """What answering one configuration's questions came to."""
+
+    counts: dict[str, int]
+    failures: list[str] = field(default_factory=list)  # one line each, for the end of the run
+    server_down: ModelServerError | None = None  # the error that stopped it early
+
+
+class Progress:
+    """The one progress bar of an eval (questions done of all configurations, rate, ETA, failures so far)."""
+
+    def __init__(self, total: int, description: str, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.failed = 0
+        self.bar = tqdm(total=total, desc=description, unit="q", disable=not enabled, dynamic_ncols=True)
+        self.bar.set_postfix_str("failed=0", refresh=False)
+
+    def done(self, failed: bool) -> None:
+        if failed:
+            self.failed += 1
+            self.bar.set_postfix_str(f"failed={self.failed}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def pending(config: EvalConfig, questions: list[Question], out_dir: Path, permute_options: int
+            ) -> tuple[list[Asking], int]:
+    """The askings of `config` not yet recorded in `out_dir`, and how many are."""
+    done = done_keys(out_dir / RESULTS)
+    every = [a for q in questions for a in askings(q, config.samples, permute_options)]
+    todo = [a for a in every if a.key(config) not in done]
+    return todo, len(every) - len(todo)
+
+
+def warm_up(config: EvalConfig, base_url: str | None, trace_db: str) -> list[str]:
+    """Build the configuration's chat models (cached for its questions) and load their weights, and open its
+    index with its encoders, so that loading happens before the progress bar starts (and a missing index fails
+    the eval at once, naming it, instead of every question); returns the model specs it built."""
+    ctx = load_graph(config.system).context_schema(**config.context(base_url, trace_db))
+    specs = {}
+    for name, spec in config.settings.items():
+        if name.endswith("_model") and spec:
+            budget = getattr(ctx, name.removesuffix("_model") + "_max_new_tokens", ctx.respondent_max_new_tokens)
+            specs.setdefault(str(spec), budget)
+    for spec, budget in specs.items():
+        _load_weights(chat_model(ctx, spec, budget))
+    if "index_dir" in config.settings:  # the index, its query encoder and the reranker load at the first query
+        load_encoder(index_for(ctx).encoder)
+        reranker = retrieval_config(ctx).reranker
+        if reranker:
+            load_cross_encoder(reranker)
+    return list(specs)
+
+
+def _load_weights(model: Any) -> None:
+    """In-process models load their weights at their first call; load them now. Servers (openai:) are not
+    called: a server that is down fails its questions, each recorded."""
+    warm = getattr(model, "warm_up", None)
+    if callable(warm):  # a backend that knows how to load itself
+        warm()
+    elif isinstance(model, HFChatModel):
+        hf_generator(model.model_path, model.device)
 
 
 async def run_questions(
@@ -158,82 +306,103 @@ async def run_questions(
     trace_db: str | None = None,
     checkpoint_db: str | None = None,
     progress: bool = True,
+    permute_options: int = 1,
 ) -> dict[str, int]:
-    """Answer every (question, sample) not yet recorded for `config`, each continued from its checkpoint when a
-    killed or failed run left one (`checkpoint_db`: a file or a Postgres URL; None = `OUT/checkpoints.sqlite`);
-    returns counts."""
+    """Answer every (question, order, sample) not yet recorded for `config`, each continued from its checkpoint
+    when a killed or failed run left one (`checkpoint_db`: a file or a Postgres URL; None =
+    `OUT/checkpoints.sqlite`); prints the failures and returns counts. One configuration with its own progress
+    bar; `run_eval` runs several under one."""
+    todo, _ = pending(config, questions, out_dir, permute_options)
+    bar = Progress(len(todo), f"{config.system} {config.model}", progress)
+    try:
+        outcome = await answer_config(config, questions, out_dir, bar, concurrency=concurrency, base_url=base_url,
+                                      trace_db=trace_db, checkpoint_db=checkpoint_db, permute_options=permute_options)
+    finally:
+        bar.close()
+    report_failures([outcome], out_dir, checkpoint_db or str(out_dir / CHECKPOINTS))
+    return outcome.counts
+
+
+async def answer_config(config: EvalConfig, questions: list[Question], out_dir: Path, bar: Progress, *,
+                        concurrency: int, base_url: str | None, trace_db: str | None, checkpoint_db: str | None,
+                        permute_options: int) -> Outcome:
+    """`run_questions` without printing, moving `bar` (shared by the eval's configurations)."""
     checkpoint_db = checkpoint_db or str(out_dir / CHECKPOINTS)
     async with open_async_saver(checkpoint_db) as saver:
-        return await _run_questions(config, questions, out_dir, saver, concurrency=concurrency, base_url=base_url,
-                                    trace_db=trace_db, checkpoint_db=checkpoint_db, progress=progress)
+        return await _answer_config(config, questions, out_dir, saver, bar, concurrency=concurrency,
+                                    base_url=base_url, trace_db=trace_db, permute_options=permute_options)
 
 
-async def _run_questions(config: EvalConfig, questions: list[Question], out_dir: Path, saver: BaseCheckpointSaver, *,
-                         concurrency: int, base_url: str | None, trace_db: str | None, checkpoint_db: str,
-                         progress: bool) -> dict[str, int]:
-    from tqdm.auto import tqdm
-
+async def _answer_config(config: EvalConfig, questions: list[Question], out_dir: Path, saver: BaseCheckpointSaver,
+                         bar: Progress, *, concurrency: int, base_url: str | None, trace_db: str | None,
+                         permute_options: int) -> Outcome:
     graph = durable(load_graph(config.system), saver)
     trace_db = trace_db or default_trace_db()
     store = TraceStore(trace_db)
     context = config.context(base_url, trace_db)
-    results = out_dir / RESULTS
-    done = done_keys(results)
-    todo = [(q, s) for q in questions for s in range(config.samples)
-            if (config.key(), q.benchmark, q.id, s) not in done]
-    writer = AppendLog(results)
+    todo, skipped = pending(config, questions, out_dir, permute_options)
+    writer = AppendLog(out_dir / RESULTS)
     failure_log: AppendLog | None = None  # opened at the first failure: a clean run leaves no empty file
     semaphore = asyncio.Semaphore(concurrency)
-    failures: list[str] = []
-    server_down: list[ModelServerError] = []  # set at the first question that could not reach its model server
+    outcome = Outcome(counts={})
     # Sync graph nodes run in the loop's executor: size it so `concurrency` questions (each fanning out
     # to snippets_k extractor calls) never queue behind each other's threads.
     loop = asyncio.get_running_loop()
     fan_out = int(config.settings.get("snippets_k", 0))
     loop.set_default_executor(ThreadPoolExecutor(max_workers=concurrency * (fan_out + 2)))
-    bar = tqdm(total=len(todo), desc=f"{config.system} {config.model}", unit="q", disable=not progress)
 
-    async def answer(question: Question, sample: int) -> None:
+    async def answer(asking: Asking) -> None:
         nonlocal failure_log
+        question = asking.question
         async with semaphore:
-            if server_down:  # the rest would each wait (retries + 1) × timeout to fail the same way
+            if outcome.server_down:  # the rest would each wait (retries + 1) × timeout to fail the same way
                 return
             started = time.perf_counter()
-            thread_id = question_thread(out_dir, config, question, sample)
+            thread_id = question_thread(out_dir, config, question, asking.sample, asking.order)
             # The run id is new on a fresh start and kept in the checkpoint on a resume (the trace run continues).
-            inputs = {"question": question.question, "options": question.options, "gold": question.answer,
+            # The gold is the letter it stands at in this order: the trace (training data) matches what was asked.
+            inputs = {"question": question.question, "options": asking.options, "gold": asking.shown_gold,
                       "run_id": uuid.uuid4().hex}
             try:
                 state = await arun_durably(graph, run_config(thread_id, config.system, context), inputs, context)
             except Exception as err:  # noqa: BLE001 - recorded, continued from its checkpoint on the next run
                 failure_log = failure_log or AppendLog(out_dir / FAILURES)
-                failure_log.write(failure_record(config, question, sample, thread_id, err))
-                failures.append(f"{question.benchmark}/{question.id}: {type(err).__name__}: {str(err)[:300]}")
-                if isinstance(err, ModelServerError) and err.server_down:
-                    server_down.append(err)
+                failure_log.write(failure_record(config, question, asking.sample, thread_id, err, asking.order))
+                where = f"{question.benchmark}/{question.id}" + (f" (order {asking.order})" if asking.order else "")
+                outcome.failures.append(f"{where}: {type(err).__name__}: {str(err)[:300]}")
+                if isinstance(err, ModelServerError) and err.server_down and outcome.server_down is None:
+                    outcome.server_down = err
+                bar.done(failed=True)
             else:
-                writer.write(result_row(config, question, sample, state, store, time.perf_counter() - started))
+                writer.write(result_row(config, asking, state, store, time.perf_counter() - started))
                 # The row holds the result (the trace store the run): the checkpoints are spent. A kill right
                 # here leaves the thread behind, unused (the row makes reruns skip the question).
                 await saver.adelete_thread(thread_id)
-            bar.update(1)
+                bar.done(failed=False)
 
     try:
-        await asyncio.gather(*(answer(q, s) for q, s in todo))
+        await asyncio.gather(*(answer(a) for a in todo))
     finally:
-        bar.close()
         writer.close()
         if failure_log:
             failure_log.close()
+    failed = len(outcome.failures)
+    outcome.counts = {"todo": len(todo), "answered": len(todo) - failed, "failed": failed, "skipped_done": skipped}
+    return outcome
+
+
+def report_failures(outcomes: list[Outcome], out_dir: Path, checkpoint_db: str) -> None:
+    """Print the first failures and where they are listed; raise the server error that stopped the run early
+    (the CLI prints it as one line)."""
+    failures = [line for outcome in outcomes for line in outcome.failures]
     for failure in failures[:10]:
         print(f"failed (continued from its checkpoint on rerun): {failure}")
     if failures:
         print(f"{len(failures)} failed questions are listed in {out_dir / FAILURES}; "
               f"their checkpoints are in {describe_target(checkpoint_db)}")
-    if server_down:  # stopped early: say so with the server's own error (the CLI prints it as one line)
-        raise server_down[0]
-    return {"todo": len(todo), "answered": len(todo) - len(failures), "failed": len(failures),
-            "skipped_done": len(questions) * config.samples - len(todo)}
+    for outcome in outcomes:
+        if outcome.server_down:
+            raise outcome.server_down
 
 
 def run_eval(
@@ -250,16 +419,24 @@ def run_eval(
     trace_db: str | None = None,
     checkpoint_db: str | None = None,
     samples: int = 1,
+    permute_options: int = 1,
+    progress: bool = True,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Load the benchmarks (names, or paths of JSONL question files), report bad rows, run every system.
 
     `model` is every agent's chat model (None: the context's default); `overrides` are context fields (e.g.
     `snippets_k=6`, `max_searches=2`), applied to each graph that has them; None leaves a field at its default.
-    `checkpoint_db`: where questions in flight keep their checkpoints (None: `OUT/checkpoints.sqlite`)."""
+    `data_dir`: the data root holding `benchmarks/`, or the benchmarks folder (None: ERMEDRAG_SHARED_DATA, else
+    upstream). `checkpoint_db`: where questions in flight keep their checkpoints (None: `OUT/checkpoints.sqlite`).
+    `permute_options`: ask each question in that many cyclic option orders (`evals.position_bias`); 1 = as given.
+    `progress`: one progress bar on stderr for the whole eval."""
     systems = list(systems)
     for system in systems:
         graph_spec(system)  # an unknown name fails before anything runs
+    if not 1 <= permute_options <= MAX_OPTIONS:
+        raise ValueError(f"--permute-options {permute_options}: expected 1 (the options as given) to {MAX_OPTIONS} "
+                         "(one order per option at most)")
     if model:
         overrides = {"extractor_model": model, "respondent_model": model, **overrides}
     unused = [key for key, value in overrides.items()
@@ -271,7 +448,7 @@ def run_eval(
     with results_folder_lock(out_dir):
         return _run_configs(configs, benchmarks, out_dir, data_dir=data_dir, limit=limit, seed=seed,
                             concurrency=concurrency, base_url=base_url, trace_db=trace_db,
-                            checkpoint_db=checkpoint_db)
+                            checkpoint_db=checkpoint_db, permute_options=permute_options, progress=progress)
 
 
 class ResultsFolderBusy(ValueError):
@@ -304,9 +481,10 @@ def results_folder_lock(out_dir: Path) -> Iterator[None]:
             handle.truncate()
 
 
-def _run_configs(configs: list[EvalConfig], benchmarks: Iterable[str | Path], out_dir: Path, *, data_dir: str | None,
-                 limit: int | None, seed: int, concurrency: int, base_url: str | None, trace_db: str | None,
-                 checkpoint_db: str | None) -> dict[str, Any]:
+def load_questions(benchmarks: Iterable[str | Path], out_dir: Path, *, data_dir: str | None, limit: int | None,
+                   seed: int) -> list[Question]:
+    """The questions of every benchmark (a name, or a JSONL file of the user's own); bad rows listed in
+    `OUT/bad_rows.jsonl` and named once."""
     questions: list[Question] = []
     bad: list[BadRow] = []
     for name in benchmarks:
@@ -320,7 +498,29 @@ def _run_configs(configs: list[EvalConfig], benchmarks: Iterable[str | Path], ou
             for row in bad:
                 handle.write(json.dumps(asdict(row)) + "\n")
         print(f"skipped {len(bad)} bad rows (listed in {out_dir / BAD_ROWS}), e.g. {bad[0].id}: {bad[0].problem}")
-    return {config.system: asyncio.run(run_questions(config, questions, out_dir, concurrency=concurrency,
-                                                     base_url=base_url, trace_db=trace_db,
-                                                     checkpoint_db=checkpoint_db))
-            for config in configs}
+    return questions
+
+
+def _run_configs(configs: list[EvalConfig], benchmarks: Iterable[str | Path], out_dir: Path, *, data_dir: str | None,
+                 limit: int | None, seed: int, concurrency: int, base_url: str | None, trace_db: str | None,
+                 checkpoint_db: str | None, permute_options: int, progress: bool) -> dict[str, Any]:
+    questions = load_questions(benchmarks, out_dir, data_dir=data_dir, limit=limit, seed=seed)
+    trace_db = trace_db or default_trace_db()
+    todo = [len(pending(config, questions, out_dir, permute_options)[0]) for config in configs]
+    for config, count in zip(configs, todo):
+        if count:  # nothing to load for a configuration whose questions are all recorded
+            warm_up(config, base_url, trace_db)
+    bar = Progress(sum(todo), "eval " + ", ".join(c.system for c in configs), progress)
+    outcomes: list[Outcome] = []
+    try:
+        for config in configs:
+            outcome = asyncio.run(answer_config(config, questions, out_dir, bar, concurrency=concurrency,
+                                                base_url=base_url, trace_db=trace_db, checkpoint_db=checkpoint_db,
+                                                permute_options=permute_options))
+            outcomes.append(outcome)
+            if outcome.server_down:  # the next configuration would find the server down too (or another one)
+                break
+    finally:
+        bar.close()
+    report_failures(outcomes, out_dir, checkpoint_db or str(out_dir / CHECKPOINTS))
+    return {config.system: outcome.counts for config, outcome in zip(configs, outcomes)}

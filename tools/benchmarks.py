@@ -150,9 +150,23 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
 ]}
 
 
+DATA_FOLDER_HINT = "the data root holding benchmarks/ or that benchmarks folder itself"
+
+
+def benchmarks_folder(path: str | os.PathLike[str], source: str = "--data") -> Path:
+    """The folder of benchmark files that `path` names: a data root (it holds `benchmarks/`) or the benchmarks
+    folder itself. `source` names where the path came from, for the error when it is no folder."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise FileNotFoundError(f"{source} {folder} {what}; expected {DATA_FOLDER_HINT}")
+    return folder / "benchmarks" if (folder / "benchmarks").is_dir() else folder
+
+
 def default_data_dir() -> Path | None:
+    """The benchmarks folder of ERMEDRAG_SHARED_DATA (either form, as `--data`), or None when it is not set."""
     env = os.environ.get("ERMEDRAG_SHARED_DATA")
-    return Path(env) / "benchmarks" if env else None
+    return benchmarks_folder(env, "ERMEDRAG_SHARED_DATA") if env else None
 
 
 def load_benchmark(
@@ -163,7 +177,8 @@ def load_benchmark(
     seed: int = 0,
     bad_rows: list[BadRow] | None = None,
 ) -> list[Question]:
-    """Questions of one benchmark, from `data_dir` (shared JSONL files) or, without it, from upstream.
+    """Questions of one benchmark, from `data_dir` (shared JSONL files: the data root holding `benchmarks/`, or
+    the benchmarks folder) or, without it, ERMEDRAG_SHARED_DATA, or, without either, from upstream.
 
     `limit` takes a seeded random sample (the same for the same seed). Rows that cannot be scored are
     appended to `bad_rows` (when given) with their id and the problem, and left out.
@@ -171,7 +186,7 @@ def load_benchmark(
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
     bench = BENCHMARKS[name]
-    data_dir = Path(data_dir) if data_dir else default_data_dir()
+    data_dir = benchmarks_folder(data_dir) if data_dir else default_data_dir()
     rows = _local_rows(bench, data_dir) if data_dir else bench.upstream()
     return _select([normalise(row, name) for row in rows], limit, seed, bad_rows)
 
@@ -200,7 +215,8 @@ def _local_rows(bench: Benchmark, data_dir: Path) -> Iterator[dict[str, Any]]:
     for file_name in bench.local_files:
         path = data_dir / file_name
         if not path.exists():
-            raise FileNotFoundError(f"{bench.name}: {path} not found (point --data at the benchmarks folder)")
+            raise FileNotFoundError(f"{bench.name}: no {file_name} in {data_dir} (--data and ERMEDRAG_SHARED_DATA "
+                                    f"take {DATA_FOLDER_HINT})")
         if path.suffix == ".zip":
             yield from _zip_rows(path)
         else:
