@@ -4,12 +4,18 @@ Definitions (natural logarithms, so entropies are in nats):
 - accuracy: fraction of rows whose parsed answer equals the gold option; an unparsed answer counts as wrong.
   The 95% interval is Wilson's score interval.
 - invalid rate: fraction of rows whose answer could not be parsed into one of the options.
-- answer entropy: for a question answered n > 1 times (sampling, temperature > 0), H = -Σ_a p(a) ln p(a)
-  over the distribution of its n answers (an unparsed answer is its own outcome); averaged over questions.
-  0 means the system always gives the same answer.
+- extracted rate: fraction of rows whose answer came from the answer-extraction retry (None: not recorded).
+- answer entropy: for one configuration answering one question (in one option order) n > 1 times (sampling,
+  temperature > 0), H = -Σ_a p(a) ln p(a) over the distribution of its n answers (an unparsed answer is its own
+  outcome); averaged over questions. 0 means the configuration always gives the same answer. With one sample
+  per question it is undefined: None, with the reason in `answer_entropy_note` (never 0).
 - token entropy: for each respondent completion, the mean over its generated tokens of the entropy of the
   model's full next-token distribution; averaged over rows. Only backends that return full distributions
-  (hf) provide it; others report None.
+  (hf, offline) provide it; others report None.
+- latency, mean per answered question (rows that recorded the field; None when none did): `seconds` is the
+  run's wall time; stage seconds are the graph nodes' wall times (including time spent waiting for a batch);
+  model seconds are the model's own compute over the run's calls (apportioned across a batch by a batched
+  backend); wait seconds are the time those calls queued before computing.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from typing import Any, Iterable
+
+NEEDS_SAMPLES = "needs --samples > 1"
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -36,35 +44,74 @@ def answer_entropy(answers: Iterable[str | None]) -> float:
     return -sum(c / total * math.log(c / total) for c in counts.values()) if total else 0.0
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+def number(value: Any) -> float | None:
+    """A finite number from a result field, None for anything else (a bool, a string, NaN, a missing field)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def option_order(row: dict[str, Any]) -> int:
+    """The option permutation a row answered (0 = the original order; older rows have no field)."""
+    value = number(row.get("order"))
+    return int(value) if value is not None else 0
+
+
+def question_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """One configuration's view of one question: the samples answer entropy is computed over."""
+    return (row.get("config_key"), row.get("benchmark"), row.get("question_id"), option_order(row))
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _entropy(rows: list[dict[str, Any]]) -> tuple[float | None, str | None]:
+    by_question: dict[tuple[Any, ...], list[str | None]] = defaultdict(list)
+    for r in rows:
+        by_question[question_key(r)].append(r.get("answer"))
+    sampled = [answers for answers in by_question.values() if len(answers) > 1]
+    if sampled:
+        return _mean(answer_entropy(a) for a in sampled), None
+    return None, NEEDS_SAMPLES
+
+
+def _rate(rows: list[dict[str, Any]], field: str) -> float | None:
+    recorded = [bool(r[field]) for r in rows if field in r]
+    return sum(recorded) / len(recorded) if recorded else None
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Accuracy, interval, invalid rate, tokens, latency per stage and both entropies for a set of rows."""
+    """Accuracy, interval, rates, tokens, latency and both entropies for a set of rows (of one configuration:
+    pooling configurations mixes their answer distributions)."""
     n = len(rows)
-    correct = sum(bool(r["correct"]) for r in rows)
+    correct = sum(bool(r.get("correct")) for r in rows)
     low, high = wilson_interval(correct, n)
-    by_question: dict[tuple[str, str], list[str | None]] = defaultdict(list)
+    stages: dict[str, list[float | None]] = defaultdict(list)
     for r in rows:
-        by_question[(r["benchmark"], r["question_id"])].append(r["answer"])
-    sampled = [answers for answers in by_question.values() if len(answers) > 1]
-    stages: dict[str, list[float]] = defaultdict(list)
-    for r in rows:
-        for stage, seconds in (r.get("timings") or {}).items():
-            stages[stage].append(seconds)
+        timings = r.get("timings")
+        for stage, seconds in (timings.items() if isinstance(timings, dict) else ()):
+            stages[str(stage)].append(number(seconds))
+    entropy, entropy_note = _entropy(rows)
+    token_entropies = [number(r.get("token_entropy")) for r in rows]
     return {
         "n": n,
-        "questions": len(by_question),
+        "questions": len({(r.get("benchmark"), r.get("question_id")) for r in rows}),
         "accuracy": correct / n if n else None,
         "ci95": [low, high],
-        "invalid_rate": sum(not r["ok"] for r in rows) / n if n else None,
+        "invalid_rate": sum(not r.get("ok") for r in rows) / n if n else None,
         "well_formed_rate": sum(bool(r.get("well_formed")) for r in rows) / n if n else None,
-        "mean_output_tokens": _mean([r.get("output_tokens", 0) for r in rows]),
-        "mean_seconds": _mean([r.get("seconds", 0.0) for r in rows]),
+        "extracted_rate": _rate(rows, "extracted"),
+        "mean_output_tokens": _mean(number(r.get("output_tokens")) for r in rows),
+        "mean_seconds": _mean(number(r.get("seconds")) for r in rows),
+        "mean_model_seconds": _mean(number(r.get("model_seconds")) for r in rows),
+        "mean_wait_seconds": _mean(number(r.get("wait_seconds")) for r in rows),
         "stage_seconds": {stage: _mean(values) for stage, values in sorted(stages.items())},
-        "answer_entropy": _mean([answer_entropy(a) for a in sampled]),
-        "token_entropy": _mean([r["token_entropy"] for r in rows if r.get("token_entropy") is not None]),
+        "answer_entropy": entropy,
+        "answer_entropy_note": entropy_note,
+        "token_entropy": _mean(token_entropies),
+        "token_entropy_n": sum(v is not None for v in token_entropies),
     }
 
 
@@ -72,10 +119,10 @@ def group_summaries(rows: list[dict[str, Any]], *keys: str) -> dict[tuple, dict[
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         groups[tuple(_field(r, k) for k in keys)].append(r)
-    return {key: summarise(group) for key, group in sorted(groups.items())}
+    return {key: summarise(group) for key, group in sorted(groups.items(), key=lambda item: str(item[0]))}
 
 
 def _field(row: dict[str, Any], key: str) -> Any:
     if key in ("system", "model"):
-        return row["config"][key]
+        return (row.get("config") or {}).get(key)
     return row.get(key)
