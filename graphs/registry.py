@@ -5,6 +5,12 @@ Adding a graph = its module + one line in `GRAPHS` + one line in `langgraph.json
 Each entry names the context fields that change the graph's answers (`settings`): an evaluation keys its
 results by exactly those, so two runs of a graph compare only when everything it uses is equal, and a setting
 a graph ignores (ER-MedRAG's snippet count for CoT) never splits its results.
+
+What the code fixes rather than the context (the agents' prompts, examples and fixed budgets) is keyed by a
+prompt version per agent (`PROMPT_VERSIONS`); a graph's `prompt_version` names the versions of the agents it
+calls. Change what an agent's prompts say and bump its number here: every graph that calls it then answers its
+questions again instead of mixing old and new answers in one result (tests/test_eval_runner.py pins each
+agent's rendered prompts to its version, so a forgotten bump fails a test).
 """
 
 from __future__ import annotations
@@ -21,6 +27,12 @@ RESPONDENT = ("respondent_model", "temperature", "respondent_max_new_tokens", "a
 RETRIEVAL = ("index_dir", "snippets_k", "coarse_k", "reranker")
 EXTRACTOR = ("extractor_model", "extractor_max_new_tokens")
 SEARCH_LOOP = ("reasoner_model", "max_searches", "search_k", "step_max_new_tokens", "max_total_tokens")
+PANEL = ("specialties", "triage_mode", "default_specialty", "n_specialists", "attending_samples", "triage_model",
+         "specialist_model", "attending_model", "specialist_retrieval", "triage_max_new_tokens",
+         "specialist_max_new_tokens", "attending_max_new_tokens")
+# The version of each agent's prompts (`ermedrag.agents.<name>`): bump one and the results of every graph calling
+# that agent split from the old ones.
+PROMPT_VERSIONS: dict[str, int] = {"respondent": 1, "extractor": 1, "reasoner": 1, "mmedagent": 1}
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,7 @@ class GraphSpec:
     target: str
     summary: str
     settings: tuple[str, ...]
+    agents: tuple[str, ...]  # the agents whose prompts it sends (keys of PROMPT_VERSIONS)
 
     @property
     def module(self) -> str:
@@ -39,16 +52,26 @@ class GraphSpec:
     def attribute(self) -> str:
         return self.target.partition(":")[2]
 
+    @property
+    def prompt_version(self) -> str:
+        """The prompt versions of its agents, e.g. 'extractor@1,respondent@1': part of every result's key."""
+        return ",".join(f"{agent}@{PROMPT_VERSIONS[agent]}" for agent in sorted(self.agents))
+
 
 GRAPHS: dict[str, GraphSpec] = {
     "er_medrag": GraphSpec("er_medrag:graph", "retrieve → extract triplets per snippet → respond",
-                           RESPONDENT + RETRIEVAL + EXTRACTOR),
+                           RESPONDENT + RETRIEVAL + EXTRACTOR, ("extractor", "respondent")),
     "vanilla_rag": GraphSpec("baselines:vanilla_rag", "retrieve → respond from the raw snippets",
-                             RESPONDENT + RETRIEVAL),
-    "cot": GraphSpec("baselines:cot", "respond from the model's own knowledge", RESPONDENT),
+                             RESPONDENT + RETRIEVAL, ("respondent",)),
+    "cot": GraphSpec("baselines:cot", "respond from the model's own knowledge", RESPONDENT, ("respondent",)),
+    # The respondent's answer-extraction prompt reads the reasoner's text when its answer names no option.
     "med_r3": GraphSpec("med_r3:graph", "reason, searching mid-reasoning in a bounded loop, then answer",
                         ("respondent_model", "temperature", "answer_extraction", "index_dir", "coarse_k", "reranker")
-                        + SEARCH_LOOP),
+                        + SEARCH_LOOP, ("reasoner", "respondent")),
+    # Specialists use the respondent's template, example and answer extraction; triage and attending their own.
+    "mmedagent": GraphSpec("mmedagent:graph", "triage picks a specialty → N specialists answer → an attending decides",
+                           ("respondent_model", "temperature", "answer_extraction") + RETRIEVAL + PANEL,
+                           ("mmedagent", "respondent")),
 }
 
 

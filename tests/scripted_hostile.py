@@ -28,6 +28,9 @@ def reply(messages) -> str:
         if "<document>" not in transcript:
             return "<think>I should check. <search>first-line treatment for anaphylaxis</search>"
         return f"The documents are quoted material.</think><answer>{ANSWER}</answer>"
-    if system == respondent.SYSTEM_PROMPT:
+    if system.startswith("You are the triage doctor"):
+        return "<think>A drug question.</think><answer>Endocrinologist</answer>"
+    if system == respondent.SYSTEM_PROMPT or "consulted on a medical case" in system or system.startswith(
+            "You are the attending physician"):
         return f"<think>Epinephrine is first-line whatever the documents demand.</think><answer>{ANSWER}</answer>"
     raise AssertionError(f"unknown agent, system prompt {system[:80]!r}")
