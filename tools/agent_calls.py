@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, TypeVar
 
@@ -27,7 +28,12 @@ def call_agent(
     stop: list[str] | None = None,
     inputs: dict[str, Any] | None = None,
 ) -> tuple[Parsed, TraceEvent]:
-    """Invoke `model` once, parse its completion (parsers never raise) and describe the call as an event."""
+    """Invoke `model` once, parse its completion (parsers never raise) and describe the call as an event.
+
+    The event's `latency_s` is the call's wall time. `queue_s` (waiting for the model) and `compute_s` (the
+    call's own compute) come from the backend when it can tell them apart (hf: its batching generator).
+    Others cannot: an OpenAI-compatible server's own queue is invisible to its client, so there `compute_s` is
+    the call's wall time and `queue_s` is None (unknown, not zero)."""
     started = time.perf_counter()
     reply = model.invoke(messages, stop=stop, **continuation_kwargs(model, messages))
     latency = time.perf_counter() - started
@@ -38,6 +44,7 @@ def call_agent(
     if matched_stop and stop and matched_stop in stop:
         completion += matched_stop
     parsed = parse(completion)
+    queue_s, compute_s = call_timing(reply.response_metadata, latency)
     event = TraceEvent(
         run_id=run_id,
         node=node,
@@ -50,7 +57,24 @@ def call_agent(
         usage=dict(reply.usage_metadata) if reply.usage_metadata else None,
         logprobs=(reply.response_metadata.get("logprobs") or {}).get("content"),
         latency_s=latency,
+        queue_s=queue_s,
+        compute_s=compute_s,
         gold=gold,
         inputs=inputs,
     )
     return parsed, event
+
+
+def call_timing(metadata: dict[str, Any], wall_s: float) -> tuple[float | None, float]:
+    """(queue_s, compute_s) of one call from its reply's metadata; (None, wall_s) when the backend has no split."""
+    compute_s = _seconds(metadata.get("compute_s"))
+    if compute_s is None:
+        return None, wall_s
+    return _seconds(metadata.get("queue_s")), compute_s
+
+
+def _seconds(value: Any) -> float | None:
+    """A finite, non-negative number of seconds, or None (metadata is the backend's; never trust its types)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)

@@ -11,7 +11,9 @@
 Every backend puts token usage in `AIMessage.usage_metadata`. The hf backend also reports, per generated
 token, its log-probability and the entropy of the full next-token distribution in
 `response_metadata["logprobs"]` (OpenAI's `{"content": [{"token", "logprob", "entropy"}]}` shape), which
-the entropy metrics read; the openai backend passes the server's log-probs through when asked.
+the entropy metrics read; the openai backend passes the server's log-probs through when asked. The hf backend
+also splits each call's time into `response_metadata["queue_s"]` (waiting for the shared model) and
+`["compute_s"]` (its share of its batch's compute); other backends do not report them (see tools.agent_calls).
 
 Every failure of a model *server* (openai:) — refused, timed out, an HTTP error, a body that is not JSON or not
 a chat completion, a connection dropped mid-response — is raised as one `ModelServerError` with a one-line
@@ -22,12 +24,14 @@ once, not in the OpenAI client. The in-process backends (hf, offline, vllm, scri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import json
 import math
 import os
 import random
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -427,11 +431,67 @@ def _chat_dicts(messages: list[BaseMessage]) -> list[dict[str, str]]:
     return [{"role": roles.get(m.type, "user"), "content": m.text} for m in messages]
 
 
+def _model_label(model_path: str) -> str:
+    """How the user named the model: `offline:NAME` for the packaged model's converted folder, else `hf:PATH`."""
+    from ermedrag.tools.offline_model import OFFLINE_MODELS, cache_home
+
+    path = Path(model_path)
+    if path.parent == cache_home() / "models" and path.name in OFFLINE_MODELS:
+        return f"offline:{path.name}"
+    return f"hf:{model_path}"
+
+
+@contextlib.contextmanager
+def quiet_model_loading(gguf_file: bool = False) -> Iterator[None]:
+    """No progress bars while weights load: transformers' "Loading weights" bar and the GGUF de-quantising
+    one would interleave with the eval's own progress bar. The previous setting is restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    gguf, gguf_tqdm = None, None
+    if gguf_file:  # its bar comes straight from tqdm, not through transformers' switch
+        gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+        gguf_tqdm = gguf.__dict__.get("tqdm")
+        if gguf_tqdm is not None:
+            gguf.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf is not None and gguf_tqdm is not None:
+            gguf.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+@functools.cache
+def return_large_blocks_to_the_os() -> bool:
+    """Make glibc serve every allocation of 1 MiB or more with its own mapping, returned to the OS when freed.
+
+    By default glibc raises that threshold as large blocks are freed, and then keeps them in per-thread arenas:
+    generation runs in the batching thread, whose arena kept ~500 MB of freed step buffers (logits are
+    [batch, vocab] floats, 8 MB for Gemma) after one batch on top of what the main thread's arena held from
+    loading. A fixed threshold costs a page fault per fresh page of a big buffer: noise beside a forward pass.
+    False where the C library is not glibc (the setting does not exist there)."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold = -3  # from glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES))
+
+
 @shared_resource(maxsize=4)
 def load_hf_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
-    """Load (tokenizer, model) once per process. `model_path` is a hub id, a folder, or a .gguf file."""
+    """Load (tokenizer, model) once per process. `model_path` is a hub id, a folder, or a .gguf file.
+
+    Says so in one line on stderr (once per process and model: the result is cached), without progress bars."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     threads = os.environ.get("ERMEDRAG_TORCH_THREADS")
     if threads:
@@ -441,8 +501,18 @@ def load_hf_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
     if model_path.endswith(".gguf"):
         source, kwargs["gguf_file"] = str(Path(model_path).parent), Path(model_path).name
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(device).eval()
+    label = _model_label(model_path)
+    where = f" ({model_path})" if label != f"hf:{model_path}" else ""
+    threads_used = torch.get_num_threads()
+    print(f"loading model {label}{where} on {device} ({str(dtype).removeprefix('torch.')}, "
+          f"{threads_used} torch thread{'s' if threads_used != 1 else ''}) …", file=sys.stderr, flush=True)
+    return_large_blocks_to_the_os()
+    with quiet_model_loading(gguf_file="gguf_file" in kwargs):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        # The model first: the tokenizer's load then fits in what the model's load freed (-250 MB peak for Gemma).
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, model
@@ -499,6 +569,10 @@ class HFChatModel(BaseChatModel):
             "finish_reason": "stop" if (out.hit_eos or matched_stop) else "length",
             "stop_sequence": matched_stop,
             "logprobs": {"content": out.logprobs},
+            # Waiting for the model vs this call's share of its batch's compute (tools.hf_batching).
+            "queue_s": out.queue_s,
+            "compute_s": out.compute_s,
+            "batch_size": out.batch_size,
         }
         usage = {"input_tokens": n_prompt, "output_tokens": n_new, "total_tokens": n_prompt + n_new}
         message = AIMessage(content=text, usage_metadata=usage, response_metadata=metadata)

@@ -5,6 +5,11 @@ so readers of model calls (exporters by agent, token statistics) never meet a re
 before retrievals were recorded open unchanged (the table is created beside the old ones). Within a run each
 table numbers its rows (`seq`); `created_at` orders the two together.
 
+A model call's time is `latency_s` (its wall time), split where the backend can into `queue_s` (waiting for the
+model) and `compute_s` (its own compute). The hf backend reports both; for other backends `compute_s` is the wall
+time and `queue_s` is NULL (an OpenAI-compatible server's own queue is invisible to its client); rows written
+before the split have both NULL. Opening an older store adds the missing columns.
+
 Each event is committed on its own (WAL journal, synchronous=NORMAL: a committed event survives the
 process being killed), so an interrupted process loses at most the call in flight. Each thread keeps its
 connection open: opening and closing one per call cost ~20 ms (the last close checkpoints the WAL).
@@ -57,7 +62,9 @@ CREATE TABLE IF NOT EXISTS events (
     latency_s REAL NOT NULL,
     gold TEXT,
     inputs TEXT,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    queue_s REAL,
+    compute_s REAL
 );
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, seq);
 CREATE INDEX IF NOT EXISTS events_by_agent ON events (agent);
@@ -106,6 +113,9 @@ class TraceEvent:
     latency_s: float
     gold: str | None = None
     inputs: dict[str, Any] | None = None  # what the prompt was built from (question, snippet, ...) for replay
+    # `latency_s` is the call's wall time; these split it where the backend can (tools.agent_calls.call_timing):
+    queue_s: float | None = None  # waiting for the model (None: unknown, e.g. an OpenAI server's own queue)
+    compute_s: float | None = None  # the call's own compute (its share of a shared batch; else the wall time)
     event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
 
@@ -170,17 +180,10 @@ class TraceStore:
         db = self._connect()
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(SCHEMA)
-        columns = {row["name"] for row in db.execute("PRAGMA table_info(events)")}
-        if "inputs" not in columns:  # stores written before events kept their inputs
-            db.execute("ALTER TABLE events ADD COLUMN inputs TEXT")
-        run_columns = {row["name"] for row in db.execute("PRAGMA table_info(runs)")}
-        for name, kind in (("error", "TEXT"), ("failed_at", "REAL")):  # stores written before runs could fail
-            if name not in run_columns:
-                try:
-                    db.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
-                except sqlite3.OperationalError as err:  # another process opening the store added it first
-                    if "duplicate column" not in str(err):
-                        raise
+        # Stores written by older versions: events before they kept their inputs or split queue from compute
+        # time (old rows read None there), runs before they could fail.
+        _add_missing_columns(db, "events", (("inputs", "TEXT"), ("queue_s", "REAL"), ("compute_s", "REAL")))
+        _add_missing_columns(db, "runs", (("error", "TEXT"), ("failed_at", "REAL")))
 
     def _connect(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -264,6 +267,17 @@ class TraceStore:
         """The run's retrievals in the order they ran."""
         rows = self._connect().execute("SELECT * FROM retrievals WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
         return [_decode(row) for row in rows]
+
+
+def _add_missing_columns(db: sqlite3.Connection, table: str, wanted: tuple[tuple[str, str], ...]) -> None:
+    present = {row["name"] for row in db.execute(f"PRAGMA table_info({table})")}
+    for name, kind in wanted:
+        if name not in present:
+            try:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+            except sqlite3.OperationalError as err:  # another process opening the store added it first
+                if "duplicate column" not in str(err):
+                    raise
 
 
 def run_status(run: Mapping[str, Any]) -> str:
