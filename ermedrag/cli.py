@@ -86,10 +86,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_batch_args(record)
     record.set_defaults(handler=_record)
 
-    export = sub.add_parser("export", help="recorded traces → DPO pairs (extractor), GRPO prompts (respondent) "
-                                           "or Med-R³ prompts (replayed from med_r3 runs)")
-    export.add_argument("kind", choices=["dpo", "grpo", "med-r3"])
-    export.add_argument("--traces", default=None, help="trace database (default: ERMEDRAG_TRACE_DB or the cache)")
+    export = sub.add_parser("export", help="recorded traces → DPO pairs (extractor), GRPO prompts (respondent), "
+                                           "Med-R³ prompts (replayed from med_r3 runs) or MMedAgent-RL triage and "
+                                           "curriculum data (mmedagent runs)")
+    export.add_argument("kind", choices=["dpo", "grpo", "med-r3", "mmedagent"])
+    export.add_argument("--traces", "--trace-db", default=None,
+                        help="trace database (default: ERMEDRAG_TRACE_DB or the cache)")
+    export.add_argument("--data", default=None, help="mmedagent: shared data root (or its benchmarks/ folder) whose "
+                                                     "metadata labels the triage (default: ERMEDRAG_SHARED_DATA)")
     export.add_argument("--out", required=True, help="output folder (rerun with the same folder to resume)")
     export.add_argument("--model", default=None, help="dpo: model that samples alternatives (default: recorded)")
     export.add_argument("--base-url", default=None)
@@ -99,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--no-usefulness", action="store_true", help="dpo: skip the respondent usefulness check")
     export.add_argument("--noise", type=float, default=0.25, help="grpo: fraction of distractor triplets")
     export.add_argument("--questions", nargs="*", default=[],
-                        help="med-r3: benchmark JSONL files the runs came from (gold evidence for the retrieval reward)")
+                        help="med-r3: benchmark JSONL files the runs came from (gold evidence for the retrieval "
+                             "reward); mmedagent: more benchmark files whose metadata labels the triage")
     export.add_argument("--qrels", default=None, help="med-r3: bioasq_qrels.jsonl for BioASQ questions")
     export.add_argument("--corpus-dir", default=None, help="med-r3: corpora folder (exact PubMedQA passage ids)")
     export.add_argument("--seed", type=int, default=0)
@@ -107,10 +112,13 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(handler=_export)
 
     train = sub.add_parser("train", help="train an agent with TRL from an exported dataset (config as YAML)")
-    train.add_argument("kind", choices=["dpo", "grpo", "med-r3"],
-                       help="dpo: extractor pairs; grpo: respondent prompts; med-r3: the Med-R³ stage schedule")
+    train.add_argument("kind", choices=["dpo", "grpo", "med-r3", "mmedagent"],
+                       help="dpo: extractor pairs; grpo: respondent prompts; med-r3: the Med-R³ stage schedule; "
+                            "mmedagent: MMedAgent-RL's triage and attending curriculum")
     train.add_argument("--config", required=True, help="YAML of training.config fields (see training/configs/)")
-    train.add_argument("--stages", default="1,2,3", help="med-r3: stages to run, e.g. 1,2,3 or 2 (default 1,2,3)")
+    train.add_argument("--stages", default=None,
+                       help="med-r3: stages to run, e.g. 1,2,3 or 2 (default 1,2,3); mmedagent: e.g. "
+                            "triage,easy,medium,hard or hard (default: the config's whole schedule)")
     train.set_defaults(handler=_train)
 
     report = sub.add_parser("report", help="markdown table and plots from result folders")
@@ -412,6 +420,13 @@ def _export(args: argparse.Namespace) -> int:
     traces = args.traces or default_trace_db()
     if not Path(traces).exists():
         raise FileNotFoundError(f"no trace database at {traces}")
+    if args.kind == "mmedagent":
+        from ermedrag.training.mmedagent_data import MMedAgentExportConfig, export_mmedagent, export_summary
+
+        counts = export_mmedagent(MMedAgentExportConfig(traces=traces, out=args.out, data=args.data,
+                                                        questions=args.questions, limit=args.limit))
+        print(export_summary(counts, args.out))
+        return 0
     if args.kind == "dpo":
         counts = export_dpo(DPOExportConfig(
             traces=traces, out=args.out, model=args.model, base_url=args.base_url, samples=args.samples,
@@ -430,7 +445,13 @@ def _train(args: argparse.Namespace) -> int:
     if args.kind == "med-r3":
         from ermedrag.training.med_r3 import train_med_r3
 
-        summary = train_med_r3(args.config, stages=args.stages)
+        summary = train_med_r3(args.config, stages=args.stages or "1,2,3")
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    if args.kind == "mmedagent":
+        from ermedrag.training.mmedagent import train_mmedagent
+
+        summary = train_mmedagent(args.config, stages=args.stages)
         print(json.dumps(summary, indent=2, default=str))
         return 0
     from ermedrag.training.trainers import train_from_file

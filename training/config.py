@@ -6,8 +6,9 @@ A config is what a YAML file under `training/configs/` holds, flat, one key per 
     trl_args = cfg.to_trl()          # a trl.GRPOConfig
 
 `DPOTrainingConfig` (the extractor), `GRPOTrainingConfig` (the respondent; rewards weighted by name,
-`rewards: {correctness: 1.0, format: 0.5}`, see `training.rewards`) and `MedR3TrainingConfig` (the three
-Med-R³ stages, `training.med_r3`). The fields are the ones a run of this project changes; anything else TRL
+`rewards: {correctness: 1.0, format: 0.5}`, see `training.rewards`), `MedR3TrainingConfig` (the three
+Med-R³ stages, `training.med_r3`) and `MMedAgentTrainingConfig` (MMedAgent-RL's triage and curriculum stages,
+`training.mmedagent`). The fields are the ones a run of this project changes; anything else TRL
 offers goes in `trl_overrides` (checked against the TRL config's own fields, so a typo is an error, not a
 silently ignored key). A key that an earlier version read (`reward_weights`) is an error that says what
 replaces it.
@@ -382,6 +383,70 @@ class MedR3TrainingConfig(GRPOTrainingConfig):
     def reward_settings(self) -> dict[str, Any]:
         return {"max_chars": self.max_chars, "max_think_chars": self.max_think_chars,
                 "max_searches": self.max_searches}
+
+
+# Set by the MMedAgent stage schedule (`training.mmedagent`), so not settable through trl_overrides.
+MMEDAGENT_SCHEDULED_TRL_FIELDS = ("beta", "entropy_coef", "use_adaptive_entropy", "entropy_target")
+
+
+@dataclass
+class MMedAgentTrainingConfig(GRPOTrainingConfig):
+    """GRPO fields shared by the MMedAgent-RL stages (`training.mmedagent`): triage, then the attending's
+    curriculum easy → medium → hard, each stage with its own entropy bonus and KL coefficient. `dataset` is the
+    folder `ermedrag export mmedagent` wrote (triage/, easy/, medium/, hard/); `output_dir` holds one folder per
+    stage. Per-stage values go in `stage_overrides.NAME`."""
+
+    beta: float | None = field(
+        default=None,
+        metadata={"help": "KL coefficient for every stage; null = the schedule's (triage 1e-3, easy 1e-3, medium "
+                          "4e-3, hard 1e-2, attending 4e-3). stage_overrides.NAME.beta sets one stage."})
+    entropy_coef: float | None = field(
+        default=None,
+        metadata={"help": "Entropy bonus γ (loss - γ·mean token entropy, TRL's entropy_coef) for every stage; "
+                          "null = the schedule's (triage 0, easy 1e-4, medium 5e-3, hard 3e-2, attending 5e-3). "
+                          "stage_overrides.NAME.entropy_coef sets one stage."})
+    entropy_bonus: bool = field(
+        default=True, metadata={"help": "false: γ = 0 in every stage (the ablation without the entropy bonus)."})
+    adaptive_entropy: bool = field(
+        default=False,
+        metadata={"help": "TRL's adaptive entropy controller (Skywork-OR1): γ starts at the stage's value and moves "
+                          "by entropy_coef_delta (trl_overrides) each step towards entropy_target."})
+    entropy_target: float | None = field(
+        default=None, metadata={"help": "Target mean token entropy (nats) of the adaptive controller; null = TRL's."})
+    curriculum: bool = field(
+        default=True,
+        metadata={"help": "true: the attending trains easy → medium → hard, each stage from the previous one; "
+                          "false: one stage 'attending' on all buckets shuffled together (the ablation)."})
+    reward: str = field(
+        default="paper",
+        metadata={"help": "paper: 1·correct + 0.5·format (MMedAgent-RL); gated: the correct answer counts only in a "
+                          "well-formed reply (training.answer_rewards.well_formed_correctness_reward), + 0.5·format."})
+    attending_start: str | None = field(
+        default=None,
+        metadata={"help": "Model the attending's first stage starts from (path, hub id or offline:NAME); null = "
+                          "`model`. The triage stage always starts from `model`."})
+    stage_overrides: dict[str, dict[str, Any]] = field(
+        default_factory=dict,
+        metadata={"help": "Per stage (triage, easy, medium, hard, attending): fields of this config for that stage "
+                          "only (beta, entropy_coef, entropy_target, max_steps, learning_rate, dataset, "
+                          "max_completion_length, ...) and `rewards`: {name: weight} on top of the stage's defaults."})
+
+    def to_trl(self, reward_weights: Sequence[float] | None = None):
+        """The trl.GRPOConfig of one stage: needs `beta` and `entropy_coef` resolved (`training.mmedagent.
+        stage_config` does it)."""
+        if self.beta is None or self.entropy_coef is None:
+            raise ValueError("MMedAgentTrainingConfig.to_trl needs a stage's config, with beta and entropy_coef "
+                             "set: use ermedrag.training.mmedagent.stage_config(config, STAGE)")
+        scheduled = sorted(set(self.trl_overrides) & set(MMEDAGENT_SCHEDULED_TRL_FIELDS))
+        if scheduled:
+            raise ValueError(f"trl_overrides may not set {scheduled}: use the config's beta, entropy_coef, "
+                             "adaptive_entropy, entropy_target (per stage under stage_overrides)")
+        entropy: dict[str, Any] = {"entropy_coef": self.entropy_coef if self.entropy_bonus else 0.0,
+                                   "use_adaptive_entropy": self.adaptive_entropy}
+        if self.entropy_target is not None:
+            entropy["entropy_target"] = self.entropy_target
+        with_entropy = dataclasses.replace(self, trl_overrides={**self.trl_overrides, **entropy})
+        return GRPOTrainingConfig.to_trl(with_entropy, reward_weights)
 
 
 C = TypeVar("C", bound=_TrainingConfig)
