@@ -29,7 +29,7 @@ from ermedrag.training.mmedagent import (
     triage_correctness_reward,
     well_formed_triage_correctness_reward,
 )
-from ermedrag.training.mmedagent_data import (
+from ermedrag.tools.specialties import (
     MEDMCQA_SUBJECT_SPECIALTY,
     MEDXPERTQA_BODY_SYSTEM_SPECIALTY,
     MMLU_SUBJECT_SPECIALTY,

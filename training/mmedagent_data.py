@@ -20,26 +20,7 @@ else the benchmark metadata of its question (`gold_specialty_for`), found by que
 in the benchmark files of `data` (the shared data root or its `benchmarks/` folder; default
 ERMEDRAG_SHARED_DATA) and `questions`. Nothing is downloaded.
 
-The mapping table (the paper's seven specialties, `agents.mmedagent.SPECIALTIES`; text benchmarks have no
-triage labels, so these come from each benchmark's own subject metadata):
-
-| benchmark (field) | value | specialty |
-|---|---|---|
-| MedMCQA (`subject`) | Pathology | Pathologist |
-| | Radiology | Radiologist (MedMCQA's Radiology also holds radiotherapy questions) |
-| | Surgery, Orthopaedics | Surgeon (orthopaedic surgery is surgery) |
-| | Ophthalmology | Ophthalmologist |
-| | Skin | Dermatologist |
-| | Anaesthesia, Anatomy, Biochemistry, Dental, ENT, Forensic Medicine, Gynaecology & Obstetrics, Medicine, Microbiology, Pediatrics, Pharmacology, Physiology, Psychiatry, Social & Preventive Medicine, Unknown | None |
-| MedXpertQA (`body_system`) | Endocrine | Endocrinologist |
-| | Integumentary | Dermatologist |
-| | Cardiovascular, Digestive, Lymphatic, Muscular, Nervous, Reproductive, Respiratory, Skeletal, Urinary, Other / NA | None |
-| MMLU-Med (`subject`) | anatomy, clinical_knowledge, college_biology, college_medicine, medical_genetics, professional_medicine | None |
-| any other benchmark (MedQA, PubMedQA, BioASQ, MMLU-Pro, GPQA) | | None |
-
-A value not in the table is None too (a new subject is never mapped by resemblance). None of these sources
-labels an Oncologist case: with the paper's list, triage data has no Oncologist rows unless the runs' inputs
-carried `gold_specialty`.
+The mapping table is `tools.specialties` (its docstring).
 """
 
 from __future__ import annotations
@@ -53,92 +34,21 @@ from typing import Any
 
 from ermedrag.agents import mmedagent as roles
 from ermedrag.agents.base import to_chat
+from ermedrag.tools.specialties import (LABEL_TABLES, LABELLED_BENCHMARKS, MAX_LABEL_CHARS, benchmark_family,
+                                       fold_label, gold_specialty_for, question_field)
 from ermedrag.tools.traces import TraceStore
 from ermedrag.training.export import export_resumable
 
 GRAPH = "mmedagent"
 TRIAGE_DIR = "triage"
 BUCKETS: tuple[roles.Bucket, ...] = ("easy", "medium", "hard")
-MAX_LABEL_CHARS = 200  # a metadata value longer than this is no subject name
-
-MEDMCQA_SUBJECT_SPECIALTY: dict[str, str | None] = {
-    "Pathology": "Pathologist",
-    "Radiology": "Radiologist",
-    "Surgery": "Surgeon",
-    "Orthopaedics": "Surgeon",
-    "Ophthalmology": "Ophthalmologist",
-    "Skin": "Dermatologist",
-    **dict.fromkeys(("Anaesthesia", "Anatomy", "Biochemistry", "Dental", "ENT", "Forensic Medicine",
-                     "Gynaecology & Obstetrics", "Medicine", "Microbiology", "Pediatrics", "Pharmacology",
-                     "Physiology", "Psychiatry", "Social & Preventive Medicine", "Unknown")),
-}
-MEDXPERTQA_BODY_SYSTEM_SPECIALTY: dict[str, str | None] = {
-    "Endocrine": "Endocrinologist",
-    "Integumentary": "Dermatologist",
-    **dict.fromkeys(("Cardiovascular", "Digestive", "Lymphatic", "Muscular", "Nervous", "Reproductive",
-                     "Respiratory", "Skeletal", "Urinary", "Other / NA")),
-}
-MMLU_SUBJECT_SPECIALTY: dict[str, str | None] = dict.fromkeys(
-    ("anatomy", "clinical_knowledge", "college_biology", "college_medicine", "medical_genetics",
-     "professional_medicine"))
-
-# benchmark family → (where its label is: "subject" or a meta key, its table)
-LABEL_TABLES: dict[str, tuple[str, dict[str, str | None]]] = {
-    "medmcqa": ("subject", MEDMCQA_SUBJECT_SPECIALTY),
-    "medxpertqa": ("body_system", MEDXPERTQA_BODY_SYSTEM_SPECIALTY),
-    "mmlu_med": ("subject", MMLU_SUBJECT_SPECIALTY),
-}
-LABELLED_BENCHMARKS = tuple(LABEL_TABLES)  # the benchmarks whose files `--data` is searched in
-
-
-def _fold(text: Any) -> str:
-    return " ".join(str(text or "")[:MAX_LABEL_CHARS].split()).casefold()
-
-
-_FOLDED_TABLES = {family: {_fold(k): v for k, v in table.items()} for family, (_, table) in LABEL_TABLES.items()}
-
-
-def benchmark_family(benchmark: str, source: str = "") -> str | None:
-    """Which table labels a question: by its benchmark name ('medmcqa', or a file stem like 'medmcqa_dev') or,
-    failing that, the `source` field of the shared files ('MedMCQA', 'MedXpertQA-Text', 'MMLU-Med')."""
-    name, src = _fold(benchmark).replace("-", "_"), _fold(source).replace("-", "_")
-    for family, prefixes in (("medmcqa", ("medmcqa",)), ("medxpertqa", ("medxpertqa",)),
-                             ("mmlu_med", ("mmlu_med",))):
-        if name.startswith(prefixes) or src.startswith(prefixes):
-            return family
-    return None
-
-
-def _field(question: Any, name: str) -> Any:
-    """`name` of a `tools.benchmarks.Question` or a dict: the field itself, else the same key of its `meta`."""
-    if isinstance(question, Mapping):
-        value, meta = question.get(name), question.get("meta")
-    else:
-        value, meta = getattr(question, name, None), getattr(question, "meta", None)
-    if value in (None, "") and isinstance(meta, Mapping):
-        value = meta.get(name)
-    return value
-
-
-def gold_specialty_for(question: Any) -> str | None:
-    """The specialty the question's benchmark metadata names (module docstring's table), or None: no table
-    for its benchmark, a value the table maps to None, or a value the table does not know (never guessed).
-    `question`: a `tools.benchmarks.Question` or a dict with `benchmark`, `subject`, `meta`."""
-    family = benchmark_family(str(_field(question, "benchmark") or ""), str(_field(question, "source") or ""))
-    if family is None:
-        return None
-    where, _ = LABEL_TABLES[family]
-    value = _field(question, where)
-    return _FOLDED_TABLES[family].get(_fold(value)) if isinstance(value, str) else None
-
-
 # ---------------------------------------------------------------------------------- labels by question
 
 
 def question_key(question: str, options: Mapping[str, Any] | None) -> tuple[str, frozenset[str]]:
     """A question as a run and a benchmark file both spell it: its text and its option texts (any order: an
     eval may ask with the options permuted), without case or extra spaces."""
-    texts = frozenset(_fold(text) for text in (options or {}).values())
+    texts = frozenset(fold_label(text) for text in (options or {}).values())
     return " ".join(str(question).split()).casefold(), texts
 
 
@@ -155,7 +65,8 @@ def labels_from_questions(questions: Iterable[Any]) -> dict[tuple[str, frozenset
         key = question_key(q.question, q.options)
         family = benchmark_family(q.benchmark, str((q.meta or {}).get("source") or ""))
         field_name = LABEL_TABLES[family][0] if family else "subject"
-        label = Label(gold_specialty_for(q), f"{q.benchmark} {field_name} {str(_field(q, field_name) or '')!r}")
+        value = str(question_field(q, field_name) or "")
+        label = Label(gold_specialty_for(q), f"{q.benchmark} {field_name} {value!r}")
         earlier = found.get(key)
         if earlier is not None and earlier.specialty != label.specialty:
             label = Label(None, f"{earlier.source} and {label.source} disagree"[:MAX_LABEL_CHARS])
