@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ermedrag.evals.panel import panel_section, panel_summary
 from ermedrag.evals.metrics import NEEDS_SAMPLES, number, option_order, summarise
 from ermedrag.evals.runner import RESULTS
 from ermedrag.tools.jsonl import read_records
@@ -557,11 +558,12 @@ def write_report(result_dirs: list[str], out_dir: str | Path, *, trace_db: str |
     bias_text, bias_summary = position_bias(rows)
     if bias_text:
         text += "\n" + bias_text.rstrip("\n") + "\n"
+    text += panel_section(rows, {c.key: c.label for c in comparison.configurations})
     if trace_db:
         text += rag_quality_section(result_dirs, trace_db, corpus_dir, qrels, judge, base_url, out)
     (out / "report.md").write_text(text, encoding="utf-8")
     sums = summaries(main_rows(rows), comparison)
-    record = {**summary_record(comparison, sums, loaded), "position_bias": bias_summary}
+    record = {**summary_record(comparison, sums, loaded), "position_bias": bias_summary, "panel": panel_summary(rows)}
     (out / "summary.json").write_text(json.dumps(record, indent=2, default=str), encoding="utf-8")
     plots = plot_report(rows, out, comparison)
     return {"report": str(out / "report.md"), "plots": [str(p) for p in plots], "rows": len(rows),

@@ -35,6 +35,7 @@ from ermedrag.tools.benchmarks import BadRow, Question, load_benchmark, load_que
 from ermedrag.tools.chat_models import HFChatModel, ModelServerError, hf_generator
 from ermedrag.tools.index import load_encoder
 from ermedrag.tools.retrieval import load_cross_encoder
+from ermedrag.tools.specialties import gold_specialty_for
 from ermedrag.graphs.common import MAX_OPTIONS, chat_model, index_for, parse_bool, retrieval_config
 from ermedrag.graphs.durable import arun_durably, describe_target, durable, open_async_saver, run_config
 from ermedrag.graphs.registry import context_fields, graph_spec, load_graph, resolved_settings
@@ -224,8 +225,32 @@ def result_row(config: EvalConfig, asking: Asking, state: dict[str, Any], store:
         "extracted": bool(answer.get("extracted")), "correct": chosen == question.answer,
         "error": answer.get("error"),
         "run_id": state.get("run_id"), "timings": state.get("timings", {}), "seconds": seconds,
-        **token_stats(events), **call_seconds(events),
+        **token_stats(events), **call_seconds(events), **panel_fields(state, asking),
     }
+
+
+def panel_inputs(graph_inputs: set[str], question: Question) -> dict[str, Any]:
+    """A panel graph's extra input: the question's specialty from its benchmark metadata (`tools.specialties`),
+    the triage's gold label; nothing for a graph without that input or a question no table labels."""
+    specialty = gold_specialty_for(question) if "gold_specialty" in graph_inputs else None
+    return {"gold_specialty": specialty} if specialty else {}
+
+
+def panel_fields(state: Mapping[str, Any], asking: Asking) -> dict[str, Any]:
+    """A panel graph's (`mmedagent`) row fields: the specialty triage chose and whether it was the gold one
+    (None when no gold specialty is known), the curriculum bucket, and the specialists' majority answer (in the
+    question's own keys) and whether it was right: the majority-vote baseline, from the same run."""
+    if "specialty" not in state:
+        return {}
+    keys = list(asking.question.options or {})
+    majority = state.get("majority")
+    majority = original_key(keys, majority, asking.order) if keys else majority
+    gold_specialty = gold_specialty_for(asking.question)
+    return {"specialty": state.get("specialty"), "gold_specialty": gold_specialty,
+            "triage_correct": None if gold_specialty is None else state.get("specialty") == gold_specialty,
+            "triage_fell_back": bool((state.get("triage") or {}).get("fell_back")), "bucket": state.get("bucket"),
+            "majority": majority, "majority_correct": majority is not None and majority == asking.question.answer,
+            "followed_majority": state.get("followed_majority")}
 
 
 @dataclass
@@ -337,6 +362,7 @@ async def _answer_config(config: EvalConfig, questions: list[Question], out_dir:
                          bar: Progress, *, concurrency: int, base_url: str | None, trace_db: str | None,
                          permute_options: int) -> Outcome:
     graph = durable(load_graph(config.system), saver)
+    graph_inputs = set(graph.get_input_jsonschema().get("properties", {}))
     trace_db = trace_db or default_trace_db()
     store = TraceStore(trace_db)
     context = config.context(base_url, trace_db)
@@ -362,7 +388,7 @@ async def _answer_config(config: EvalConfig, questions: list[Question], out_dir:
             # The run id is new on a fresh start and kept in the checkpoint on a resume (the trace run continues).
             # The gold is the letter it stands at in this order: the trace (training data) matches what was asked.
             inputs = {"question": question.question, "options": asking.options, "gold": asking.shown_gold,
-                      "run_id": uuid.uuid4().hex}
+                      "run_id": uuid.uuid4().hex, **panel_inputs(graph_inputs, question)}
             try:
                 state = await arun_durably(graph, run_config(thread_id, config.system, context), inputs, context)
             except Exception as err:  # noqa: BLE001 - recorded, continued from its checkpoint on the next run
