@@ -16,8 +16,8 @@ from ermedrag.agents import respondent
 from ermedrag.tools.agent_calls import call_agent
 
 from ermedrag.tools.chat_models import (DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_RETRIES, DEFAULT_MODEL,
-                                        DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_BACKOFF_S, ServerPolicy,
-                                        load_chat_model)
+                                        DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_BACKOFF_S, ModelServerError,
+                                        ServerPolicy, load_chat_model)
 from ermedrag.tools.index import Index, cached_index
 from ermedrag.tools.retrieval import COARSE_K, DEFAULT_CONFIG, SNIPPETS_K, RetrievalConfig, retrieval_settings
 from ermedrag.tools.retrieval import retrieve as retrieve_snippets
@@ -280,14 +280,26 @@ def extract_if_unparsed(state: Mapping[str, Any], ctx: Context, model_spec: str,
     options = state.get("options")
     if reply["ok"] or not options or not ctx.answer_extraction:
         return reply
-    extracted, _ = record_call(
-        ctx, model_spec, respondent.EXTRACTION_MAX_NEW_TOKENS,
-        respondent.extraction_messages(state["question"], options, reasoning),
-        lambda completion: respondent.parse_extracted(completion, options, reply),
-        agent="answer_extractor", node="extract_answer", run_id=state["run_id"], gold=state.get("gold"),
-        stop=respondent.STOP, inputs={"question": state["question"], "options": options, "reasoning": reasoning},
-    )
+    try:
+        extracted, _ = record_call(
+            ctx, model_spec, respondent.EXTRACTION_MAX_NEW_TOKENS,
+            respondent.extraction_messages(state["question"], options, reasoning),
+            lambda completion: respondent.parse_extracted(completion, options, reply),
+            agent="answer_extractor", node="extract_answer", run_id=state["run_id"], gold=state.get("gold"),
+            stop=respondent.STOP, inputs={"question": state["question"], "options": options, "reasoning": reasoning},
+        )
+    except ModelServerError as err:
+        if err.cause not in REQUEST_REJECTED:
+            raise
+        # A server that takes no continued assistant turn (only vLLM's takes `continue_final_message`): the reply
+        # stands, unparsed, and says why it was not read back; the run finishes (finish_run clears the mark).
+        return {**reply, "extracted": False, "error": f"{reply['error']}; answer extraction: the server refused "
+                f"the request ({err.cause}; it continues an assistant turn, which vLLM's server supports): "
+                "set answer_extraction=false for this server"}
     return extracted
+
+
+REQUEST_REJECTED = ("http_4xx:400", "http_4xx:422")  # a server refusing the request's shape, not failing
 
 
 def respond_with(state: Mapping[str, Any], ctx: Context, evidence: str) -> dict[str, Any]:

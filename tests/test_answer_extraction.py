@@ -3,6 +3,10 @@ every graph, recorded as its own call, and never counted as well formed."""
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 
 from ermedrag.agents import respondent
@@ -76,3 +80,45 @@ def test_parse_extracted_reads_only_the_letter():
     assert respondent.parse_extracted("B</answer>", {"A": "x", "B": "y"}, reply)["answer"] == "B"
     failed = respondent.parse_extracted("</answer>", {"A": "x", "B": "y"}, reply)
     assert failed["answer"] is None and failed["error"].startswith("answer 'zzz' matches no option")
+
+
+class _NoContinuationServer(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server that answers off-option and, like `transformers serve`, rejects a request
+    asking it to continue the assistant's turn (HTTP 422)."""
+
+    def do_POST(self):  # noqa: N802 - the http.server hook's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body.get("continue_final_message"):
+            self._send(422, {"error": {"message": "Unexpected fields: continue_final_message"}})
+            return
+        content = "<think>Metformin lowers hepatic glucose output.</think><answer>the biguanide one</answer>"
+        self._send(200, {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": content}}],
+                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    def _send(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_that_refuses_continuation_leaves_the_reply_and_says_why(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoContinuationServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        context = {"respondent_model": "openai:x", "base_url": f"http://127.0.0.1:{server.server_port}/v1",
+                   "trace_db": str(tmp_path / "t.sqlite"), "max_retries": 0}
+        state = load_graph("cot").invoke(QUESTION, context=context)
+    finally:
+        server.shutdown()
+    answer = state["answer"]
+    assert answer["answer"] is None and not answer["ok"] and "answer extraction: the server refused" in answer["error"]
+    run = TraceStore(str(tmp_path / "t.sqlite")).run(state["run_id"])
+    assert run["status"] == "finished" and run["error"] is None
