@@ -31,6 +31,45 @@ def chat_messages(system: str, user: str, example: tuple[str, str] | None = None
     return [SystemMessage(content=system), *shot, HumanMessage(content=user)]
 
 
+# Images travel in a message as OpenAI-style content blocks holding the *reference* (a file path, an http(s)
+# URL or a data URI: `tools.images`), placed before the text of the turn that asks about them. Each backend turns
+# a reference into what its model reads (a data URI for a server, pixels for an in-process model); `message.text`
+# stays the text alone, so every text reader (parsers, scripted models, token counts) is unchanged.
+IMAGE_BLOCK_TYPE = "image_url"
+MAX_IMAGE_BLOCKS = 64  # what `message_images` reads of one message's content list
+
+
+def image_block(reference: str) -> dict[str, Any]:
+    return {"type": IMAGE_BLOCK_TYPE, "image_url": {"url": reference}}
+
+
+def with_images(messages: list[BaseMessage], images: Iterable[str]) -> list[BaseMessage]:
+    """`messages` with `images` attached to the last human turn (the case itself, not a worked example's)."""
+    blocks = [image_block(ref) for ref in images]
+    if not blocks:
+        return messages
+    last = max((i for i, m in enumerate(messages) if m.type == "human"), default=None)
+    if last is None:
+        raise ValueError("images need a human turn to attach to")
+    text_block = {"type": "text", "text": messages[last].text}
+    return [*messages[:last], HumanMessage(content=[*blocks, text_block]), *messages[last + 1:]]
+
+
+def message_images(message: BaseMessage) -> list[str]:
+    """The image references of a message's content blocks, in order (none for plain-text content)."""
+    content = message.content
+    if not isinstance(content, list):
+        return []
+    references = []
+    for block in content[:MAX_IMAGE_BLOCKS]:
+        if isinstance(block, dict) and block.get("type") == IMAGE_BLOCK_TYPE:
+            url = block.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if isinstance(url, str):
+                references.append(url)
+    return references
+
+
 # The one mapping between LangChain's message types (also the roles traces record) and the chat roles of
 # TRL datasets and chat templates.
 CHAT_ROLES = {"system": "system", "human": "user", "ai": "assistant"}

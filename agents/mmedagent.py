@@ -22,7 +22,7 @@ from typing import Literal
 from typing_extensions import TypedDict  # pydantic (Studio's schemas) rejects typing.TypedDict on Python < 3.12
 
 from ermedrag.agents import respondent
-from ermedrag.agents.base import chat_messages, clip, fold_case
+from ermedrag.agents.base import chat_messages, clip, fold_case, with_images
 from ermedrag.agents.markup import defuse, quote, rotated_example_key
 from ermedrag.agents.respondent import Answer, example_options, format_options, parse_answer
 
@@ -152,10 +152,12 @@ def triage_example(question: str, specialties: Sequence[str]) -> tuple[str, str]
             f"<answer>{specialty}</answer>")
 
 
-def triage_messages(question: str, options: dict[str, str] | None, specialties: Sequence[str]) -> list:
-    """The triage doctor's conversation: the specialty list in the system prompt, the case (defused) as input."""
+def triage_messages(question: str, options: dict[str, str] | None, specialties: Sequence[str],
+                    images: Sequence[str] = ()) -> list:
+    """The triage doctor's conversation: the specialty list in the system prompt, the case (defused) as input,
+    with the case's images (references: `agents.base.with_images`) in the case's turn."""
     system = TRIAGE_SYSTEM_PROMPT.format(specialties=", ".join(quote(s, MAX_SPECIALTY_CHARS) for s in specialties))
-    return chat_messages(system, _case(question, options), triage_example(question, specialties))
+    return with_images(chat_messages(system, _case(question, options), triage_example(question, specialties)), images)
 
 
 def _case(question: str, options: dict[str, str] | None) -> str:
@@ -210,16 +212,16 @@ MAX_OPINION_REASONING_CHARS = 400  # what the attending reads of one specialist'
 
 
 def specialist_messages(specialty: str, question: str, options: dict[str, str] | None,
-                        evidence: str | None = None) -> list:
+                        evidence: str | None = None, images: Sequence[str] = ()) -> list:
     """The respondent's conversation (its template and its rotated worked example, which does not lead) under
     a specialist's system prompt. Every specialist of a case gets exactly these messages: they differ only by
-    sampling (at temperature 0 they agree)."""
+    sampling (at temperature 0 they agree). The case's images go with the case."""
     from langchain_core.messages import SystemMessage
 
     name = quote(specialty, MAX_SPECIALTY_CHARS)
     system = SPECIALIST_SYSTEM_PROMPT.format(article="an" if name[:1].lower() in "aeiou" else "a", specialty=name)
     messages = respondent.build_messages(defuse(question), _defused_options(options), evidence or NO_RETRIEVAL)
-    return [SystemMessage(content=system), *messages[1:]]
+    return with_images([SystemMessage(content=system), *messages[1:]], images)
 
 
 def _defused_options(options: dict[str, str] | None) -> dict[str, str] | None:
@@ -303,11 +305,13 @@ def render_opinions(opinions: Sequence[Opinion]) -> str:
     return "\n".join(lines)
 
 
-def attending_messages(question: str, options: dict[str, str] | None, opinions: Sequence[Opinion]) -> list:
-    """The attending's conversation: the case and the opinions (all defused), after its worked example."""
+def attending_messages(question: str, options: dict[str, str] | None, opinions: Sequence[Opinion],
+                       images: Sequence[str] = ()) -> list:
+    """The attending's conversation: the case and the opinions (all defused), after its worked example; the
+    case's images go with the case."""
     user = ATTENDING_TEMPLATE.format(question=defuse(clip(question)), options=format_options(_defused_options(options)),
                                      opinions=render_opinions(opinions))
-    return chat_messages(ATTENDING_SYSTEM_PROMPT, user, attending_example(question, options))
+    return with_images(chat_messages(ATTENDING_SYSTEM_PROMPT, user, attending_example(question, options)), images)
 
 
 # ----------------------------------------------------------------------------------- statistics of a run

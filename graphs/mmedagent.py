@@ -12,7 +12,12 @@ question's evidence is retrieved once (ER-MedRAG's retrieval, recorded) and ever
     graph.invoke({"question": "...", "options": {"A": "...", "B": "..."}, "gold": "B"},
                  context={"respondent_model": "openai:Qwen/Qwen3-8B", "n_specialists": 3})
 
-Text only for now: an input with `images` is refused (a vision-language backend comes later).
+Images: the input's `images` (file paths, http(s) URLs or data URIs; at most 8) are checked in `intake` and go,
+as references, to every role: the triage doctor, each specialist and the attending see them with the case. Every
+role's model must be able to see (`tools.chat_models.require_image_support`): one that cannot (a text-only hf
+model, offline:gemma3-270m, a scripted model without `?vision=1`, openai: with ERMEDRAG_OPENAI_VISION=0) refuses
+the question in `intake`, naming the role's context field, before a run is opened or any weights load. Traces keep
+the images as references with their sha256, never the pixels.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from ermedrag.agents.respondent import Answer, parse_answer, render_snippets
 from ermedrag.graphs.common import (Context, begin_run, env, env_bool, env_int, extract_if_unparsed, record_call,
                                    retrieve_evidence, trace_store)
 from ermedrag.graphs.er_medrag import InputState
+from ermedrag.tools.chat_models import require_image_support
+from ermedrag.tools.images import validate_images
 
 GRAPH_NAME = "mmedagent"
 
@@ -109,7 +116,7 @@ def role_model(ctx: MMedAgentContext, spec: str) -> str:
 
 class MMedAgentInput(InputState, total=False):
     gold_specialty: str | None  # the case's specialty, when known: the oracle triage and the triage's gold label
-    images: list[str] | None  # not supported yet: refused
+    images: list[str] | None  # file paths, http(s) URLs or data:image/...;base64 URIs (at most 8): every role sees them
 
 
 class AttendingSample(TypedDict):
@@ -150,6 +157,7 @@ class SpecialistTask(TypedDict):
     specialty: str
     specialist: int
     evidence: str | None
+    images: list[str]
 
 
 class AttendingTask(TypedDict):
@@ -159,23 +167,37 @@ class AttendingTask(TypedDict):
     gold: str | None
     opinions: list[Opinion]
     sample: int
+    images: list[str]
 
 
-def _check_extra_input(state: State) -> None:
-    images = state.get("images")
-    if images is not None and not isinstance(images, list):
-        raise ValueError(f"input 'images' must be a list of strings, got {type(images).__name__}")
-    if images:
-        raise ValueError("input 'images': the mmedagent graph answers text only for now; send the question "
-                         "without images")
+def _check_extra_input(state: State) -> list[str]:
+    """The input's images (checked: `tools.images.validate_images`); a ValueError naming the field otherwise."""
     gold_specialty = state.get("gold_specialty")
     if gold_specialty is not None and not isinstance(gold_specialty, str):
         raise ValueError(f"input 'gold_specialty' must be a string, got {type(gold_specialty).__name__}")
+    return validate_images(state.get("images"))
+
+
+def seeing_roles(ctx: MMedAgentContext) -> list[tuple[str, str, str]]:
+    """(role, context field, model spec) of every role whose model is shown the images: the triage doctor (when
+    a model triages), the specialists, the attending. An empty role field means respondent_model."""
+    roles_fields = [("specialist", "specialist_model"), ("attending", "attending_model")]
+    if ctx.triage_mode.strip().partition(":")[0] == "model":
+        roles_fields.insert(0, ("triage doctor", "triage_model"))
+    return [(role, field if getattr(ctx, field) else "respondent_model", role_model(ctx, getattr(ctx, field)))
+            for role, field in roles_fields]
+
+
+def check_models_see(ctx: MMedAgentContext, images: list[str]) -> None:
+    """Every role that will be shown the images can see them, or an error naming the role's field and model."""
+    for role, field, spec in seeing_roles(ctx):
+        require_image_support(spec, images, who=f"input 'images': the {role}'s ", setting=f"context field {field!r}")
 
 
 def intake(state: State, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]:
-    _check_extra_input(state)
-    return begin_run(state, runtime.context, GRAPH_NAME)
+    images = _check_extra_input(state)
+    check_models_see(runtime.context, images)
+    return begin_run(state, runtime.context, GRAPH_NAME) | {"images": images}
 
 
 def after_intake(state: State, runtime: Runtime[MMedAgentContext]) -> Literal["retrieve", "triage"]:
@@ -200,7 +222,7 @@ def triage(state: State, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]:
     else:
         chosen, _ = record_call(
             ctx, role_model(ctx, ctx.triage_model), ctx.triage_max_new_tokens,
-            roles.triage_messages(state["question"], state.get("options"), known),
+            roles.triage_messages(state["question"], state.get("options"), known, state.get("images") or []),
             lambda completion: roles.parse_triage(completion, known, fallback),
             agent="triage", node="triage", run_id=state["run_id"], gold=state.get("gold_specialty"),
             stop=roles.STOP, inputs={"question": state["question"], "options": state.get("options"),
@@ -214,7 +236,8 @@ def consult_specialists(state: State, runtime: Runtime[MMedAgentContext]) -> lis
     return [
         Send("specialist", SpecialistTask(run_id=state["run_id"], question=state["question"],
                                           options=state.get("options"), gold=state.get("gold"),
-                                          specialty=state["specialty"], specialist=i, evidence=state.get("evidence")))
+                                          specialty=state["specialty"], specialist=i, evidence=state.get("evidence"),
+                                          images=state.get("images") or []))
         for i in range(1, runtime.context.n_specialists + 1)
     ]
 
@@ -225,7 +248,7 @@ def specialist(task: SpecialistTask, runtime: Runtime[MMedAgentContext]) -> dict
     options = task["options"]
     reply, _ = record_call(
         ctx, model, ctx.specialist_max_new_tokens,
-        roles.specialist_messages(task["specialty"], task["question"], options, task["evidence"]),
+        roles.specialist_messages(task["specialty"], task["question"], options, task["evidence"], task["images"]),
         lambda completion: parse_answer(completion, options),
         agent="specialist", node="specialist", run_id=task["run_id"], gold=task["gold"], stop=roles.STOP,
         inputs={"question": task["question"], "options": options, "specialty": task["specialty"],
@@ -248,7 +271,8 @@ def consult_attending(state: State, runtime: Runtime[MMedAgentContext]) -> list[
     return [
         Send("attending", AttendingTask(run_id=state["run_id"], question=state["question"],
                                         options=state.get("options"), gold=state.get("gold"),
-                                        opinions=state.get("opinions", []), sample=j))
+                                        opinions=state.get("opinions", []), sample=j,
+                                        images=state.get("images") or []))
         for j in range(runtime.context.attending_samples)
     ]
 
@@ -259,7 +283,7 @@ def attending(task: AttendingTask, runtime: Runtime[MMedAgentContext]) -> dict[s
     options = task["options"]
     reply, _ = record_call(
         ctx, model, ctx.attending_max_new_tokens,
-        roles.attending_messages(task["question"], options, task["opinions"]),
+        roles.attending_messages(task["question"], options, task["opinions"], task["images"]),
         lambda completion: parse_answer(completion, options),
         agent="attending", node="attending", run_id=task["run_id"], gold=task["gold"], stop=roles.STOP,
         inputs={"question": task["question"], "options": options, "opinions": task["opinions"],

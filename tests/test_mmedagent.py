@@ -179,14 +179,25 @@ def test_bad_context_values_are_refused_with_the_field_named(field, value, tmp_p
                      context={"respondent_model": PANEL, "trace_db": str(tmp_path / "t.sqlite"), field: value})
 
 
-def test_images_are_refused_for_now(tmp_path):
+def test_images_reach_every_role_or_are_refused_before_the_run(tmp_path):
+    from PIL import Image
+
+    xray = tmp_path / "xray.png"
+    Image.new("L", (8, 8), 128).save(xray)
     ctx = {"respondent_model": PANEL, "trace_db": str(tmp_path / "t.sqlite")}
-    with pytest.raises(ValueError, match="'images'"):
-        graph.invoke({"question": "What does the X-ray show?", "options": OPTIONS, "images": ["xray.png"]},
-                     context=ctx)
+    question = {"question": "What does the X-ray show? #answers=A", "options": OPTIONS}
+    with pytest.raises(ValueError, match="'images' item 1.*no such file"):
+        graph.invoke({**question, "images": [str(tmp_path / "missing.png")]}, context=ctx)
+    with pytest.raises(ValueError, match="'images'.*scripted:tests.scripted_panel cannot see images"):
+        graph.invoke({**question, "images": [str(xray)]}, context=ctx)  # a model that does not declare vision
     assert TraceStore(ctx["trace_db"]).runs() == []  # refused before a run was opened
-    state = graph.invoke({"question": "q? #answers=A", "options": OPTIONS, "images": []}, context=ctx)
-    assert state["answer"]["answer"] == "A"
+    assert graph.invoke({**question, "images": []}, context=ctx)["answer"]["answer"] == "A"
+    state = graph.invoke({**question, "images": [str(xray)]}, context={**ctx, "respondent_model": PANEL + "?vision=1"})
+    events = list(TraceStore(ctx["trace_db"]).events(run_id=state["run_id"]))
+    assert Counter(e["agent"] for e in events) == {"triage": 1, "specialist": 3, "attending": 1}
+    for event in events:  # the case's turn carries the image (as a reference), the worked example's does not
+        assert event["messages"][-1]["images"][0]["ref"] == str(xray)
+        assert not any("images" in m for m in event["messages"][:-1])
 
 
 def test_studio_schemas():

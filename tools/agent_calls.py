@@ -10,6 +10,7 @@ from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import BaseMessage
 
 from ermedrag.tools.chat_models import continuation_kwargs, model_name
+from ermedrag.tools.images import recorded_message
 from ermedrag.tools.traces import TraceEvent
 
 Parsed = TypeVar("Parsed")
@@ -51,7 +52,7 @@ def call_agent(
         agent=agent,
         model=sampling.get("model") or model_name(model),
         sampling=sampling,
-        messages=[{"role": m.type, "content": m.text} for m in messages],
+        messages=[recorded_message(m) for m in messages],  # images as references and hashes, never pixels
         completion=completion,
         parsed=parsed,
         usage=dict(reply.usage_metadata) if reply.usage_metadata else None,

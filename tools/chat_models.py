@@ -6,7 +6,8 @@
                                                           (timeout_s, connect_timeout_s, max_retries, retry_backoff_s)
     load_chat_model("vllm:Qwen/Qwen3-8B")                in-process vLLM on a GPU
     load_chat_model("scripted:ermedrag.agents.scripted")          a scripted reply function, for graph-wiring tests only
-                                                          (`?delay=0.5` makes each reply take that long)
+                                                          (`?delay=0.5` makes each reply take that long,
+                                                          `?vision=1` makes it accept images)
 
 Every backend puts token usage in `AIMessage.usage_metadata`. The hf backend also reports, per generated
 token, its log-probability and the entropy of the full next-token distribution in
@@ -19,6 +20,19 @@ Every failure of a model *server* (openai:) — refused, timed out, an HTTP erro
 a chat completion, a connection dropped mid-response — is raised as one `ModelServerError` with a one-line
 message naming the URL, what went wrong and the setting to change; retries (exponential backoff) happen here,
 once, not in the OpenAI client. The in-process backends (hf, offline, vllm, scripted) are not servers.
+
+Images: a human message may carry image references (`agents.base.with_images`: file paths, http(s) URLs, data
+URIs). Which models see them is declared, and checked before any weights load (`require_image_support`):
+  openai:   assumed to see images (the paper's specialists are GPT-4o-class); files are sent as base64 data URIs
+            in `image_url` content blocks, URLs as they are. ERMEDRAG_OPENAI_VISION=0 declares the server's
+            model text-only, so images are refused here instead of by the server (an HTTP 400).
+  hf:       a model whose config has a vision tower (`vision_config`: LLaVA, Qwen2-VL, Gemma 3, Idefics3...)
+            runs through its AutoProcessor (chat template with image entries, pixel_values to generate), one
+            call at a time; files and data URIs only (this process never fetches a URL).
+  offline:  text only (Gemma 3 270M). vllm: text only (serve a VLM with `vllm serve` and use openai:).
+  scripted: only with `?vision=1` in the spec or `ACCEPTS_IMAGES = True` in its module.
+A model that cannot see refuses images with `ImagesNotSupportedError` naming the model and the fix; an image is
+never dropped silently.
 """
 
 from __future__ import annotations
@@ -36,14 +50,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr
+from ermedrag.agents.base import image_block, message_images
 from ermedrag.tools.cache import shared_resource
-from ermedrag.tools.hf_batching import BatchingGenerator, GenerationParams
+from ermedrag.tools.hf_batching import BatchingGenerator, GenerationParams, Generated, StepStatistics
+from ermedrag.tools.images import as_pil, as_url, env_flag, images_in, is_url
 
 PROVIDERS = ("hf", "offline", "openai", "vllm", "scripted")
 DEFAULT_MODEL = "offline:gemma3-270m"
@@ -99,9 +115,94 @@ def load_chat_model(
         return _openai_chat_model(name, base_url, logprobs, policy, **sampling)
     if provider == "vllm":
         return VLLMChatModel(model_path=name, spec=spec, **sampling)
-    module_name, _, delay = name.partition("?delay=")  # e.g. scripted:ermedrag.agents.scripted?delay=0.5
+    module_name, options = _scripted_options(spec, name)  # e.g. scripted:ermedrag.agents.scripted?delay=0.5
     module = importlib.import_module(module_name)
-    return ScriptedChatModel(reply=module.reply, delay_s=float(delay) if delay else delay_s, spec=spec)
+    vision = options.get("vision", "1" if getattr(module, "ACCEPTS_IMAGES", False) else "0") == "1"
+    return ScriptedChatModel(reply=module.reply, delay_s=float(options.get("delay", delay_s)), spec=spec,
+                             accepts_images=vision)
+
+
+SCRIPTED_OPTIONS = ("delay", "vision")
+
+
+def _scripted_options(spec: str, name: str) -> tuple[str, dict[str, str]]:
+    """A scripted spec's module and its `?key=value&...` options (delay: seconds, vision: 0 or 1)."""
+    module_name, _, query = name.partition("?")
+    options: dict[str, str] = {}
+    for pair in query.split("&")[: len(SCRIPTED_OPTIONS) + 1] if query else []:
+        key, _, value = pair.partition("=")
+        if key not in SCRIPTED_OPTIONS or (key == "vision" and value not in ("0", "1")):
+            raise ModelSpecError(f"scripted model {spec!r}: unknown option {pair!r}; use ?delay=SECONDS and/or "
+                                 "&vision=0|1")
+        options[key] = value
+    return module_name, options
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+
+class ImagesNotSupportedError(ValueError):
+    """Images sent to (or configured for) a model that cannot see them. Raised before any weights load."""
+
+
+OPENAI_VISION_ENV = "ERMEDRAG_OPENAI_VISION"
+VLM_CHOICES = ("hf:<a vision-language model's folder or hub id, e.g. Qwen/Qwen2-VL-2B-Instruct>, or openai:<model> on "
+               "a server whose model takes images")
+IMAGE_FIX = f"use a vision-language model ({VLM_CHOICES}), or send the question without images"
+
+
+def openai_accepts_images() -> bool:
+    """Whether openai: models are taken to see images: yes unless ERMEDRAG_OPENAI_VISION says false."""
+    return env_flag(OPENAI_VISION_ENV, True)
+
+
+@functools.lru_cache(maxsize=32)
+def hf_accepts_images(model_path: str) -> bool:
+    """Whether the transformers model at `model_path` is a vision-language model: its config (config.json
+    only, no weights) has a vision tower. A GGUF file loads as a text-only model."""
+    if model_path.endswith(".gguf"):
+        return False
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
+
+
+def image_support_problem(spec: str, images: Sequence[str] = ()) -> str | None:
+    """None when the model named by `spec` can take `images`, else why not (a phrase). Decided from what the
+    model declares (its provider, config or spec), never by loading it."""
+    provider, name = parse_model_spec(spec)
+    if provider == "offline":
+        return "it is a text-only model (the packaged Gemma 3 270M)"
+    if provider == "vllm":
+        return ("the in-process vllm: backend takes text only (serve the model with `vllm serve` and use "
+                f"openai:{name} with --base-url)")
+    if provider == "openai":
+        return None if openai_accepts_images() else f"it is declared text-only ({OPENAI_VISION_ENV}=0)"
+    if provider == "scripted":
+        module_name, options = _scripted_options(spec, name)
+        declared = options.get("vision")
+        if declared is None:
+            declared = "1" if getattr(importlib.import_module(module_name), "ACCEPTS_IMAGES", False) else "0"
+        return None if declared == "1" else "it is a scripted model that does not declare vision (add ?vision=1)"
+    if not hf_accepts_images(name):
+        return "it is a text-only model (its config has no vision tower)"
+    urls = [ref for ref in images if is_url(ref)]
+    if urls:
+        return (f"the hf backend reads image files and data URIs, never URLs ({urls[0][:80]!r}): download the image "
+                "and give its path")
+    return None
+
+
+def require_image_support(spec: str, images: Sequence[str], who: str = "", setting: str = "") -> None:
+    """Raise `ImagesNotSupportedError` (naming `who`, the model, and the `setting` that changes it) unless
+    `spec`'s model takes `images`."""
+    if not images:
+        return
+    problem = image_support_problem(spec, images)
+    if problem:
+        fix = (f"set {setting} to a vision-language model ({VLM_CHOICES}), or send the question without images"
+               if setting else IMAGE_FIX)
+        raise ImagesNotSupportedError(f"{who}model {spec} cannot see images: {problem}; {fix}")
 
 
 def model_name(model: BaseChatModel) -> str:
@@ -286,6 +387,18 @@ def server_chat_model_class() -> type[BaseChatModel]:
     class ServerChatModel(ChatOpenAI):
         spec: str = ""
         policy: ServerPolicy = Field(default_factory=ServerPolicy)
+        accepts_images: bool = Field(default_factory=openai_accepts_images)
+
+        def _for_server(self, messages: list[BaseMessage]) -> list[BaseMessage]:
+            """The messages as the server gets them: each image block's file read into a base64 data URI (URLs
+            and data URIs as they are). Once per call, before the retries; refused when the model cannot see."""
+            if not images_in(messages):
+                return messages
+            spec = self.spec or f"openai:{self.model_name}"
+            if not self.accepts_images:
+                raise ImagesNotSupportedError(f"model {spec} cannot see images: it is declared text-only "
+                                              f"({OPENAI_VISION_ENV}=0); {IMAGE_FIX}")
+            return [_with_image_urls(m) for m in messages]
 
         def server_error(self, err: BaseException, attempts: int) -> ModelServerError:
             cause, detail = classify_server_failure(err)
@@ -323,14 +436,17 @@ def server_chat_model_class() -> type[BaseChatModel]:
             raise AssertionError("unreachable: the last attempt returns or raises")
 
         def _generate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
+            messages = self._for_server(messages)
             return self._retrying(functools.partial(super()._generate, messages, stop, run_manager, **kwargs))
 
         async def _agenerate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
+            messages = self._for_server(messages)
             return await self._aretrying(functools.partial(super()._agenerate, messages, stop, run_manager, **kwargs))
 
         def _stream(self, messages, stop=None, run_manager=None, **kwargs) -> Iterator[Any]:
             """Streamed calls (LangGraph's "messages" stream mode): retried only before the first chunk."""
             parent = super()._stream
+            messages = self._for_server(messages)
             for attempt in range(1, self.policy.max_retries + 2):
                 streamed = False
                 try:
@@ -348,6 +464,7 @@ def server_chat_model_class() -> type[BaseChatModel]:
 
         async def _astream(self, messages, stop=None, run_manager=None, **kwargs) -> AsyncIterator[Any]:
             parent = super()._astream
+            messages = self._for_server(messages)
             for attempt in range(1, self.policy.max_retries + 2):
                 streamed = False
                 try:
@@ -404,6 +521,20 @@ def _openai_chat_model(
     if logprobs:
         kwargs["logprobs"] = True
     return server_chat_model_class()(**kwargs)
+
+
+def _with_image_urls(message: BaseMessage) -> BaseMessage:
+    """`message` with each image block's reference replaced by what a server can read (`tools.images.as_url`)."""
+    if not message_images(message):
+        return message
+    content = [image_block(as_url(_block_url(block))) if isinstance(block, dict) and block.get("type") == "image_url"
+               else block for block in message.content]
+    return message.model_copy(update={"content": content})
+
+
+def _block_url(block: dict[str, Any]) -> str:
+    url = block.get("image_url")
+    return str(url.get("url") if isinstance(url, dict) else url)
 
 
 # -------------------------------------------------------------------------------------------------- hf
@@ -525,6 +656,111 @@ def hf_generator(model_path: str, device: str = "cpu") -> BatchingGenerator:
     return BatchingGenerator(tokenizer, model, device, max_batch=int(os.environ.get("ERMEDRAG_HF_MAX_BATCH", 8)))
 
 
+@shared_resource(maxsize=2)
+def load_hf_vision_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
+    """Load (processor, model) of a vision-language model once per process (AutoProcessor and
+    AutoModelForImageTextToText), saying so on stderr like `load_hf_model`."""
+    import torch
+
+    threads = os.environ.get("ERMEDRAG_TORCH_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    print(f"loading vision-language model hf:{model_path} on {device} ({str(dtype).removeprefix('torch.')}, "
+          f"{torch.get_num_threads()} torch threads) …", file=sys.stderr, flush=True)
+    return_large_blocks_to_the_os()
+    with quiet_model_loading():
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        processor = AutoProcessor.from_pretrained(model_path)
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return processor, model
+
+
+@shared_resource(maxsize=2)
+def hf_vision_generator(model_path: str, device: str = "cpu") -> VisionGenerator:
+    processor, model = load_hf_vision_model(model_path, device)
+    return VisionGenerator(processor, model, device)
+
+
+class VisionGenerator:
+    """One vision-language model, one call at a time: a prompt's images become pixel_values of their own (and a
+    processor-specific number of image tokens), so these calls are not micro-batched like token ids are."""
+
+    def __init__(self, processor: Any, model: Any, device: str):
+        self.processor, self.model, self.device = processor, model, device
+        self.tokenizer = processor.tokenizer
+        self._lock = threading.Lock()
+
+    def generate(self, conversation: list[dict[str, Any]], flags: dict[str, bool], params: GenerationParams
+                 ) -> tuple[Generated, dict[str, Any]]:
+        """The completion of `conversation` (processor chat-template format: content lists of text and image
+        entries) and what the model was given (prompt tokens, image count, pixel_values shape, image tokens)."""
+        import torch
+        from transformers import LogitsProcessorList
+
+        submitted = time.perf_counter()
+        with self._lock:
+            started = time.perf_counter()
+            inputs = self.processor.apply_chat_template(conversation, tokenize=True, return_dict=True,
+                                                        return_tensors="pt", **flags)
+            inputs = inputs.to(self.device, dtype=self.model.dtype)  # casts only the floating tensors (pixels)
+            stats = StepStatistics()
+            gen: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
+                                       logits_processor=LogitsProcessorList([stats]), return_dict_in_generate=False,
+                                       pad_token_id=self.tokenizer.pad_token_id)
+            if params.temperature > 0:
+                gen.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+            if params.stop:
+                gen.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            with torch.inference_mode():
+                sequences = self.model.generate(**inputs, **gen)
+            width = inputs["input_ids"].shape[1]
+            new = sequences[:, width:]
+            chosen, entropy = stats.finish(new)
+            finished = time.perf_counter()
+        generated = self._completion(new[0].tolist(), chosen[0], entropy[0])
+        generated.queue_s, generated.compute_s = started - submitted, finished - started
+        return generated, self._seen(inputs, conversation)
+
+    def _completion(self, ids: list[int], logprobs: list[float], entropies: list[float]) -> Generated:
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos])
+        end = next((i + 1 for i, token in enumerate(ids) if token in eos_ids), None)
+        hit_eos = end is not None
+        end = len(ids) if end is None else end
+        return Generated(token_ids=ids[:end], hit_eos=hit_eos,
+                         logprobs=[{"token": self.tokenizer.decode([t]), "logprob": lp, "entropy": h}
+                                   for t, lp, h in zip(ids[:end], logprobs, entropies)])
+
+    def _seen(self, inputs: Any, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+        """What reached the model: observable in the reply's metadata (and the tests)."""
+        image_token = getattr(self.model.config, "image_token_id", None)
+        if image_token is None:
+            image_token = getattr(self.model.config, "image_token_index", None)
+        ids = inputs["input_ids"]
+        pixels = inputs.get("pixel_values")
+        return {"prompt_tokens": int(ids.shape[1]),
+                "images": sum(1 for m in conversation for c in m["content"] if c["type"] == "image"),
+                "pixel_values_shape": list(pixels.shape) if pixels is not None else None,
+                "image_tokens": int((ids == image_token).sum()) if image_token is not None else None}
+
+
+def _processor_conversation(messages: list[BaseMessage]) -> list[dict[str, Any]]:
+    """Messages in a processor's chat-template format: each turn a list of image entries (as pixels: the
+    reference read here) then its text."""
+    roles = {"human": "user", "ai": "assistant", "system": "system"}
+    return [{"role": roles.get(m.type, "user"),
+             "content": [*({"type": "image", "image": as_pil(ref)} for ref in message_images(m)),
+                         {"type": "text", "text": m.text}]}
+            for m in messages]
+
+
 def _cut_at_stop(text: str, stop: list[str] | None) -> tuple[str, str | None]:
     """OpenAI semantics: the completion ends before the first stop string, which is not included."""
     hits = [(text.find(s), s) for s in stop or [] if s and s in text]
@@ -551,9 +787,6 @@ class HFChatModel(BaseChatModel):
         return "ermedrag-hf"
 
     def _generate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
-        generator = hf_generator(self.model_path, self.device)
-        prompt_ids = generator.tokenizer.apply_chat_template(
-            _chat_dicts(messages), tokenize=True, return_dict=False, **continuation(messages))
         params = GenerationParams(
             max_new_tokens=kwargs.get("max_new_tokens", self.max_new_tokens),
             temperature=kwargs.get("temperature", self.temperature),
@@ -561,9 +794,31 @@ class HFChatModel(BaseChatModel):
             seed=self.seed,
             stop=tuple(stop or ()),
         )
+        images = images_in(messages)
+        # Before any weights load: a text-only model refuses images (its config says so), never drops them.
+        require_image_support(self.spec or f"hf:{self.model_path}", images)
+        if images or self._is_vision_model():
+            generator_v = hf_vision_generator(self.model_path, self.device)
+            out, seen = generator_v.generate(_processor_conversation(messages), continuation(messages), params)
+            return self._result(out, seen["prompt_tokens"], generator_v.tokenizer, stop, {"vision_inputs": seen})
+        generator = hf_generator(self.model_path, self.device)
+        prompt_ids = generator.tokenizer.apply_chat_template(
+            _chat_dicts(messages), tokenize=True, return_dict=False, **continuation(messages))
         out = generator.generate(list(prompt_ids), params)
-        text, matched_stop = _cut_at_stop(generator.tokenizer.decode(out.token_ids, skip_special_tokens=True), stop)
-        n_prompt, n_new = len(prompt_ids), len(out.token_ids)
+        return self._result(out, len(prompt_ids), generator.tokenizer, stop, {})
+
+    def _is_vision_model(self) -> bool:
+        """A vision-language model answers even text-only calls through its processor; a config that cannot be
+        read here is left to the text loader, whose error names the model."""
+        try:
+            return hf_accepts_images(self.model_path)
+        except Exception:  # noqa: BLE001 - see the docstring
+            return False
+
+    def _result(self, out: Generated, n_prompt: int, tokenizer: Any, stop: list[str] | None,
+                extra: dict[str, Any]) -> ChatResult:
+        text, matched_stop = _cut_at_stop(tokenizer.decode(out.token_ids, skip_special_tokens=True), stop)
+        n_new = len(out.token_ids)
         metadata = {
             "model_name": self.spec or self.model_path,
             "finish_reason": "stop" if (out.hit_eos or matched_stop) else "length",
@@ -573,6 +828,7 @@ class HFChatModel(BaseChatModel):
             "queue_s": out.queue_s,
             "compute_s": out.compute_s,
             "batch_size": out.batch_size,
+            **extra,
         }
         usage = {"input_tokens": n_prompt, "output_tokens": n_new, "total_tokens": n_prompt + n_new}
         message = AIMessage(content=text, usage_metadata=usage, response_metadata=metadata)
@@ -597,6 +853,7 @@ class VLLMChatModel(BaseChatModel):
         return "ermedrag-vllm"
 
     def _generate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
+        require_image_support(self.spec or f"vllm:{self.model_path}", images_in(messages))
         try:
             from vllm import SamplingParams
         except ImportError as err:
@@ -648,6 +905,7 @@ class ScriptedChatModel(BaseChatModel):
     reply: Callable[[list[BaseMessage]], str]
     delay_s: float = 0.0
     spec: str = "scripted"
+    accepts_images: bool = False  # declared by the spec (`?vision=1`) or the module (`ACCEPTS_IMAGES = True`)
     calls: int = 0
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
@@ -656,6 +914,9 @@ class ScriptedChatModel(BaseChatModel):
         return "ermedrag-scripted"
 
     def _result(self, messages: list[BaseMessage], stop: list[str] | None) -> ChatResult:
+        if images_in(messages) and not self.accepts_images:
+            raise ImagesNotSupportedError(f"model {self.spec} cannot see images: it is a scripted model that does "
+                                          f"not declare vision (add ?vision=1); {IMAGE_FIX}")
         with self._lock:
             self.calls += 1
         text, matched = _cut_at_stop(self.reply(messages), stop)

@@ -10,6 +10,9 @@ model) and `compute_s` (its own compute). The hf backend reports both; for other
 time and `queue_s` is NULL (an OpenAI-compatible server's own queue is invisible to its client); rows written
 before the split have both NULL. Opening an older store adds the missing columns.
 
+A model call's images are kept as references, never as pixels: each message that carried some lists them under
+`images` as `{"ref", "sha256"}` (`tools.images.image_record`), so no base64 blob reaches the store.
+
 Each event is committed on its own (WAL journal, synchronous=NORMAL: a committed event survives the
 process being killed), so an interrupted process loses at most the call in flight. Each thread keeps its
 connection open: opening and closing one per call cost ~20 ms (the last close checkpoints the WAL).
@@ -105,7 +108,9 @@ class TraceEvent:
     agent: str
     model: str
     sampling: dict[str, Any]
-    messages: list[dict[str, str]]
+    # {"role", "content"} each; a message that carried images also has "images": [{"ref", "sha256"}] (the path or
+    # URL as given, a data URI as `data:<mime>;sha256=<hash>`; tools.images.image_record), never the pixels.
+    messages: list[dict[str, Any]]
     completion: str
     parsed: Any
     usage: dict[str, int] | None
