@@ -302,17 +302,27 @@ def extract_if_unparsed(state: Mapping[str, Any], ctx: Context, model_spec: str,
 REQUEST_REJECTED = ("http_4xx:400", "http_4xx:422")  # a server refusing the request's shape, not failing
 
 
+def answer_call(ctx: Context, model_spec: str, max_new_tokens: int, messages: list[BaseMessage],
+                state: Mapping[str, Any], *, agent: str, node: str, inputs: dict[str, Any]) -> respondent.Answer:
+    """One recorded call whose reply is an answer in `<think>…</think><answer>…</answer>` (the respondent, a
+    specialist, the attending): parsed, and read back once when it names no option (`extract_if_unparsed`).
+    `state` holds the run id, question, options and gold."""
+    options = state.get("options")
+    reply, _ = record_call(ctx, model_spec, max_new_tokens, messages,
+                           lambda completion: respondent.parse_answer(completion, options), agent=agent, node=node,
+                           run_id=state["run_id"], gold=state.get("gold"), stop=respondent.STOP, inputs=inputs)
+    return extract_if_unparsed(state, ctx, model_spec, reply, reply["reasoning"])
+
+
 def respond_with(state: Mapping[str, Any], ctx: Context, evidence: str) -> dict[str, Any]:
     """Call the respondent on `evidence` (and extract its answer when it names none), record the calls, close
     the run; the state update."""
     started = time.perf_counter()
-    reply, _ = record_call(
+    answer = answer_call(
         ctx, ctx.respondent_model, ctx.respondent_max_new_tokens,
-        respondent.build_messages(state["question"], state.get("options"), evidence),
-        lambda completion: respondent.parse_answer(completion, state.get("options")),
-        agent="respondent", node="respond", run_id=state["run_id"], gold=state.get("gold"), stop=respondent.STOP,
+        respondent.build_messages(state["question"], state.get("options"), evidence), state,
+        agent="respondent", node="respond",
         inputs={"question": state["question"], "options": state.get("options"), "evidence": evidence},
     )
-    answer = extract_if_unparsed(state, ctx, ctx.respondent_model, reply, reply["reasoning"])
     trace_store(ctx).finish_run(state["run_id"], dict(answer))
     return {"answer": answer, "timings": {"respond_s": time.perf_counter() - started}}

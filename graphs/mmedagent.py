@@ -34,8 +34,8 @@ from typing_extensions import TypedDict
 
 from ermedrag.agents import mmedagent as roles
 from ermedrag.agents.mmedagent import Opinion, Triage
-from ermedrag.agents.respondent import Answer, parse_answer, render_snippets
-from ermedrag.graphs.common import (Context, begin_run, env, env_bool, env_int, extract_if_unparsed, record_call,
+from ermedrag.agents.respondent import Answer, render_snippets
+from ermedrag.graphs.common import (Context, answer_call, begin_run, env, env_bool, env_int, record_call,
                                    retrieve_evidence, trace_store)
 from ermedrag.graphs.er_medrag import InputState
 from ermedrag.tools.chat_models import require_image_support
@@ -245,16 +245,13 @@ def consult_specialists(state: State, runtime: Runtime[MMedAgentContext]) -> lis
 def specialist(task: SpecialistTask, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]:
     ctx = runtime.context
     model = role_model(ctx, ctx.specialist_model)
-    options = task["options"]
-    reply, _ = record_call(
+    answer = answer_call(
         ctx, model, ctx.specialist_max_new_tokens,
-        roles.specialist_messages(task["specialty"], task["question"], options, task["evidence"], task["images"]),
-        lambda completion: parse_answer(completion, options),
-        agent="specialist", node="specialist", run_id=task["run_id"], gold=task["gold"], stop=roles.STOP,
-        inputs={"question": task["question"], "options": options, "specialty": task["specialty"],
+        roles.specialist_messages(task["specialty"], task["question"], task["options"], task["evidence"],
+                                  task["images"]), task, agent="specialist", node="specialist",
+        inputs={"question": task["question"], "options": task["options"], "specialty": task["specialty"],
                 "specialist": task["specialist"], "evidence": task["evidence"]},
     )
-    answer = extract_if_unparsed(task, ctx, model, reply, reply["reasoning"])
     return {"opinions": [roles.opinion(task["specialist"], task["specialty"], model, answer)]}
 
 
@@ -280,16 +277,13 @@ def consult_attending(state: State, runtime: Runtime[MMedAgentContext]) -> list[
 def attending(task: AttendingTask, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]:
     ctx = runtime.context
     model = role_model(ctx, ctx.attending_model)
-    options = task["options"]
-    reply, _ = record_call(
+    answer = answer_call(
         ctx, model, ctx.attending_max_new_tokens,
-        roles.attending_messages(task["question"], options, task["opinions"], task["images"]),
-        lambda completion: parse_answer(completion, options),
-        agent="attending", node="attending", run_id=task["run_id"], gold=task["gold"], stop=roles.STOP,
-        inputs={"question": task["question"], "options": options, "opinions": task["opinions"],
+        roles.attending_messages(task["question"], task["options"], task["opinions"], task["images"]), task,
+        agent="attending", node="attending",
+        inputs={"question": task["question"], "options": task["options"], "opinions": task["opinions"],
                 "sample": task["sample"]},
     )
-    answer = extract_if_unparsed(task, ctx, model, reply, reply["reasoning"])
     return {"attending_answers": [AttendingSample(sample=task["sample"], answer=answer)]}
 
 
