@@ -58,7 +58,8 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr
 from ermedrag.agents.base import image_block, message_images
 from ermedrag.tools.cache import shared_resource
-from ermedrag.tools.hf_batching import BatchingGenerator, GenerationParams, Generated, StepStatistics
+from ermedrag.tools.hf_batching import (BatchingGenerator, GenerationParams, Generated, StepStatistics,
+                                        generation_kwargs)
 from ermedrag.tools.images import as_pil, as_url, env_flag, images_in, is_url
 
 PROVIDERS = ("hf", "offline", "openai", "vllm", "scripted")
@@ -700,7 +701,6 @@ class VisionGenerator:
         """The completion of `conversation` (processor chat-template format: content lists of text and image
         entries) and what the model was given (prompt tokens, image count, pixel_values shape, image tokens)."""
         import torch
-        from transformers import LogitsProcessorList
 
         submitted = time.perf_counter()
         with self._lock:
@@ -709,15 +709,7 @@ class VisionGenerator:
                                                         return_tensors="pt", **flags)
             inputs = inputs.to(self.device, dtype=self.model.dtype)  # casts only the floating tensors (pixels)
             stats = StepStatistics()
-            gen: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
-                                       logits_processor=LogitsProcessorList([stats]), return_dict_in_generate=False,
-                                       pad_token_id=self.tokenizer.pad_token_id)
-            if params.temperature > 0:
-                gen.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
-            if params.stop:
-                gen.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
+            gen = generation_kwargs(params, stats, self.tokenizer, self.tokenizer.pad_token_id)
             with torch.inference_mode():
                 sequences = self.model.generate(**inputs, **gen)
             width = inputs["input_ids"].shape[1]

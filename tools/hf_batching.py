@@ -119,6 +119,24 @@ class StepStatistics:
         return chosen, entropy
 
 
+def generation_kwargs(params: Any, stats: StepStatistics, tokenizer: Any, pad_token_id: int | None) -> dict[str, Any]:
+    """`generate`'s arguments for one call's sampling parameters, with `stats` reducing each step as it goes (and
+    the seed set, when given): only the token ids come back, no per-step logits or scores, no KV cache kept."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    gen: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
+                               logits_processor=LogitsProcessorList([stats]), return_dict_in_generate=False,
+                               pad_token_id=pad_token_id)
+    if params.temperature > 0:
+        gen.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+    if params.stop:
+        gen.update(stop_strings=list(params.stop), tokenizer=tokenizer)
+    if params.seed is not None:
+        torch.manual_seed(params.seed)
+    return gen
+
+
 class BatchingGenerator:
     """Serialises access to one model; each `generate` call may share a batch with concurrent calls."""
 
@@ -167,7 +185,6 @@ class BatchingGenerator:
 
     def _generate_batch(self, batch: list[_Request]) -> list[Generated]:
         import torch
-        from transformers import LogitsProcessorList
 
         started = time.perf_counter()
         params = batch[0].params
@@ -176,20 +193,7 @@ class BatchingGenerator:
         input_ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
         attention = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
         stats = StepStatistics()
-        gen: dict[str, Any] = dict(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=params.temperature > 0,
-            logits_processor=LogitsProcessorList([stats]),
-            # Only the token ids come back: no per-step logits or scores, and no KV cache held past the call.
-            return_dict_in_generate=False,
-            pad_token_id=pad,
-        )
-        if params.temperature > 0:
-            gen.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
-        if params.stop:
-            gen.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
+        gen = generation_kwargs(params, stats, self.tokenizer, pad)
         with torch.inference_mode():
             sequences = self.model.generate(input_ids=input_ids.to(self.device),
                                             attention_mask=attention.to(self.device), **gen)

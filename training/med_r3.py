@@ -33,7 +33,6 @@ import gc
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from ermedrag.training.config import MedR3TrainingConfig, config_from_dict, load
 from ermedrag.training.med_r3_data import build_med_r3_dataset
 from ermedrag.training.rewards import WeightedReward, resolve_rewards
 from ermedrag.training.rollouts import ANSWER_STOP, SearchFn, index_search, make_search_rollout
+from ermedrag.training.stages import merge_adapter, recorded_stage_model
 from ermedrag.training.trainers import run_grpo
 
 logger = logging.getLogger(__name__)
@@ -129,15 +129,7 @@ def stage_start_model(config: MedR3TrainingConfig, stage: int) -> str:
     """Stage 1 starts from `config.model`; stage N from the model that stage N-1 recorded."""
     if stage == 1:
         return config.model_path()
-    record = _stage_dir(config, stage - 1) / STAGE_RECORD
-    if not record.is_file():
-        raise FileNotFoundError(f"stage {stage} starts from stage {stage - 1}'s model, but {record} does not exist: "
-                                f"run stage {stage - 1} first (--stages {stage - 1},{stage})")
-    model_dir = json.loads(record.read_text(encoding="utf-8"))["model_dir"]
-    if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"stage {stage - 1}'s model {model_dir} (from {record}) is missing: rerun stage "
-                                f"{stage - 1}")
-    return model_dir
+    return recorded_stage_model(_stage_dir(config, stage - 1) / STAGE_RECORD, str(stage), str(stage - 1))
 
 
 def train_stage(config: MedR3TrainingConfig, stage: int, *, logits_processor: Sequence[Any] | None = None
@@ -162,7 +154,7 @@ def train_stage(config: MedR3TrainingConfig, stage: int, *, logits_processor: Se
     if staged.use_lora:
         model_dir = output_dir / MERGED_DIR
         if process.is_main_process:
-            _merge_adapter(output_dir, model_dir, staged.resolved_dtype())
+            merge_adapter(output_dir, model_dir, staged.resolved_dtype())
         process.wait_for_everyone()
     summary.update(stage=stage, name=spec.name, search=spec.search, start_model=start_model,
                    model_dir=str(model_dir), adapter_dir=str(output_dir) if staged.use_lora else None)
@@ -180,21 +172,6 @@ def _stage_search(config: MedR3TrainingConfig) -> SearchFn:
 
     index = cached_index(str(Path(config.index_dir).expanduser()), config.chroma_url or None)
     return index_search(index, k=config.search_k, coarse_k=config.coarse_k)
-
-
-def _merge_adapter(adapter_dir: Path, merged_dir: Path, dtype: str) -> None:
-    """Fold the stage's LoRA adapter into its base weights; save model and tokenizer to `merged_dir`."""
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoTokenizer
-
-    model = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), dtype=dtype)
-    merged = model.merge_and_unload()
-    if merged_dir.exists():
-        shutil.rmtree(merged_dir)
-    merged.save_pretrained(str(merged_dir))
-    AutoTokenizer.from_pretrained(str(adapter_dir)).save_pretrained(str(merged_dir))
-    del model, merged
-    gc.collect()
 
 
 def train_med_r3(config: MedR3TrainingConfig | str | os.PathLike[str], stages: Iterable[int] | str = (1, 2, 3),

@@ -38,7 +38,7 @@ Rewards (curves `rewards/<function>/mean`), by config name:
 | `length` | `answer_rewards.length_penalty` (not used by default) | both |
 
 Stages chain as in `training.med_r3`: each trains a fresh LoRA adapter on its start model, saves it in
-`OUTPUT/NAME/`, merges it into `OUTPUT/NAME/merged/` (`training.med_r3._merge_adapter`) and records where its
+`OUTPUT/NAME/`, merges it into `OUTPUT/NAME/merged/` (`training.stages.merge_adapter`) and records where its
 model is in `OUTPUT/NAME/mmedagent_stage.json`; a later stage run alone starts from that record.
 `OUTPUT/mmedagent_summary.json` names the trained triage and attending models.
 """
@@ -63,7 +63,8 @@ from ermedrag.tools.jsonl import read_records
 from ermedrag.training.answer_rewards import correctness_reward, format_reward, is_well_formed, length_penalty, \
     well_formed_correctness_reward
 from ermedrag.training.config import MMedAgentTrainingConfig, config_from_dict, load_config, resolve_model
-from ermedrag.training.med_r3 import MERGED_DIR, _merge_adapter
+from ermedrag.training.med_r3 import MERGED_DIR
+from ermedrag.training.stages import merge_adapter, recorded_stage_model
 from ermedrag.training.reward_text import MAX_TEXT_CHARS, RewardFunc, column, own_text
 from ermedrag.training.rewards import WeightedReward, resolve_rewards
 from ermedrag.training.trainers import run_grpo
@@ -264,15 +265,7 @@ def stage_start_model(config: MMedAgentTrainingConfig, name: str) -> str:
     if stage.after is None:
         return resolve_model(config.attending_start) if stage.role == "attending" and config.attending_start \
             else config.model_path()
-    record = _stage_dir(config, stage.after) / STAGE_RECORD
-    if not record.is_file():
-        raise FileNotFoundError(f"stage {name} starts from stage {stage.after}'s model, but {record} does not "
-                                f"exist: run stage {stage.after} first (--stages {stage.after},{name})")
-    model_dir = json.loads(record.read_text(encoding="utf-8"))["model_dir"]
-    if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"stage {stage.after}'s model {model_dir} (from {record}) is missing: rerun stage "
-                                f"{stage.after}")
-    return model_dir
+    return recorded_stage_model(_stage_dir(config, stage.after) / STAGE_RECORD, name, stage.after)
 
 
 def _check_data(config: MMedAgentTrainingConfig, name: str, staged: MMedAgentTrainingConfig) -> None:
@@ -328,7 +321,7 @@ def train_stage(config: MMedAgentTrainingConfig, name: str) -> dict[str, Any]:
     if staged.use_lora:
         model_dir = output_dir / MERGED_DIR
         if process.is_main_process:
-            _merge_adapter(output_dir, model_dir, staged.resolved_dtype())
+            merge_adapter(output_dir, model_dir, staged.resolved_dtype())
         process.wait_for_everyone()
     summary.update(stage=name, role=stage.role, start_model=start_model, model_dir=str(model_dir),
                    adapter_dir=str(output_dir) if staged.use_lora else None, dataset=staged.dataset,
