@@ -322,27 +322,49 @@ def _parse_options(pairs: list[str]) -> dict[str, str] | None:
 
 
 def render_run(state: dict[str, Any], total_s: float) -> str:
+    """What `ask` prints: the question, what the graph's stages produced (the sections its state has), the answer."""
     lines = [f"Question: {state['question']}"]
     for key, text in (state.get("options") or {}).items():
         lines.append(f"  {key}. {text}")
-    lines.append(f"\nRetrieved snippets ({len(state.get('snippets', []))}):")
-    for i, s in enumerate(state.get("snippets", []), 1):
-        lines.append(f"  [{i}] {s['id']}  score={s['score']:.3f}  source={s['source']}  title={s['title']!r}")
-        lines.append(f"      {s['text'][:240]}")
-    lines.append("\nExtracted triplets:")
-    for extraction in state.get("extractions", []):
-        status = "ok" if extraction["ok"] else f"unparsed ({extraction['error']})"
-        lines.append(f"  from {extraction['snippet_id']}: {status}")
-        for t in extraction["triplets"]:
-            lines.append(f"    ({t['condition']}) —[{t['relation']}]→ ({t['conclusion']})")
+    if "snippets" in state:
+        lines.append(f"\nRetrieved snippets ({len(state['snippets'])}):")
+        for i, s in enumerate(state["snippets"], 1):
+            lines.append(f"  [{i}] {s['id']}  score={s['score']:.3f}  source={s['source']}  title={s['title']!r}")
+            lines.append(f"      {s['text'][:240]}")
+    if "extractions" in state:
+        lines.append("\nExtracted triplets:")
+        for extraction in state["extractions"]:
+            status = "ok" if extraction["ok"] else f"unparsed ({extraction['error']})"
+            lines.append(f"  from {extraction['snippet_id']}: {status}")
+            for t in extraction["triplets"]:
+                lines.append(f"    ({t['condition']}) —[{t['relation']}]→ ({t['conclusion']})")
+    if "searches" in state:
+        lines.append(f"\nSearches ({len(state['searches'])}):")
+        lines.extend(f"  {s['query']!r} → {', '.join(s['snippet_ids']) or 'no results'}" for s in state["searches"])
+    if "specialty" in state:
+        lines.extend(_panel_lines(state))
     answer = state.get("answer", {})
     lines.append(f"\nReasoning: {answer.get('reasoning', '')[:400]}")
     lines.append(f"Answer: {answer.get('answer')}  (parsed={answer.get('ok')}, well-formed={answer.get('well_formed')}"
+                 + (", read back from its reasoning" if answer.get("extracted") else "")
                  + (f", error={answer.get('error')}" if answer.get("error") else "") + ")")
     timings = state.get("timings", {})
     lines.append("Timings: " + ", ".join(f"{k}={v:.2f}s" for k, v in timings.items()) + f", total={total_s:.2f}s")
     lines.append(f"Run id: {state.get('run_id')} (see `ermedrag traces show {state.get('run_id')}`)")
     return "\n".join(lines)
+
+
+def _panel_lines(state: dict[str, Any]) -> list[str]:
+    """MMedAgent-RL's triage and the specialists' opinions."""
+    triage = state.get("triage") or {}
+    fell_back = f" (fell back: {triage.get('reason')})" if triage.get("fell_back") else ""
+    lines = [f"\nTriage: {state['specialty']}{fell_back}", "Specialists:"]
+    for o in state.get("opinions", []):
+        lines.append(f"  {o['specialist']} ({o['specialty']}, {o['model']}): answer {o['answer']}  "
+                     f"{' '.join(str(o.get('reasoning', '')).split())[:160]}")
+    lines.append(f"Majority: {state.get('majority')}  bucket: {state.get('bucket')}  "
+                 f"attending followed it: {state.get('followed_majority')}")
+    return lines
 
 
 def _index(args: argparse.Namespace) -> int:

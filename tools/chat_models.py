@@ -117,7 +117,13 @@ def load_chat_model(
     if provider == "vllm":
         return VLLMChatModel(model_path=name, spec=spec, **sampling)
     module_name, options = _scripted_options(spec, name)  # e.g. scripted:ermedrag.agents.scripted?delay=0.5
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ModelSpecError(f"model {spec!r}: cannot import the scripted module {module_name!r} ({err}); it must be "
+                             "importable from here (e.g. run from the repository root with PYTHONPATH=.)") from None
+    if not callable(getattr(module, "reply", None)):
+        raise ModelSpecError(f"model {spec!r}: module {module_name!r} has no reply(messages) function")
     vision = options.get("vision", "1" if getattr(module, "ACCEPTS_IMAGES", False) else "0") == "1"
     return ScriptedChatModel(reply=module.reply, delay_s=float(options.get("delay", delay_s)), spec=spec,
                              accepts_images=vision)
