@@ -219,7 +219,7 @@ def result_row(config: EvalConfig, asking: Asking, state: dict[str, Any], store:
     return {
         "config_key": config.key(), "config": config.record(), "benchmark": question.benchmark,
         "question_id": question.id, "subject": question.subject, "sample": asking.sample, "order": asking.order,
-        "orders": asking.orders, "gold": question.answer, "answer": chosen,
+        "orders": asking.orders, "options_count": len(keys), "gold": question.answer, "answer": chosen,
         "answer_position": shown if shown in keys else None, "gold_position": asking.shown_gold,
         "ok": bool(answer.get("ok")), "well_formed": bool(answer.get("well_formed")),
         "extracted": bool(answer.get("extracted")), "correct": chosen == question.answer,
