@@ -1,0 +1,637 @@
+"""MMedAgent-RL on CPU: does each stage move what it rewards, and does the entropy bonus raise the entropy?
+
+The staged trainer of `training.mmedagent` (triage, then the attending's curriculum easy → medium → hard), with
+LoRA on the offline model, on questions of the shared data whose benchmark metadata names a specialty
+(`tools.specialties`: MedMCQA dev Pathology/Radiology/Surgery/Orthopaedics/Ophthalmology/Skin, MedXpertQA
+Endocrine/Integumentary). The questions are split into train and held-out with a fixed seed (by default the
+same number per specialty, so the majority class is no shortcut).
+
+(a) Triage: the triage doctor's prompts (`agents.mmedagent.triage_messages`, the paper's seven specialties).
+    Held-out accuracy (the specialty `parse_triage` reads == the gold one) before and after the triage stage,
+    against chance (1/7) and the held-out majority-class rate.
+(b) Attending: three *scripted* specialists of known reliability answer every question (no model): specialist 1
+    is right 80% of the time, 2 50%, 3 20%; a wrong one names a uniformly random other option (seeded). Their
+    opinions are frozen in the attending's prompt (`agents.mmedagent.attending_messages`), the prompts are
+    bucketed by agreement (`specialist_agreement`, `bucket`) and the attending trains easy → medium → hard.
+    Held-out accuracy before and after each stage, against what the opinions allow on the same prompts: the
+    specialists' majority vote, always trusting specialist 1, the best single specialist in hindsight, and
+    "some specialist is right".
+(c) Entropy: the `--entropy-stage` (default hard) is trained a second time from the same start model with
+    `entropy_bonus: false`; TRL's logged mean token entropy per step, with and without the bonus.
+
+Held-out prompts are rolled out greedily with the training rollouts' own stop (`</answer>`) and scored with the
+stage's reward functions. Writes benches/results/mmedagent_learning.json and curve PNGs next to it (`--smoke`:
+in the work folder).
+
+    .venv/bin/python benches/learning/mmedagent_learning.py            # ≈ 46 minutes on 2 idle cores (estimated)
+    .venv/bin/python benches/learning/mmedagent_learning.py --smoke    # tiny random model, < 1 min: checks the pipeline
+
+Without the shared data (`--data`, ERMEDRAG_SHARED_DATA, else ../shared/data) it says so and exits 0.
+
+What it cannot show: the budget is a few dozen GRPO steps with 4 samples each, so held-out accuracies on 24
+prompts move by single prompts (±0.04 each); the bucket sizes follow the reliabilities (P(easy) = P(hard) = 0.08),
+so easy and hard train on a handful of prompts; and the triage labels come from two benchmarks whose formats
+differ (MedXpertQA's long 10-option vignettes are every Endocrinologist case and most Dermatologist ones), so a
+triage gain may be format, not medicine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                      "TOKENIZERS_PARALLELISM": "false", "ANONYMIZED_TELEMETRY": "False"}.items():
+    os.environ.setdefault(_name, _value)
+
+BENCHMARK_FILES = ("medmcqa_dev.jsonl", "medxpertqa_text_test.jsonl")
+ATTENDING_STAGES = ("easy", "medium", "hard")
+RELIABILITIES = (0.8, 0.5, 0.2)  # specialist 1, 2, 3: probability of naming the gold option
+# The smoke keeps the full run's training split (same questions, same opinions, so the same buckets: every stage
+# trains) with a tiny model, a few steps and short budgets.
+SMOKE_SIZES = dict(train_questions=48, eval_questions=12, triage_steps=2, easy_steps=1, medium_steps=2,
+                   hard_steps=2, generations=2, triage_tokens=16, attending_tokens=16, eval_batch=6)
+# Seconds per GRPO step of the 270M model on 2 cores, 4 generations (benches/README.md: the respondent's GRPO,
+# 96 tokens, 42 s/step; Med-R³ stage 1, up to 192 tokens, ~60 s/step), scaled by the token budget; the attending's
+# prompts here are ~500 tokens, the triage's ~280. Used only for the estimate printed in the settings.
+SECONDS_PER_STEP_PER_TOKEN = 42 / 96 * 1.1  # +10%: the KL reference pass (β > 0), which that run had not
+# Greedy held-out rollouts, per prompt and token of budget: measured with this script's evaluation on 4 held-out
+# prompts of each kind (triage 64 tokens 16 s, attending 96 tokens 27 s, model load included) on one thread of a
+# busy 2-core machine, times 0.7 for two threads.
+EVAL_SECONDS_PER_PROMPT_PER_TOKEN = 0.045
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def benchmarks_dir(data: str) -> Path | None:
+    """The folder holding both benchmark files (`data` is the shared root or its benchmarks/), else None."""
+    root = Path(data).expanduser()
+    for folder in (root / "benchmarks", root):
+        if all((folder / name).is_file() for name in BENCHMARK_FILES):
+            return folder
+    return None
+
+
+def labelled_questions(folder: Path, max_chars: int) -> dict[str, list[Any]]:
+    """Questions with a gold specialty, by specialty, each list sorted by id; a question whose text and
+    options exceed `max_chars` is left out (it bounds the prompt length, so the CPU time of a step)."""
+    from ermedrag.tools.benchmarks import load_benchmark
+    from ermedrag.tools.specialties import gold_specialty_for
+
+    by_specialty: dict[str, list[Any]] = {}
+    for name in ("medmcqa", "medxpertqa"):
+        for question in load_benchmark(name, folder):
+            specialty = gold_specialty_for(question)
+            size = len(question.question) + sum(len(text) for text in question.options.values())
+            if specialty and question.options and question.answer in question.options and size <= max_chars:
+                by_specialty.setdefault(specialty, []).append(question)
+    return {s: sorted(qs, key=lambda q: q.id) for s, qs in sorted(by_specialty.items())}
+
+
+def split_questions(by_specialty: dict[str, list[Any]], n_train: int, n_eval: int, seed: int,
+                    sampling: str) -> tuple[list[Any], list[Any]]:
+    """Train and held-out questions, disjoint, drawn with `seed`. `balanced`: the same number per specialty in
+    each (round robin; a specialty that runs out leaves its turn to the others); `natural`: as the data has them."""
+    rng = random.Random(seed)
+    pools = {s: rng.sample(qs, len(qs)) for s, qs in by_specialty.items()}
+    if sampling == "natural":
+        everything = rng.sample([q for qs in pools.values() for q in qs], sum(map(len, pools.values())))
+        return everything[:n_train], everything[n_train:n_train + n_eval]
+    return round_robin(pools, n_train), round_robin(pools, n_eval)
+
+
+def round_robin(pools: dict[str, list[Any]], n: int) -> list[Any]:
+    """Up to `n` items taken from the pools in turn (each pool shrinks: later draws get other items)."""
+    drawn: list[Any] = []
+    while len(drawn) < n and any(pools.values()):
+        for pool in pools.values():
+            if pool and len(drawn) < n:
+                drawn.append(pool.pop())
+    return drawn
+
+
+def triage_rows(questions: Sequence[Any]) -> list[dict[str, Any]]:
+    """The triage stage's rows, as `ermedrag export mmedagent` writes them."""
+    from ermedrag.agents import mmedagent as roles
+    from ermedrag.agents.base import to_chat
+    from ermedrag.tools.specialties import gold_specialty_for
+
+    specialties = list(roles.SPECIALTIES)
+    return [{"prompt": to_chat(roles.triage_messages(q.question, q.options, specialties)),
+             "gold_specialty": gold_specialty_for(q), "specialties": specialties, "question": q.question,
+             "id": q.id} for q in questions]
+
+
+def scripted_opinions(question: Any, specialty: str, rng: random.Random,
+                      reliabilities: Sequence[float]) -> list[dict[str, Any]]:
+    """One opinion per specialist: the gold option with the specialist's reliability, else a uniformly random
+    other option. The reasoning has the same shape either way, so only the answer carries the signal."""
+    from ermedrag.agents import mmedagent as roles
+
+    keys = sorted(question.options)
+    opinions = []
+    for index, reliability in enumerate(reliabilities, 1):
+        wrong = [k for k in keys if k != question.answer]
+        answer = question.answer if rng.random() < reliability or not wrong else rng.choice(wrong)
+        text = " ".join(str(question.options[answer]).split())[:80]
+        opinions.append(roles.Opinion(specialist=index, specialty=specialty, model=f"scripted p={reliability}",
+                                      answer=answer, reasoning=f"The findings fit option {answer} ({text}) best.",
+                                      ok=True, well_formed=True))
+    return opinions
+
+
+def attending_rows(questions: Sequence[Any], rng: random.Random,
+                   reliabilities: Sequence[float]) -> list[dict[str, Any]]:
+    """The attending's rows with their frozen opinions, bucketed by agreement as the export buckets them."""
+    from ermedrag.agents import mmedagent as roles
+    from ermedrag.agents.base import to_chat
+    from ermedrag.tools.specialties import gold_specialty_for
+
+    rows = []
+    for q in questions:
+        specialty = gold_specialty_for(q)
+        opinions = scripted_opinions(q, specialty, rng, reliabilities)
+        answers = [o["answer"] for o in opinions]
+        agreement = roles.specialist_agreement(answers, q.answer)
+        rows.append({"prompt": to_chat(roles.attending_messages(q.question, q.options, opinions)), "gold": q.answer,
+                     "options": q.options, "agreement": agreement, "bucket": roles.bucket(agreement),
+                     "majority": roles.majority(answers), "specialty": specialty, "specialist_answers": answers,
+                     "question": q.question, "id": q.id})
+    return rows
+
+
+def ceilings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the opinions allow on these prompts: the majority vote (a tie is no answer, so wrong), always
+    trusting specialist 1 (the most reliable by construction), the best single specialist in hindsight, and the
+    share of prompts where some specialist is right (an attending that only picks among them can do no better)."""
+    n = len(rows)
+    n_specialists = len(rows[0]["specialist_answers"]) if rows else 0
+    per_specialist = [sum(r["specialist_answers"][i] == r["gold"] for r in rows) / n for i in range(n_specialists)]
+    return {"majority_vote": round(sum(r["majority"] == r["gold"] for r in rows) / n, 4),
+            "trust_best": round(per_specialist[0], 4),
+            "best_single": round(max(per_specialist), 4),
+            "per_specialist": [round(a, 4) for a in per_specialist],
+            "any_specialist_right": round(sum(r["bucket"] != "hard" for r in rows) / n, 4)}
+
+
+def save_dataset(rows: Sequence[dict[str, Any]], folder: Path) -> None:
+    """`folder/dataset` (datasets.save_to_disk) and `folder/data.jsonl`: the layout of an export folder."""
+    from datasets import Dataset
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    with (folder / "data.jsonl").open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    Dataset.from_list(list(rows)).save_to_disk(str(folder / "dataset"))
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def greedy_rollouts(model_dir: str, prompts: Sequence[list[dict[str, str]]], max_new_tokens: int,
+                    stops: Sequence[str], batch: int) -> tuple[list[str], list[int]]:
+    """Greedy completions of chat prompts with the training rollouts' own loop (`training.rollouts`: it ends at
+    a stop string, kept, EOS or the budget), batched by prompt length; the model is freed afterwards."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from ermedrag.training.rollouts import run_search_rollouts
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"] for p in prompts]
+    generation = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+                                  eos_token_id=model.generation_config.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # less padding per batch
+    texts: list[str] = [""] * len(prompt_ids)
+    tokens: list[int] = [0] * len(prompt_ids)
+    with torch.no_grad():
+        for start in range(0, len(order), batch):
+            chunk = order[start:start + batch]
+            rollouts = run_search_rollouts(model, tokenizer, [prompt_ids[i] for i in chunk],
+                                           generation_config=generation, search=None,
+                                           step_max_new_tokens=max_new_tokens, max_total_tokens=max_new_tokens,
+                                           end_stops=tuple(stops), force_answer=False)
+            for i, rollout in zip(chunk, rollouts):
+                texts[i], tokens[i] = rollout.model_text, rollout.generated_tokens
+    del model
+    gc.collect()
+    return texts, tokens
+
+
+def _mean(values: Sequence[float]) -> float:
+    return round(sum(values) / len(values), 4) if values else 0.0
+
+
+def _weighted_total(rewards, completions, columns) -> tuple[dict[str, float], float]:
+    scores = {r.func.__name__: r.func(completions, **columns) for r in rewards}  # curve names, as TRL logs them
+    total = [sum(r.weight * (scores[r.func.__name__][i] or 0.0) for r in rewards) for i in range(len(completions))]
+    return {name: _mean([v or 0.0 for v in values]) for name, values in scores.items()}, _mean(total)
+
+
+def evaluate_triage(model_dir: str, rows: Sequence[dict[str, Any]], staged, args: argparse.Namespace) -> dict:
+    from ermedrag.agents import mmedagent as roles
+    from ermedrag.training.answer_rewards import format_reward
+    from ermedrag.training.mmedagent import stage_rewards, triage_correctness_reward
+
+    texts, tokens = greedy_rollouts(model_dir, [r["prompt"] for r in rows], staged.max_completion_length,
+                                    staged.stop_strings, args.eval_batch)
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    columns = {"gold_specialty": [r["gold_specialty"] for r in rows], "specialties": [r["specialties"] for r in rows],
+               "model_text": texts}
+    parsed = [roles.parse_triage(t, r["specialties"], fallback=r["specialties"][0]) for t, r in zip(texts, rows)]
+    rewards, mean_reward = _weighted_total(stage_rewards(staged, "triage"), completions, columns)
+    return {"accuracy": _mean(triage_correctness_reward(completions, **columns)), "n": len(rows),
+            "named_a_specialty": _mean([p["ok"] for p in parsed]),
+            "well_formed_rate": _mean(format_reward(completions, **columns)),
+            "mean_reward": mean_reward, "rewards": rewards,
+            "predicted": dict(Counter(p["specialty"] if p["ok"] else "(none)" for p in parsed).most_common()),
+            "mean_tokens": round(sum(tokens) / len(tokens), 1)}
+
+
+def evaluate_attending(model_dir: str, rows: Sequence[dict[str, Any]], staged, args: argparse.Namespace) -> dict:
+    from ermedrag.agents import mmedagent as roles
+    from ermedrag.agents.respondent import parse_answer
+    from ermedrag.training.answer_rewards import correctness_reward, format_reward
+    from ermedrag.training.mmedagent import stage_rewards
+
+    texts, tokens = greedy_rollouts(model_dir, [r["prompt"] for r in rows], staged.max_completion_length,
+                                    staged.stop_strings, args.eval_batch)
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    columns = {"gold": [r["gold"] for r in rows], "options": [r["options"] for r in rows], "model_text": texts}
+    correct = correctness_reward(completions, **columns)  # what an eval counts: any answer the parser reads
+    answers = [parse_answer(t, r["options"])["answer"] for t, r in zip(texts, rows)]
+    rewards, mean_reward = _weighted_total(stage_rewards(staged, "easy"), completions, columns)
+    followed = [roles.followed_majority(a, r["majority"]) for a, r in zip(answers, rows)]
+    by_bucket = {b: [c for c, r in zip(correct, rows) if r["bucket"] == b] for b in ATTENDING_STAGES}
+    return {"accuracy": _mean(correct), "n": len(rows),
+            "answer_parsed_rate": _mean([a is not None for a in answers]),
+            "well_formed_rate": _mean(format_reward(completions, **columns)),
+            "followed_specialist_1": _mean([a is not None and a == r["specialist_answers"][0]
+                                            for a, r in zip(answers, rows)]),
+            "followed_majority": _mean([f for f in followed if f is not None]),
+            "accuracy_by_bucket": {b: {"accuracy": _mean(v), "n": len(v)} for b, v in by_bucket.items()},
+            "answered": dict(Counter(a if a is not None else "(none)" for a in answers).most_common()),
+            "mean_reward": mean_reward, "rewards": rewards, "mean_tokens": round(sum(tokens) / len(tokens), 1)}
+
+
+# -------------------------------------------------------------------------------------------- training
+
+
+def pass_through(config, name: str, start_model: str) -> None:
+    """A stage with no training rows: record the start model as the stage's model, so the next stage of the
+    chain starts from it (`training.mmedagent.stage_start_model` reads only `model_dir`)."""
+    from ermedrag.training.mmedagent import STAGE_RECORD
+
+    folder = Path(config.output_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / STAGE_RECORD).write_text(json.dumps({"stage": name, "model_dir": start_model,
+                                                   "skipped": "no training rows in this bucket"}), encoding="utf-8")
+
+
+def run_stage(config, name: str, rows: int) -> dict[str, Any]:
+    """Train one stage (or pass it through when its bucket is empty); its summary with minutes and rows."""
+    from ermedrag.training.mmedagent import stage_start_model, train_mmedagent
+
+    started = time.time()
+    if rows == 0:
+        start = stage_start_model(config, name)
+        pass_through(config, name, start)
+        log(f"stage {name}: no training rows, skipped (its model is its start model)")
+        return {"model_dir": start, "steps": 0, "rows": 0, "skipped": True, "minutes": 0.0, "plot_path": None,
+                "metrics_path": None}
+    summary = train_mmedagent(config, stages=[name])["stages"][name]
+    summary.update(rows=rows, skipped=False, minutes=round((time.time() - started) / 60, 2))
+    log(f"stage {name}: {summary['steps']} steps on {rows} rows in {summary['minutes']:.1f} min "
+        f"(γ {summary['entropy_coef']}, β {summary['beta']})")
+    return summary
+
+
+def entropy_series(metrics_path: str | None) -> list[float]:
+    """TRL's logged mean token entropy of each step (`metrics.jsonl`), in step order."""
+    if not metrics_path or not Path(metrics_path).is_file():
+        return []
+    series = []
+    for line in Path(metrics_path).read_text(encoding="utf-8").splitlines():
+        record = json.loads(line) if line.strip() else {}
+        value = record.get("entropy")
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            series.append(round(float(value), 5))
+    return series
+
+
+def plot_entropy(with_bonus: list[float], without_bonus: list[float], gamma: float, stage: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot(range(1, len(with_bonus) + 1), with_bonus, marker="o", label=f"entropy bonus γ = {gamma:g}")
+    axis.plot(range(1, len(without_bonus) + 1), without_bonus, marker="s", label="entropy_bonus: false (γ = 0)")
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axis.set(xlabel="GRPO step", ylabel="mean token entropy (nats)",
+             title=f"MMedAgent stage {stage}: same start model, data and seed")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+# -------------------------------------------------------------------------------------------- the run
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")),
+                        help="shared data root (or its benchmarks/ folder)")
+    parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "mmedagent"))
+    parser.add_argument("--out", default=str(REPO / "benches" / "results" / "mmedagent_learning.json"))
+    parser.add_argument("--model", default="offline:gemma3-270m", help="policy model (path, hub id, offline:NAME)")
+    parser.add_argument("--seed", type=int, default=0, help="question split and scripted opinions")
+    parser.add_argument("--train-questions", type=int, default=48)
+    parser.add_argument("--eval-questions", type=int, default=24)
+    parser.add_argument("--sampling", choices=("balanced", "natural"), default="balanced",
+                        help="balanced: the same number of questions per specialty; natural: as the data has them")
+    parser.add_argument("--max-question-chars", type=int, default=1500,
+                        help="leave out questions whose text and options are longer (bounds the CPU time per step)")
+    parser.add_argument("--triage-steps", type=int, default=16)
+    parser.add_argument("--easy-steps", type=int, default=6)
+    parser.add_argument("--medium-steps", type=int, default=12)
+    parser.add_argument("--hard-steps", type=int, default=8)
+    parser.add_argument("--entropy-stage", choices=ATTENDING_STAGES, default="hard",
+                        help="the stage trained again with entropy_bonus: false")
+    parser.add_argument("--generations", type=int, default=4, help="completions per prompt (GRPO group)")
+    parser.add_argument("--triage-tokens", type=int, default=64, help="triage completion budget (training and eval)")
+    parser.add_argument("--attending-tokens", type=int, default=96, help="attending completion budget")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="sampling temperature of training rollouts (the other CPU benches: at 1.0 the base 270M "
+                             "model leaves the format in nearly every sample and GRPO gets no signal)")
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--reward", choices=("paper", "gated"), default="paper")
+    parser.add_argument("--reliabilities", default=",".join(map(str, RELIABILITIES)),
+                        help="the scripted specialists' probabilities of naming the gold option, comma-separated")
+    parser.add_argument("--eval-batch", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE_SIZES.items():
+            setattr(args, key, value)
+    args.reliabilities = tuple(float(p) for p in str(args.reliabilities).split(",") if p.strip())
+    if not args.reliabilities or not all(0 <= p <= 1 for p in args.reliabilities):
+        parser.error(f"--reliabilities must be probabilities, got {args.reliabilities}")
+    if min(args.train_questions, args.eval_questions, args.generations, args.eval_batch) < 1:
+        parser.error("--train-questions, --eval-questions, --generations and --eval-batch must be at least 1")
+    return args
+
+
+def estimate_minutes(args: argparse.Namespace, stage_rows: dict[str, int]) -> float:
+    """A rough wall time for the offline model on 2 cores (constants above), printed before the run."""
+    scale = args.generations / 4
+    steps = {"triage": args.triage_steps, "easy": args.easy_steps, "medium": args.medium_steps,
+             "hard": args.hard_steps}
+    train = sum(steps[name] * SECONDS_PER_STEP_PER_TOKEN * scale *
+                (args.triage_tokens if name == "triage" else args.attending_tokens)
+                for name in steps if stage_rows.get(name))
+    if stage_rows.get(args.entropy_stage):
+        train += steps[args.entropy_stage] * SECONDS_PER_STEP_PER_TOKEN * scale * args.attending_tokens
+    evaluated_tokens = 2 * args.triage_tokens + 4 * args.attending_tokens  # triage 2 evals, attending 4
+    evals = args.eval_questions * EVAL_SECONDS_PER_PROMPT_PER_TOKEN * evaluated_tokens
+    merges = 5 * 20
+    return (train + evals + merges + 60) / 60
+
+
+def machine() -> str:
+    threads = os.environ.get("ERMEDRAG_TORCH_THREADS", "")
+    return (f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
+            f"python {platform.python_version()}" + (f", ERMEDRAG_TORCH_THREADS={threads}" if threads else ""))
+
+
+@dataclasses.dataclass
+class BenchData:
+    """The split and every row the stages train on or are measured on."""
+
+    train_questions: list[Any]
+    eval_questions: list[Any]
+    train_triage: list[dict[str, Any]]
+    eval_triage: list[dict[str, Any]]
+    train_attending: list[dict[str, Any]]
+    eval_attending: list[dict[str, Any]]
+    stage_rows: dict[str, int]  # training rows per stage (0: the bucket is empty and the stage is skipped)
+
+
+def prepare_data(args: argparse.Namespace, folder: Path, export: Path) -> BenchData:
+    """Split the labelled questions, build the triage and attending rows, write the export folders the trainer
+    reads (`export/triage`, `export/easy`, ...; an empty bucket gets no folder)."""
+    by_specialty = labelled_questions(folder, args.max_question_chars)
+    train_q, eval_q = split_questions(by_specialty, args.train_questions, args.eval_questions, args.seed,
+                                      args.sampling)
+    log(f"labelled questions by specialty (≤ {args.max_question_chars} chars): "
+        f"{ {s: len(qs) for s, qs in by_specialty.items()} }; train {len(train_q)}, held out {len(eval_q)}")
+    opinions_rng = random.Random(args.seed + 1)  # train first, then held out: the train rows do not depend on n_eval
+    data = BenchData(train_q, eval_q, triage_rows(train_q), triage_rows(eval_q),
+                     attending_rows(train_q, opinions_rng, args.reliabilities),
+                     attending_rows(eval_q, opinions_rng, args.reliabilities), {})
+    if export.exists():
+        shutil.rmtree(export)
+    save_dataset(data.train_triage, export / "triage")
+    data.stage_rows["triage"] = len(data.train_triage)
+    for bucket in ATTENDING_STAGES:
+        rows = [r for r in data.train_attending if r["bucket"] == bucket]
+        data.stage_rows[bucket] = len(rows)
+        if rows:
+            save_dataset(rows, export / bucket)
+    return data
+
+
+def bench_config(args: argparse.Namespace, model_path: str, export: Path, output_dir: Path):
+    """The trainer's config: the schedule's γ and β per stage, the bench's sizes and step counts."""
+    from ermedrag.training.config import MMedAgentTrainingConfig
+
+    return MMedAgentTrainingConfig(
+        model=model_path, dataset=str(export), output_dir=str(output_dir), reward=args.reward,
+        learning_rate=args.learning_rate, num_generations=args.generations,
+        per_device_train_batch_size=args.generations, gradient_accumulation_steps=1,
+        max_completion_length=args.attending_tokens, temperature=args.temperature, save_steps=10_000,
+        logging_steps=1, seed=42,
+        stage_overrides={"triage": {"max_steps": args.triage_steps, "max_completion_length": args.triage_tokens},
+                         "easy": {"max_steps": args.easy_steps}, "medium": {"max_steps": args.medium_steps},
+                         "hard": {"max_steps": args.hard_steps}})
+
+
+def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[str, Any]:
+    from ermedrag.training.mmedagent import STAGES, stage_config
+
+    return {
+        "model": "tiny random (smoke)" if args.smoke else f"{args.model} (base, LoRA r={config.lora_r} per stage, "
+                                                          "merged between stages)",
+        "seed": args.seed, "sampling": args.sampling, "max_question_chars": args.max_question_chars,
+        "train_questions": len(data.train_questions), "eval_questions": len(data.eval_questions),
+        "train_by_specialty": dict(Counter(r["gold_specialty"] for r in data.train_triage).most_common()),
+        "eval_by_specialty": dict(Counter(r["gold_specialty"] for r in data.eval_triage).most_common()),
+        "reliabilities": list(args.reliabilities), "train_rows_by_stage": data.stage_rows,
+        "eval_rows_by_bucket": {b: sum(r["bucket"] == b for r in data.eval_attending) for b in ATTENDING_STAGES},
+        "steps": {"triage": args.triage_steps, "easy": args.easy_steps, "medium": args.medium_steps,
+                  "hard": args.hard_steps},
+        "gamma_beta": {n: [stage_config(config, n).entropy_coef, stage_config(config, n).beta]
+                       for n in STAGES if n != "attending"},
+        "num_generations": args.generations, "temperature": args.temperature, "learning_rate": args.learning_rate,
+        "reward": args.reward, "triage_tokens": args.triage_tokens, "attending_tokens": args.attending_tokens,
+        "entropy_stage": args.entropy_stage,
+        "decoding": "greedy, the training rollouts' loop (ends at </answer>), same held-out prompts before and after",
+        "estimated_minutes_2_cores": None if args.smoke else round(estimate_minutes(args, data.stage_rows), 1),
+    }
+
+
+def triage_part(config, model_path: str, data: BenchData, args: argparse.Namespace) -> tuple[dict, dict]:
+    """(a): held-out triage accuracy before and after the triage stage; the result and the stage's summary."""
+    from ermedrag.agents.mmedagent import SPECIALTIES
+    from ermedrag.training.mmedagent import stage_config
+
+    staged = stage_config(config, "triage")
+    before = evaluate_triage(model_path, data.eval_triage, staged, args)
+    log(f"triage before: {json.dumps(before)}")
+    summary = run_stage(config, "triage", data.stage_rows["triage"])
+    after = evaluate_triage(summary["model_dir"], data.eval_triage, staged, args)
+    log(f"triage after: {json.dumps(after)}")
+    gold_counts = Counter(r["gold_specialty"] for r in data.eval_triage)
+    return {"before": before, "after": after, "chance": round(1 / len(SPECIALTIES), 4),
+            "majority_class": round(max(gold_counts.values()) / len(data.eval_triage), 4),
+            "steps": summary["steps"], "minutes": summary["minutes"]}, summary
+
+
+def attending_part(config, data: BenchData, args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
+    """(b): held-out attending accuracy before the curriculum and after each of its stages, with the ceilings
+    the opinions allow; the result and the stages' summaries."""
+    from ermedrag.training.mmedagent import stage_config, stage_start_model
+
+    staged = stage_config(config, "easy")  # the attending's rewards and budget are the same in every stage
+    before = evaluate_attending(stage_start_model(config, "easy"), data.eval_attending, staged, args)
+    log(f"attending before: {json.dumps(before)}")
+    after_each: dict[str, Any] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    current = before
+    for name in ATTENDING_STAGES:
+        summaries[name] = run_stage(config, name, data.stage_rows[name])
+        if not summaries[name]["skipped"]:
+            current = evaluate_attending(summaries[name]["model_dir"], data.eval_attending, staged, args)
+            log(f"attending after {name}: {json.dumps(current)}")
+        after_each[name] = {**current, "steps": summaries[name]["steps"], "minutes": summaries[name]["minutes"],
+                            "train_rows": data.stage_rows[name]}
+    return {"before": before, "after": current, "ceiling": ceilings(data.eval_attending),
+            "after_each_stage": after_each}, summaries
+
+
+def entropy_part(config, summaries: dict[str, dict], data: BenchData, args: argparse.Namespace,
+                 output_dir: Path) -> dict[str, Any]:
+    """(c): the entropy stage trained again with `entropy_bonus: false`, from the same start model (the
+    previous stage's record is copied), same data and seed; TRL's per-step mean token entropy of both runs."""
+    from ermedrag.training.mmedagent import STAGE_RECORD, STAGES, stage_config
+
+    name = args.entropy_stage
+    result: dict[str, Any] = {"stage": name, "entropy_coef": {"with_bonus": stage_config(config, name).entropy_coef,
+                                                              "without_bonus": 0.0}}
+    if not data.stage_rows[name]:
+        return {**result, "with_bonus": [], "without_bonus": [], "skipped": f"no training rows in bucket {name}"}
+    no_bonus = dataclasses.replace(config, output_dir=str(output_dir), entropy_bonus=False)
+    previous = STAGES[name].after
+    if previous is not None:
+        (output_dir / previous).mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(config.output_dir) / previous / STAGE_RECORD, output_dir / previous / STAGE_RECORD)
+    ablation = run_stage(no_bonus, name, data.stage_rows[name])
+    result["with_bonus"] = entropy_series(summaries[name]["metrics_path"])
+    result["without_bonus"] = entropy_series(ablation["metrics_path"])
+    result["mean"] = {k: _mean(result[k]) for k in ("with_bonus", "without_bonus")}
+    result["minutes_without_bonus"] = ablation["minutes"]
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    folder = benchmarks_dir(args.data)
+    if folder is None:
+        print(f"mmedagent_learning: skipped: the shared data is not at {args.data} (need benchmarks/"
+              f"{' and '.join(BENCHMARK_FILES)}); pass --data or set ERMEDRAG_SHARED_DATA", file=sys.stderr)
+        return 0
+
+    import torch
+
+    if os.environ.get("ERMEDRAG_TORCH_THREADS"):  # the trainers do not read it; the hf backend does
+        torch.set_num_threads(int(os.environ["ERMEDRAG_TORCH_THREADS"]))
+    from ermedrag.training.config import resolve_model
+
+    work = Path(args.work) / ("smoke" if args.smoke else "full")
+    for stale in ("train", "train-no-bonus"):
+        shutil.rmtree(work / stale, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "mmedagent_learning.json" if args.smoke else Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        from ermedrag.testing import build_tiny_causal_lm
+
+        model_path = build_tiny_causal_lm(work / "tiny")
+    else:
+        model_path = resolve_model(args.model)
+
+    data = prepare_data(args, folder, work / "export")
+    if not data.train_questions or not data.eval_questions:
+        print(f"mmedagent_learning: no labelled questions to train on or hold out in {folder}", file=sys.stderr)
+        return 1
+    config = bench_config(args, model_path, work / "export", work / "train")
+    settings = bench_settings(args, config, data)
+    log("settings: " + json.dumps(settings))
+    result: dict[str, Any] = {}
+    result["triage"], triage_summary = triage_part(config, model_path, data, args)
+    result["attending"], summaries = attending_part(config, data, args)
+    result["entropy"] = entropy_part(config, summaries, data, args, work / "train-no-bonus")
+    log(f"entropy: {json.dumps(result['entropy'])}")
+
+    prefix = "mmedagent_smoke_" if args.smoke else "mmedagent_"
+    for name, summary in {"triage": triage_summary, **summaries}.items():  # each stage's own curves
+        if summary.get("plot_path"):
+            shutil.copy(summary["plot_path"], out.parent / f"{prefix}{name}_curves.png")
+    entropy = result["entropy"]
+    if entropy["with_bonus"] or entropy["without_bonus"]:
+        plot_entropy(entropy["with_bonus"], entropy["without_bonus"], entropy["entropy_coef"]["with_bonus"],
+                     args.entropy_stage, out.parent / f"{prefix}entropy.png")
+
+    result.update(settings=settings, seconds=round(time.time() - started, 1),
+                  date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), machine=machine(),
+                  command=" ".join(["python", "benches/learning/mmedagent_learning.py",
+                                    *(sys.argv[1:] if argv is None else argv)]))
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    log(f"wrote {out} ({result['seconds'] / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
