@@ -48,7 +48,8 @@ def hostile_index(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 # Small generation budgets for the real model on CPU: the property checked is where the answer comes from.
 OFFLINE_BUDGETS = {"snippets_k": 2, "extractor_max_new_tokens": 64, "respondent_max_new_tokens": 96,
-                   "step_max_new_tokens": 96, "max_total_tokens": 192, "max_searches": 1}
+                   "step_max_new_tokens": 96, "max_total_tokens": 192, "max_searches": 1,
+                   "triage_max_new_tokens": 48, "specialist_max_new_tokens": 64, "attending_max_new_tokens": 64}
 
 
 def _run(graph_name: str, index_dir: str, trace_db: Path, model: str,
