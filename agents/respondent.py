@@ -92,16 +92,22 @@ class Answer(TypedDict):
     extracted: NotRequired[bool]
 
 
+MAX_OPTION_CHARS = 1_000
+
+
 def format_options(options: dict[str, str] | None) -> str:
+    """The options block, one line per option, each quoted (`agents.markup.quote`): an option's text is input
+    as untrusted as a document, and cannot start a line or carry a live tag."""
     if not options:
         return ""
-    return "Options:\n" + "\n".join(f"{key}. {clip(str(text), 1000)}" for key, text in options.items())
+    return "Options:\n" + "\n".join(f"{key}. {quote(text, MAX_OPTION_CHARS)}" for key, text in options.items())
 
 
 def build_messages(question: str, options: dict[str, str] | None, evidence: str) -> list:
     """`evidence` is rendered by the caller: triplets (ER-MedRAG), raw snippets (vanilla RAG) or none (CoT).
     It is defused again here (idempotent): whatever a caller renders, no tag of it reaches the model live."""
-    user = USER_TEMPLATE.format(evidence=defuse(evidence), question=clip(question), options=format_options(options))
+    user = USER_TEMPLATE.format(evidence=defuse(evidence), question=defuse(clip(question)),
+                                options=format_options(options))
     return chat_messages(SYSTEM_PROMPT, user.rstrip(), example(question, options))
 
 
@@ -190,8 +196,16 @@ def normalise_answer(raw: str, options: dict[str, str] | None) -> str | None:
         return text or None
     keys = {str(k).upper(): str(k) for k in options}
     letter = LEADING_LETTER.match(text)
-    if letter and letter.group(1).upper() in keys:
-        return keys[letter.group(1).upper()]
+    by_letter = keys.get(letter.group(1).upper()) if letter else None
+    # "B", "B.", "(B) text", "B: text" name a letter; "A ruptured spleen" may be an option's own text, which
+    # wins over its first word read as a letter.
+    if by_letter and (letter.end() >= len(text) or text.startswith("(") or text[letter.end() - 1] in ".:)"):
+        return by_letter
+    return _option_by_text(text, options) or by_letter
+
+
+def _option_by_text(text: str, options: dict[str, str]) -> str | None:
+    """The key of the option whose text the answer is, or starts with (at a word boundary)."""
     lowered = text.lower()
     option_texts = {str(key): str(option).strip(" .").lower() for key, option in options.items()}
     for key, option_text in option_texts.items():

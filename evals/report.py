@@ -54,6 +54,8 @@ def _config_of(row: dict[str, Any]) -> dict[str, Any]:
     settings = config.get("settings")
     if not isinstance(settings, dict):
         settings = {k: v for k, v in config.items() if k not in CONFIG_FIELDS and k != "settings"}
+    elif config.get("prompt_version"):  # part of the configuration's identity: shown when it differs
+        settings = {**settings, "prompt_version": config["prompt_version"]}
     samples = number(config.get("samples"))
     return {"system": str(config.get("system") or row.get("system") or "unknown"),
             "model": str(config.get("model") or ""), "samples": int(samples) if samples else 1,

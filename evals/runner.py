@@ -32,10 +32,11 @@ from typing import Any, Iterable, Iterator, Mapping
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
 from ermedrag.tools.benchmarks import BadRow, Question, load_benchmark, load_questions_file
-from ermedrag.tools.chat_models import HFChatModel, ModelServerError, hf_generator
+from ermedrag.tools.chat_models import ModelServerError
 from ermedrag.tools.index import load_encoder
 from ermedrag.tools.retrieval import load_cross_encoder
 from ermedrag.tools.specialties import gold_specialty_for
+from ermedrag.agents import mmedagent as panel
 from ermedrag.graphs.common import MAX_OPTIONS, chat_model, index_for, parse_bool, retrieval_config
 from ermedrag.graphs.durable import arun_durably, describe_target, durable, open_async_saver, run_config
 from ermedrag.graphs.registry import context_fields, graph_spec, load_graph, resolved_settings
@@ -225,7 +226,8 @@ def result_row(config: EvalConfig, asking: Asking, state: dict[str, Any], store:
         "extracted": bool(answer.get("extracted")), "correct": chosen == question.answer,
         "error": answer.get("error"),
         "run_id": state.get("run_id"), "timings": state.get("timings", {}), "seconds": seconds,
-        **token_stats(events), **call_seconds(events), **panel_fields(state, asking),
+        **token_stats(events), **call_seconds(events),
+        **panel_fields(state, asking, config.settings.get("specialties")),
     }
 
 
@@ -236,16 +238,20 @@ def panel_inputs(graph_inputs: set[str], question: Question) -> dict[str, Any]:
     return {"gold_specialty": specialty} if specialty else {}
 
 
-def panel_fields(state: Mapping[str, Any], asking: Asking) -> dict[str, Any]:
-    """A panel graph's (`mmedagent`) row fields: the specialty triage chose and whether it was the gold one
-    (None when no gold specialty is known), the curriculum bucket, and the specialists' majority answer (in the
-    question's own keys) and whether it was right: the majority-vote baseline, from the same run."""
+def panel_fields(state: Mapping[str, Any], asking: Asking, specialties: str | None) -> dict[str, Any]:
+    """A panel graph's (`mmedagent`) row fields: the specialty triage chose and whether it was the gold one (None
+    when no gold specialty is known or the configuration's list lacks it), the curriculum bucket, and the
+    specialists' majority vote (ties go to the answer given first, the attending's own rule) in the question's
+    own keys and whether it was right: the majority-vote baseline, from the same run."""
     if "specialty" not in state:
         return {}
     keys = list(asking.question.options or {})
-    majority = state.get("majority")
+    answers = [o.get("answer") for o in state.get("opinions", [])]
+    chosen = panel.vote(answers)
+    majority = answers[chosen] if chosen is not None else None
     majority = original_key(keys, majority, asking.order) if keys else majority
-    gold_specialty = gold_specialty_for(asking.question)
+    gold_specialty = panel.canonical_specialty(gold_specialty_for(asking.question),
+                                               panel.parse_specialties(specialties or ",".join(panel.SPECIALTIES)))
     return {"specialty": state.get("specialty"), "gold_specialty": gold_specialty,
             "triage_correct": None if gold_specialty is None else state.get("specialty") == gold_specialty,
             "triage_fell_back": bool((state.get("triage") or {}).get("fell_back")), "bucket": state.get("bucket"),
@@ -315,10 +321,8 @@ def _load_weights(model: Any) -> None:
     """In-process models load their weights at their first call; load them now. Servers (openai:) are not
     called: a server that is down fails its questions, each recorded."""
     warm = getattr(model, "warm_up", None)
-    if callable(warm):  # a backend that knows how to load itself
+    if callable(warm):  # in-process backends know how to load themselves (hf: text or vision-language)
         warm()
-    elif isinstance(model, HFChatModel):
-        hf_generator(model.model_path, model.device)
 
 
 async def run_questions(
@@ -374,7 +378,7 @@ async def _answer_config(config: EvalConfig, questions: list[Question], out_dir:
     # Sync graph nodes run in the loop's executor: size it so `concurrency` questions (each fanning out
     # to snippets_k extractor calls) never queue behind each other's threads.
     loop = asyncio.get_running_loop()
-    fan_out = int(config.settings.get("snippets_k", 0))
+    fan_out = max(int(config.settings.get(name) or 0) for name in ("snippets_k", "n_specialists", "attending_samples"))
     loop.set_default_executor(ThreadPoolExecutor(max_workers=concurrency * (fan_out + 2)))
 
     async def answer(asking: Asking) -> None:

@@ -280,6 +280,8 @@ def extract_if_unparsed(state: Mapping[str, Any], ctx: Context, model_spec: str,
     options = state.get("options")
     if reply["ok"] or not options or not ctx.answer_extraction:
         return reply
+    if not reasoning.strip():  # nothing to read back: an extraction would be a fresh guess, not the model's answer
+        return {**reply, "extracted": False, "error": f"{reply['error']}; answer extraction: no reasoning to read"}
     try:
         extracted, _ = record_call(
             ctx, model_spec, respondent.EXTRACTION_MAX_NEW_TOKENS,
@@ -288,14 +290,16 @@ def extract_if_unparsed(state: Mapping[str, Any], ctx: Context, model_spec: str,
             agent="answer_extractor", node="extract_answer", run_id=state["run_id"], gold=state.get("gold"),
             stop=respondent.STOP, inputs={"question": state["question"], "options": options, "reasoning": reasoning},
         )
-    except ModelServerError as err:
-        if err.cause not in REQUEST_REJECTED:
+    except Exception as err:  # noqa: BLE001 - the reply stands; only a server that is down stops the run
+        if isinstance(err, ModelServerError) and err.server_down:
             raise
-        # A server that takes no continued assistant turn (only vLLM's takes `continue_final_message`): the reply
-        # stands, unparsed, and says why it was not read back; the run finishes (finish_run clears the mark).
-        return {**reply, "extracted": False, "error": f"{reply['error']}; answer extraction: the server refused "
-                f"the request ({err.cause}; it continues an assistant turn, which vLLM's server supports): "
-                "set answer_extraction=false for this server"}
+        # E.g. a server that takes no continued assistant turn (only vLLM's takes `continue_final_message`: HTTP
+        # 400/422 elsewhere) or a chat template that rewrites it: the reply stands, unparsed, and says why it was
+        # not read back; the run finishes (finish_run clears the failure mark record_call set).
+        why = ("the server refused the request: it continues an assistant turn, which vLLM's server supports; set "
+               "answer_extraction=false for this server") if getattr(err, "cause", "") in REQUEST_REJECTED else \
+            " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        return {**reply, "extracted": False, "error": f"{reply['error']}; answer extraction failed ({why})"}
     return extracted
 
 

@@ -119,6 +119,6 @@ def test_a_server_that_refuses_continuation_leaves_the_reply_and_says_why(tmp_pa
     finally:
         server.shutdown()
     answer = state["answer"]
-    assert answer["answer"] is None and not answer["ok"] and "answer extraction: the server refused" in answer["error"]
+    assert answer["answer"] is None and not answer["ok"] and "answer extraction failed (the server refused" in answer["error"]
     run = TraceStore(str(tmp_path / "t.sqlite")).run(state["run_id"])
     assert run["status"] == "finished" and run["error"] is None

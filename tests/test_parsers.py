@@ -294,3 +294,11 @@ def test_placeholder_letters_are_no_real_option():
     """The other convention (`agents.markup`): placeholder letters beyond any benchmark's options (A–J)."""
     assert PLACEHOLDER_ANSWER in PLACEHOLDER_LETTERS and not set(PLACEHOLDER_LETTERS) & set("ABCDEFGHIJ")
     assert list(placeholder_options(["x", "y", "z"])) == list(PLACEHOLDER_LETTERS)
+
+
+def test_an_answer_that_is_an_option_text_is_not_read_as_its_first_letter():
+    options = {"A": "D-dimer", "B": "Sepsis", "C": "A ruptured spleen", "D": "Blood loss"}
+    assert normalise_answer("A ruptured spleen", options) == "C"
+    assert normalise_answer("D-dimer", options) == "A"
+    assert [normalise_answer(t, options) for t in ("A", "B.", "(C) text", "D: Blood loss", "B because")] == \
+        ["A", "B", "C", "D", "B"]

@@ -805,6 +805,13 @@ class HFChatModel(BaseChatModel):
         out = generator.generate(list(prompt_ids), params)
         return self._result(out, len(prompt_ids), generator.tokenizer, stop, {})
 
+    def warm_up(self) -> None:
+        """Load the weights now (the eval does, before its progress bar), through the loader a call would use."""
+        if self._is_vision_model():
+            hf_vision_generator(self.model_path, self.device)
+        else:
+            hf_generator(self.model_path, self.device)
+
     def _is_vision_model(self) -> bool:
         """A vision-language model answers even text-only calls through its processor; a config that cannot be
         read here is left to the text loader, whose error names the model."""

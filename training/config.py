@@ -441,8 +441,9 @@ class MMedAgentTrainingConfig(GRPOTrainingConfig):
         if scheduled:
             raise ValueError(f"trl_overrides may not set {scheduled}: use the config's beta, entropy_coef, "
                              "adaptive_entropy, entropy_target (per stage under stage_overrides)")
-        entropy: dict[str, Any] = {"entropy_coef": self.entropy_coef if self.entropy_bonus else 0.0,
-                                   "use_adaptive_entropy": self.adaptive_entropy}
+        coef = self.entropy_coef if self.entropy_bonus else 0.0
+        # TRL's controller switches the bonus on by itself: a stage scheduled without one (triage) stays without.
+        entropy: dict[str, Any] = {"entropy_coef": coef, "use_adaptive_entropy": self.adaptive_entropy and coef > 0}
         if self.entropy_target is not None:
             entropy["entropy_target"] = self.entropy_target
         with_entropy = dataclasses.replace(self, trl_overrides={**self.trl_overrides, **entropy})
