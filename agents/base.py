@@ -60,14 +60,18 @@ def message_images(message: BaseMessage) -> list[str]:
     content = message.content
     if not isinstance(content, list):
         return []
-    references = []
-    for block in content[:MAX_IMAGE_BLOCKS]:
-        if isinstance(block, dict) and block.get("type") == IMAGE_BLOCK_TYPE:
-            url = block.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if isinstance(url, str):
-                references.append(url)
-    return references
+    found = (block_image_url(block) for block in content[:MAX_IMAGE_BLOCKS])
+    return [url for url in found if url is not None]
+
+
+def block_image_url(block: Any) -> str | None:
+    """The image reference of one content block (`{"type": "image_url", "image_url": {"url": ...}}`, or the
+    older `"image_url": "..."` form); None for any other block."""
+    if not isinstance(block, dict) or block.get("type") != IMAGE_BLOCK_TYPE:
+        return None
+    url = block.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    return url if isinstance(url, str) else None
 
 
 # The one mapping between LangChain's message types (also the roles traces record) and the chat roles of

@@ -23,6 +23,7 @@ from ermedrag.tools.retrieval import COARSE_K, DEFAULT_CONFIG, SNIPPETS_K, Retri
 from ermedrag.tools.retrieval import retrieve as retrieve_snippets
 from ermedrag.tools.traces import RetrievalEvent, TraceEvent, TraceStore, default_trace_db, snippet_record
 from ermedrag.tools.cache import shared_resource
+from ermedrag.tools.env import parse_bool  # noqa: F401 - re-exported: evals and tests import it from here
 
 MAX_OPTIONS = 26
 OPTION_KEYS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -54,18 +55,6 @@ def env_int(name: str, default: int) -> Any:
 
 def env_float(name: str, default: float) -> Any:
     return field(default_factory=lambda: _from_env(name, default, float))
-
-
-def parse_bool(value: str | bool) -> bool:
-    """'1/true/yes/on' or '0/false/no/off' (any case) as a bool, else a ValueError."""
-    if isinstance(value, bool):
-        return value
-    lowered = str(value).strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{value!r} is not a boolean (use true or false)")
 
 
 def env_bool(name: str, default: bool) -> Any:

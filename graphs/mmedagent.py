@@ -16,8 +16,11 @@ Images: the input's `images` (file paths, http(s) URLs or data URIs; at most 8) 
 as references, to every role: the triage doctor, each specialist and the attending see them with the case. Every
 role's model must be able to see (`tools.chat_models.require_image_support`): one that cannot (a text-only hf
 model, offline:gemma3-270m, a scripted model without `?vision=1`, openai: with ERMEDRAG_OPENAI_VISION=0) refuses
-the question in `intake`, naming the role's context field, before a run is opened or any weights load. Traces keep
-the images as references with their sha256, never the pixels.
+the question in `intake`, naming the role's context field, before a run is opened or any weights load. A data URI
+is written once to the image cache (`tools.images.cache_data_uris`: <ERMEDRAG_HOME>/images/<sha256>.<ext>) and the
+state, every fan-out task and every checkpoint carry its path, never the base64. File paths are read only inside
+the allowed image folders (env ERMEDRAG_IMAGE_ROOTS: `tools.images.image_roots`). Traces keep the images as
+references with their sha256 (a data URI as `data:<mime>;sha256=<hash>`), never the pixels.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from ermedrag.graphs.common import (Context, answer_call, begin_run, env, env_bo
                                    retrieve_evidence, trace_store)
 from ermedrag.graphs.er_medrag import InputState
 from ermedrag.tools.chat_models import require_image_support
-from ermedrag.tools.images import validate_images
+from ermedrag.tools.images import cache_data_uris, validate_images
 
 GRAPH_NAME = "mmedagent"
 
@@ -116,7 +119,9 @@ def role_model(ctx: MMedAgentContext, spec: str) -> str:
 
 class MMedAgentInput(InputState, total=False):
     gold_specialty: str | None  # the case's specialty, when known: the oracle triage and the triage's gold label
-    images: list[str] | None  # file paths, http(s) URLs or data:image/...;base64 URIs (at most 8): every role sees them
+    # File paths, http(s) URLs or data:image/...;base64 URIs (at most 8): every role sees them. After `intake` the
+    # state holds a data URI as the path of its file in the image cache.
+    images: list[str] | None
 
 
 class AttendingSample(TypedDict):
@@ -157,7 +162,7 @@ class SpecialistTask(TypedDict):
     specialty: str
     specialist: int
     evidence: str | None
-    images: list[str]
+    images: list[str]  # as the state holds them after intake: paths and URLs, never a data URI's base64
 
 
 class AttendingTask(TypedDict):
@@ -197,7 +202,8 @@ def check_models_see(ctx: MMedAgentContext, images: list[str]) -> None:
 def intake(state: State, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]:
     images = _check_extra_input(state)
     check_models_see(runtime.context, images)
-    return begin_run(state, runtime.context, GRAPH_NAME) | {"images": images}
+    # Written once, passed on as paths: the tasks of each fan-out and every later checkpoint stay small.
+    return begin_run(state, runtime.context, GRAPH_NAME) | {"images": cache_data_uris(images)}
 
 
 def after_intake(state: State, runtime: Runtime[MMedAgentContext]) -> Literal["retrieve", "triage"]:

@@ -3,7 +3,9 @@ a real server on 127.0.0.1, a tiny randomly initialised vision-language model th
 refusal of every model that cannot see.
 
 The images are real medical images from installed packages: pydicom's CT and MR test files (DICOM, sent as PNG)
-and scikit-image's retina photograph and immunohistochemistry slide (both in the `dev` extra)."""
+and scikit-image's retina photograph and immunohistochemistry slide (both in the `dev` extra). Hostile inputs are
+real files too: DICOMs written here with pydicom (multi-frame, deflated), paths outside the allowed folders and
+symlinks out of them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import base64
 import hashlib
 import io
 import json
+import os
+import pickle
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,10 +25,10 @@ import pytest
 from langchain_core.messages import HumanMessage, SystemMessage
 
 from ermedrag.agents.base import message_images, with_images
-from ermedrag.graphs.mmedagent import graph
-from ermedrag.tools import chat_models
+from ermedrag.graphs.mmedagent import builder, graph
+from ermedrag.tools import chat_models, images
 from ermedrag.tools.chat_models import HFChatModel, ImagesNotSupportedError, load_chat_model
-from ermedrag.tools.images import (MAX_IMAGES, ImageInputError, as_url, image_data, image_record,
+from ermedrag.tools.images import (IMAGE_ROOTS_ENV, MAX_IMAGES, ImageInputError, as_url, image_data, image_record,
                                    validate_images)
 from ermedrag.tools.traces import TraceStore
 
@@ -55,6 +59,14 @@ def data_uri(path: Path, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
 
 
+@pytest.fixture
+def image_home(tmp_path, monkeypatch) -> Path:
+    """A fresh ERMEDRAG_HOME: the image cache (data URIs written as files) is <home>/images."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("ERMEDRAG_HOME", str(home))
+    return home
+
+
 # ------------------------------------------------------------------------------------------------ validation
 
 
@@ -69,7 +81,7 @@ def test_valid_references_are_kept_as_given(medical):
     ("x.png", "must be a list of strings"),
     ([1], "item 1 must be a string"),
     (["  "], "item 1 is empty"),
-    (["{missing}"], "item 1 .*no such file"),
+    (["{missing}"], "item 1 .*no such file in the allowed image folders .*ERMEDRAG_IMAGE_ROOTS"),
     (["{folder}"], "item 1 .*not a file"),
     (["{text}"], "item 1 .*not a readable image"),
     (["{truncated}"], "item 1 .*damaged image"),
@@ -104,6 +116,107 @@ def test_dicom_is_sent_as_a_png_of_its_pixels(medical):
         image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
         assert image.format == "PNG" and image.mode == "L" and image.size == (dicom.Columns, dicom.Rows)
         assert len(set(image.tobytes())) > 50  # windowed and scaled: real contrast, not a flat image
+
+
+def write_dicom(path: Path, frames: list[Any], syntax: str) -> Path:
+    """A secondary-capture DICOM of 16-bit grey `frames` (numpy arrays, one shape) in transfer syntax `syntax`."""
+    import numpy as np
+    from pydicom.dataset import Dataset, FileMetaDataset
+    from pydicom.uid import SecondaryCaptureImageStorage, generate_uid
+
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = SecondaryCaptureImageStorage, generate_uid()
+    meta.TransferSyntaxUID = syntax
+    ds = Dataset()
+    ds.file_meta = meta
+    ds.SOPClassUID, ds.SOPInstanceUID = meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID
+    ds.Modality, ds.PhotometricInterpretation = "OT", "MONOCHROME2"
+    ds.Rows, ds.Columns = frames[0].shape
+    ds.NumberOfFrames, ds.SamplesPerPixel = len(frames), 1
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
+    ds.PixelData = np.stack(frames).astype("<u2").tobytes()
+    ds.save_as(path, enforce_file_format=True)
+    return path
+
+
+def test_multi_frame_dicom_over_the_declared_size_limit_is_refused_naming_the_file_and_limit(tmp_path, monkeypatch):
+    import numpy as np
+    from PIL import Image
+    from pydicom.uid import ExplicitVRLittleEndian
+
+    gradient = np.tile(np.arange(64, dtype="uint16") * 100, (64, 1))  # frame 0; the others are flat
+    path = write_dicom(tmp_path / "cine.dcm", [gradient] + [np.full((64, 64), 7, "uint16")] * 3, ExplicitVRLittleEndian)
+    declared = 4 * 64 * 64 * 2
+    monkeypatch.setattr(images, "MAX_DICOM_PIXEL_BYTES", declared - 1)
+    with pytest.raises(ImageInputError) as refused:
+        validate_images([str(path)])
+    message = str(refused.value)
+    assert f"item 1 ('{str(path)[:40]}" in message  # the file, by the start of its path
+    assert f"declares {declared} bytes" in message and "4 frame(s) of 64x64" in message
+    assert f"at most {declared - 1} (MAX_DICOM_PIXEL_BYTES)" in message
+    monkeypatch.setattr(images, "MAX_DICOM_PIXEL_BYTES", declared)  # at the limit: read, first frame only
+    decoded: list[int | None] = []
+    real_pixel_array = pydicom.pixels.pixel_array
+
+    def recording_pixel_array(src: Any, **kwargs: Any) -> Any:
+        decoded.append(kwargs.get("index"))
+        return real_pixel_array(src, **kwargs)
+
+    monkeypatch.setattr(pydicom.pixels, "pixel_array", recording_pixel_array)
+    png = Image.open(io.BytesIO(image_data(str(path)).data))
+    assert decoded == [0]  # one decode, of frame 0 alone
+    assert png.size == (64, 64) and len(set(png.tobytes())) == 64  # the gradient of frame 0, not a flat frame
+
+
+def test_deflated_dicom_is_refused_before_it_is_inflated(tmp_path, medical):
+    import numpy as np
+    from pydicom.uid import DeflatedExplicitVRLittleEndian
+
+    bomb = write_dicom(tmp_path / "bomb.dcm", [np.zeros((2048, 2048), "uint16")] * 4, DeflatedExplicitVRLittleEndian)
+    assert bomb.stat().st_size < 100_000  # 32 MB of pixels in the file's few kilobytes
+    real = Path(pydicom_data.get_testdata_file("image_dfl.dcm"))  # pydicom's own deflated test file
+    for path in (bomb, real):
+        with pytest.raises(ImageInputError) as refused:
+            validate_images([str(path)])
+        assert f"item 1 ('{str(path)[:40]}" in str(refused.value)  # the file, by the start of its path
+        assert "a DICOM file in the deflated transfer syntax (1.2.840.10008.1.2.1.99) is not read" in str(refused.value)
+    assert validate_images([str(medical["ct"]), str(medical["mr"])])  # the real CT and MR files still read
+
+
+def _refusal(reference: str) -> str:
+    """The error for `reference` after the item's label (its position and the reference as given)."""
+    with pytest.raises(ImageInputError) as refused:
+        validate_images([reference])
+    label, _, reason = str(refused.value).partition("'): ")
+    assert label.startswith("input 'images' item 1 (") and reason
+    return reason
+
+
+def test_files_outside_the_allowed_folders_look_missing(tmp_path, medical, monkeypatch):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    inside_png, outside_png = root / "sub" / "retina.png", outside / "retina.png"
+    inside_png.write_bytes(medical["retina"].read_bytes())
+    outside_png.write_bytes(medical["retina"].read_bytes())
+    (root / "escape.png").symlink_to(outside_png)  # a link inside the root to a file outside it
+    (root / "inner.png").symlink_to(inside_png)  # a link that stays inside
+    monkeypatch.setenv(IMAGE_ROOTS_ENV, os.pathsep.join([str(root), str(tmp_path / "elsewhere")]))
+    missing = _refusal(str(root / "missing.png"))
+    assert "no such file in the allowed image folders" in missing and IMAGE_ROOTS_ENV in missing
+    for reference in (str(outside_png), str(root / "escape.png"), str(root / "sub" / ".." / ".." / "outside" /
+                      "retina.png"), "/etc/passwd", "/proc/self/environ", "~/.ssh/id_rsa", "a\0b"):
+        assert _refusal(reference) == missing, reference
+    for reference in (str(inside_png), str(root / "inner.png")):
+        assert validate_images([reference]) == [reference]
+        assert image_data(reference).data == medical["retina"].read_bytes()
+    with pytest.raises(ImageInputError, match="no such file in the allowed"):
+        image_data(str(outside_png))  # reading for a model checks the roots too, not only validation
+    monkeypatch.setenv(IMAGE_ROOTS_ENV, os.sep)  # `/`: every path
+    assert validate_images([str(outside_png), str(root / "escape.png")])
+    monkeypatch.delenv(IMAGE_ROOTS_ENV)  # the default: the working directory and the temp folder
+    assert validate_images([str(outside_png)])
+    assert _refusal("/etc/hostname") == missing
 
 
 def test_trace_records_hash_the_bytes_and_keep_no_pixels(medical):
@@ -220,7 +333,7 @@ def test_openai_model_declared_text_only_refuses_before_sending(medical, monkeyp
 
 
 def test_graph_over_a_real_server_shows_every_role_the_images_and_traces_keep_hashes(medical, tmp_path,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, image_home):
     monkeypatch.delenv("ERMEDRAG_OPENAI_VISION", raising=False)
     ihc_uri = data_uri(medical["ihc"], "image/jpeg")
     images = [str(medical["retina"]), ihc_uri]
@@ -230,7 +343,9 @@ def test_graph_over_a_real_server_shows_every_role_the_images_and_traces_keep_ha
         state = graph.invoke({"question": "Which finding? #answers=A,A,B", "options": OPTIONS, "gold": "A",
                               "images": images}, context=ctx)
         bodies = list(server.bodies)
-    assert state["answer"]["answer"] == "A" and state["images"] == images
+    assert state["answer"]["answer"] == "A" and state["images"][0] == images[0]
+    ihc_digest = hashlib.sha256(medical["ihc"].read_bytes()).hexdigest()
+    assert state["images"][1] == str(image_home / "images" / f"{ihc_digest}.jpg")  # the data URI, as a file
     assert len(bodies) == 5  # triage, three specialists, the attending: each one saw both images
     for body in bodies:
         retina, ihc = _image_blocks(body)
@@ -246,6 +361,50 @@ def test_graph_over_a_real_server_shows_every_role_the_images_and_traces_keep_ha
     for name in ("retina", "ihc"):
         assert base64.b64encode(medical[name].read_bytes())[:200] not in stored
     assert b";base64," not in stored
+
+
+def noise_png(path: Path, side: int = 600) -> Path:
+    """A PNG of random pixels: it does not compress, so its data URI is about 1.4 MB."""
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype="uint8")).save(path)
+    return path
+
+
+def test_a_data_uri_is_written_once_and_only_its_path_reaches_state_tasks_and_checkpoints(tmp_path, image_home):
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    png = noise_png(tmp_path / "scan.png")
+    uri = data_uri(png, "image/png")
+    digest = hashlib.sha256(png.read_bytes()).hexdigest()
+    cached = image_home / "images" / f"{digest}.png"
+    question = {"question": "Which finding? #answers=A,A,B", "options": OPTIONS, "gold": "A", "images": [uri]}
+    db = tmp_path / "t.sqlite"
+    saver = InMemorySaver()
+    checkpointed = builder.compile(checkpointer=saver)
+    thread = {"configurable": {"thread_id": "one"}}
+    ctx = {"respondent_model": PANEL + "?vision=1", "trace_db": str(db), "n_specialists": 8}
+    state = checkpointed.invoke(question, config=thread, context=ctx)
+
+    assert state["images"] == [str(cached)] and cached.read_bytes() == base64.b64decode(uri.split(",", 1)[1])
+    serialised = json.dumps(state, default=str)
+    assert ";base64," not in serialised and len(serialised) < 20_000 < len(uri)
+    checkpoints = list(saver.list(thread))
+    with_base64 = [c.metadata["step"] for c in checkpoints
+                   if b";base64," in pickle.dumps((c.checkpoint, c.pending_writes))]
+    # Only the checkpoints of the input itself (before intake ran: steps -1 and 0); before the cache every one of
+    # the run's checkpoints and each specialist's task carried it (23 stored copies here, 3 now).
+    assert set(with_base64) <= {-1, 0} and len(checkpoints) > 4
+    events = list(TraceStore(db).events(run_id=state["run_id"]))
+    assert len(events) == 1 + 8 + 1  # triage, eight specialists, the attending
+    for event in events:  # traces keep the original reference form, never the cache path
+        assert event["messages"][-1]["images"] == [{"ref": f"data:image/png;sha256={digest}", "sha256": digest}]
+
+    written = cached.stat()
+    again = graph.invoke(question, context=ctx)  # a rerun reuses the file
+    assert again["images"] == [str(cached)] and cached.stat().st_mtime_ns == written.st_mtime_ns
+    assert sorted(p.name for p in cached.parent.iterdir()) == [cached.name]  # no leftover temporary files
 
 
 # ------------------------------------------------------------------------------------- models that cannot see

@@ -56,11 +56,12 @@ from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr
-from ermedrag.agents.base import image_block, message_images
+from ermedrag.agents.base import block_image_url, image_block, message_images, to_chat
 from ermedrag.tools.cache import shared_resource
+from ermedrag.tools.env import env_flag
 from ermedrag.tools.hf_batching import (BatchingGenerator, GenerationParams, Generated, StepStatistics,
-                                        generation_kwargs)
-from ermedrag.tools.images import as_pil, as_url, env_flag, images_in, is_url
+                                        generation_kwargs, trimmed_completion)
+from ermedrag.tools.images import as_pil, as_url, images_in, is_url
 
 PROVIDERS = ("hf", "offline", "openai", "vllm", "scripted")
 DEFAULT_MODEL = "offline:gemma3-270m"
@@ -534,14 +535,9 @@ def _with_image_urls(message: BaseMessage) -> BaseMessage:
     """`message` with each image block's reference replaced by what a server can read (`tools.images.as_url`)."""
     if not message_images(message):
         return message
-    content = [image_block(as_url(_block_url(block))) if isinstance(block, dict) and block.get("type") == "image_url"
-               else block for block in message.content]
+    content = [block if (url := block_image_url(block)) is None else image_block(as_url(url))
+               for block in message.content]
     return message.model_copy(update={"content": content})
-
-
-def _block_url(block: dict[str, Any]) -> str:
-    url = block.get("image_url")
-    return str(url.get("url") if isinstance(url, dict) else url)
 
 
 # -------------------------------------------------------------------------------------------------- hf
@@ -562,11 +558,6 @@ def continuation_kwargs(model: BaseChatModel, messages: list[BaseMessage]) -> di
     if flags["add_generation_prompt"] or getattr(model, "_llm_type", "") != "openai-chat":
         return {}
     return {"extra_body": flags}
-
-
-def _chat_dicts(messages: list[BaseMessage]) -> list[dict[str, str]]:
-    roles = {"human": "user", "ai": "assistant", "system": "system"}
-    return [{"role": roles.get(m.type, "user"), "content": m.text} for m in messages]
 
 
 def _model_label(model_path: str) -> str:
@@ -629,31 +620,44 @@ def load_hf_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
     """Load (tokenizer, model) once per process. `model_path` is a hub id, a folder, or a .gguf file.
 
     Says so in one line on stderr (once per process and model: the result is cached), without progress bars."""
-    import torch
-
-    threads = os.environ.get("ERMEDRAG_TORCH_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
     kwargs: dict[str, Any] = {}
     source = model_path
     if model_path.endswith(".gguf"):
         source, kwargs["gguf_file"] = str(Path(model_path).parent), Path(model_path).name
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    label = _model_label(model_path)
-    where = f" ({model_path})" if label != f"hf:{model_path}" else ""
-    threads_used = torch.get_num_threads()
-    print(f"loading model {label}{where} on {device} ({str(dtype).removeprefix('torch.')}, "
-          f"{threads_used} torch thread{'s' if threads_used != 1 else ''}) …", file=sys.stderr, flush=True)
-    return_large_blocks_to_the_os()
+    dtype = _prepare_loading("model", model_path, device)
     with quiet_model_loading(gguf_file="gguf_file" in kwargs):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         # The model first: the tokenizer's load then fits in what the model's load freed (-250 MB peak for Gemma).
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    _give_pad_token(tokenizer)
+    return tokenizer, model
+
+
+def _prepare_loading(kind: str, model_path: str, device: str) -> Any:
+    """What every weight load does first: torch's thread count (ERMEDRAG_TORCH_THREADS), one line on stderr
+    naming the model, device, dtype and threads, and glibc set to return freed blocks. Returns the dtype:
+    float32 on CPU, bfloat16 on an accelerator."""
+    import torch
+
+    threads = os.environ.get("ERMEDRAG_TORCH_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    label = _model_label(model_path)
+    where = f" ({model_path})" if label != f"hf:{model_path}" else ""
+    threads_used = torch.get_num_threads()
+    print(f"loading {kind} {label}{where} on {device} ({str(dtype).removeprefix('torch.')}, "
+          f"{threads_used} torch thread{'s' if threads_used != 1 else ''}) …", file=sys.stderr, flush=True)
+    return_large_blocks_to_the_os()
+    return dtype
+
+
+def _give_pad_token(tokenizer: Any) -> None:
+    """Batches (and `generate`) need a pad token; a model without one pads with its end-of-sequence token."""
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer, model
 
 
 @shared_resource(maxsize=4)
@@ -667,23 +671,13 @@ def hf_generator(model_path: str, device: str = "cpu") -> BatchingGenerator:
 def load_hf_vision_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
     """Load (processor, model) of a vision-language model once per process (AutoProcessor and
     AutoModelForImageTextToText), saying so on stderr like `load_hf_model`."""
-    import torch
-
-    threads = os.environ.get("ERMEDRAG_TORCH_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    print(f"loading vision-language model hf:{model_path} on {device} ({str(dtype).removeprefix('torch.')}, "
-          f"{torch.get_num_threads()} torch threads) …", file=sys.stderr, flush=True)
-    return_large_blocks_to_the_os()
+    dtype = _prepare_loading("vision-language model", model_path, device)
     with quiet_model_loading():
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).to(device).eval()
         processor = AutoProcessor.from_pretrained(model_path)
-    tokenizer = processor.tokenizer
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    _give_pad_token(processor.tokenizer)
     return processor, model
 
 
@@ -722,19 +716,10 @@ class VisionGenerator:
             new = sequences[:, width:]
             chosen, entropy = stats.finish(new)
             finished = time.perf_counter()
-        generated = self._completion(new[0].tolist(), chosen[0], entropy[0])
+        generated = trimmed_completion(new[0].tolist(), chosen[0], entropy[0], self.tokenizer,
+                                       self.model.generation_config.eos_token_id)
         generated.queue_s, generated.compute_s = started - submitted, finished - started
         return generated, self._seen(inputs, conversation)
-
-    def _completion(self, ids: list[int], logprobs: list[float], entropies: list[float]) -> Generated:
-        eos = self.model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos])
-        end = next((i + 1 for i, token in enumerate(ids) if token in eos_ids), None)
-        hit_eos = end is not None
-        end = len(ids) if end is None else end
-        return Generated(token_ids=ids[:end], hit_eos=hit_eos,
-                         logprobs=[{"token": self.tokenizer.decode([t]), "logprob": lp, "entropy": h}
-                                   for t, lp, h in zip(ids[:end], logprobs, entropies)])
 
     def _seen(self, inputs: Any, conversation: list[dict[str, Any]]) -> dict[str, Any]:
         """What reached the model: observable in the reply's metadata (and the tests)."""
@@ -752,11 +737,10 @@ class VisionGenerator:
 def _processor_conversation(messages: list[BaseMessage]) -> list[dict[str, Any]]:
     """Messages in a processor's chat-template format: each turn a list of image entries (as pixels: the
     reference read here) then its text."""
-    roles = {"human": "user", "ai": "assistant", "system": "system"}
-    return [{"role": roles.get(m.type, "user"),
-             "content": [*({"type": "image", "image": as_pil(ref)} for ref in message_images(m)),
-                         {"type": "text", "text": m.text}]}
-            for m in messages]
+    return [{"role": chat["role"],
+             "content": [*({"type": "image", "image": as_pil(ref)} for ref in message_images(message)),
+                         {"type": "text", "text": chat["content"]}]}
+            for message, chat in zip(messages, to_chat(messages))]
 
 
 def _cut_at_stop(text: str, stop: list[str] | None) -> tuple[str, str | None]:
@@ -801,7 +785,7 @@ class HFChatModel(BaseChatModel):
             return self._result(out, seen["prompt_tokens"], generator_v.tokenizer, stop, {"vision_inputs": seen})
         generator = hf_generator(self.model_path, self.device)
         prompt_ids = generator.tokenizer.apply_chat_template(
-            _chat_dicts(messages), tokenize=True, return_dict=False, **continuation(messages))
+            to_chat(messages), tokenize=True, return_dict=False, **continuation(messages))
         out = generator.generate(list(prompt_ids), params)
         return self._result(out, len(prompt_ids), generator.tokenizer, stop, {})
 
@@ -871,7 +855,7 @@ class VLLMChatModel(BaseChatModel):
             stop=list(stop) if stop else None,
             logprobs=0,
         )
-        output = _vllm_engine(self.model_path).chat(_chat_dicts(messages), params, use_tqdm=False,
+        output = _vllm_engine(self.model_path).chat(to_chat(messages), params, use_tqdm=False,
                                                     **continuation(messages))[0]
         choice = output.outputs[0]
         usage = {

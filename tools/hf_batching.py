@@ -210,17 +210,24 @@ class BatchingGenerator:
         return rows
 
     def _row(self, ids: list[int], logprobs: list[float], entropies: list[float]) -> Generated:
-        eos = self.model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos])
-        end = next((i + 1 for i, t in enumerate(ids) if t in eos_ids), None)
-        hit_eos = end is not None
-        if end is None:  # finished by a stop string or the budget: rows that stopped early are padded
-            end = len(ids)
-            while end > 0 and ids[end - 1] == self.tokenizer.pad_token_id:
-                end -= 1
-        return Generated(
-            token_ids=ids[:end],
-            logprobs=[{"token": self.tokenizer.decode([t]), "logprob": lp, "entropy": h}
-                      for t, lp, h in zip(ids[:end], logprobs, entropies)],
-            hit_eos=hit_eos,
-        )
+        return trimmed_completion(ids, logprobs, entropies, self.tokenizer, self.model.generation_config.eos_token_id)
+
+
+def trimmed_completion(ids: list[int], logprobs: list[float], entropies: list[float], tokenizer: Any,
+                       eos_token_id: int | list[int] | None) -> Generated:
+    """One row of `generate`'s new tokens as a completion: up to and including its first end-of-sequence token,
+    else without the padding a row that stopped early (stop string, budget) got from the longer rows of its
+    batch; each kept token with its log-probability and the entropy of its step."""
+    eos_ids = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
+    end = next((i + 1 for i, t in enumerate(ids) if t in eos_ids), None)
+    hit_eos = end is not None
+    if end is None:
+        end = len(ids)
+        while end > 0 and ids[end - 1] == tokenizer.pad_token_id:
+            end -= 1
+    return Generated(
+        token_ids=ids[:end],
+        logprobs=[{"token": tokenizer.decode([t]), "logprob": lp, "entropy": h}
+                  for t, lp, h in zip(ids[:end], logprobs, entropies)],
+        hit_eos=hit_eos,
+    )
