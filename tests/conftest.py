@@ -68,3 +68,22 @@ def stop_process_group(proc: subprocess.Popen, timeout_s: float = 20) -> None:
         proc.wait(timeout=10)
     except ProcessLookupError:
         pass
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run faster on one thread, and much faster when another process holds a core."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny randomly initialised causal LM saved to a folder (`ermedrag.testing.build_tiny_causal_lm`)."""
+    from ermedrag.testing import build_tiny_causal_lm
+
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "model")

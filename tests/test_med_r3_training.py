@@ -19,7 +19,6 @@ import torch
 from transformers import LogitsProcessor
 
 from ermedrag.agents.reasoner import render_documents
-from ermedrag.testing import build_tiny_causal_lm
 from ermedrag.training.answer_rewards import correctness_reward, format_reward, well_formed_correctness_reward
 from ermedrag.training.config import MedR3TrainingConfig
 from ermedrag.training.med_r3 import STAGES, stage_config, stage_rewards, train_med_r3
@@ -184,17 +183,8 @@ SEARCH_K = 2
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and much faster when another process holds a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "model")
+def _one_thread(one_torch_thread):
+    """Tiny models run faster on one thread (`tests.conftest.one_torch_thread`)."""
 
 
 @pytest.fixture(scope="module")

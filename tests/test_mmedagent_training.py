@@ -16,7 +16,6 @@ import torch
 
 from ermedrag.agents.base import to_chat
 from ermedrag.graphs.mmedagent import graph
-from ermedrag.testing import build_tiny_causal_lm
 from ermedrag.tools.benchmarks import Question
 from ermedrag.tools.traces import TraceStore
 from ermedrag.training.config import MMedAgentTrainingConfig, load_config
@@ -274,17 +273,8 @@ def test_cli_train_dispatches_mmedagent(monkeypatch):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and much faster when another process holds a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "model")
+def _one_thread(one_torch_thread):
+    """Tiny models run faster on one thread (`tests.conftest.one_torch_thread`)."""
 
 
 def tiny_config(model: str, dataset: Path, output_dir: Path, **fields) -> MMedAgentTrainingConfig:

@@ -33,7 +33,6 @@ import gc
 import json
 import logging
 import os
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +42,13 @@ from ermedrag.training.config import MedR3TrainingConfig, config_from_dict, load
 from ermedrag.training.med_r3_data import build_med_r3_dataset
 from ermedrag.training.rewards import WeightedReward, resolve_rewards
 from ermedrag.training.rollouts import ANSWER_STOP, SearchFn, index_search, make_search_rollout
-from ermedrag.training.stages import merge_adapter, recorded_stage_model
+from ermedrag.training.stages import recorded_stage_model, stage_model, write_stage_record
 from ermedrag.training.trainers import run_grpo
 
 logger = logging.getLogger(__name__)
 
 STAGE_RECORD = "med_r3_stage.json"
 SUMMARY_FILE = "med_r3_summary.json"
-MERGED_DIR = "merged"
 
 
 @dataclass(frozen=True)
@@ -148,21 +146,13 @@ def train_stage(config: MedR3TrainingConfig, stage: int, *, logits_processor: Se
     staged.model = start_model  # the trainer loads it; also recorded in training_config.json and the plot title
     summary = run_grpo(staged, rewards, rollout_func=rollout, kind=f"med-r3 stage{stage}")
     gc.collect()  # the trainer is gone: free its memory before the merge loads the model again
-    output_dir = Path(staged.output_dir)
     process = PartialState()
-    model_dir = output_dir
-    if staged.use_lora:
-        model_dir = output_dir / MERGED_DIR
-        if process.is_main_process:
-            merge_adapter(output_dir, model_dir, staged.resolved_dtype())
-        process.wait_for_everyone()
+    output_dir, model_dir = stage_model(staged, process)
     summary.update(stage=stage, name=spec.name, search=spec.search, start_model=start_model,
                    model_dir=str(model_dir), adapter_dir=str(output_dir) if staged.use_lora else None)
-    if process.is_main_process:
-        record = {k: summary[k] for k in ("stage", "name", "search", "start_model", "model_dir", "adapter_dir",
-                                          "steps", "reward_functions", "reward_weights")}
-        (output_dir / STAGE_RECORD).write_text(json.dumps({**record, "finished_at": time.time()}, indent=2),
-                                               encoding="utf-8")
+    write_stage_record(output_dir / STAGE_RECORD, summary, ("stage", "name", "search", "start_model", "model_dir",
+                                                            "adapter_dir", "steps", "reward_functions",
+                                                            "reward_weights"), process)
     return summary
 
 

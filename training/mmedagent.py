@@ -52,7 +52,6 @@ import logging
 import os
 import random
 import shutil
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +62,7 @@ from ermedrag.tools.jsonl import read_records
 from ermedrag.training.answer_rewards import correctness_reward, format_reward, is_well_formed, length_penalty, \
     well_formed_correctness_reward
 from ermedrag.training.config import MMedAgentTrainingConfig, config_from_dict, load_config, resolve_model
-from ermedrag.training.med_r3 import MERGED_DIR
-from ermedrag.training.stages import merge_adapter, recorded_stage_model
+from ermedrag.training.stages import recorded_stage_model, stage_model, write_stage_record
 from ermedrag.training.reward_text import MAX_TEXT_CHARS, RewardFunc, column, own_text
 from ermedrag.training.rewards import WeightedReward, resolve_rewards
 from ermedrag.training.trainers import run_grpo
@@ -316,23 +314,15 @@ def train_stage(config: MMedAgentTrainingConfig, name: str) -> dict[str, Any]:
     rewards = stage_rewards(staged, name)
     summary = run_grpo(staged, rewards, kind=f"mmedagent {name}")
     gc.collect()  # the trainer is gone: free its memory before the merge loads the model again
-    output_dir = Path(staged.output_dir)
-    model_dir = output_dir
-    if staged.use_lora:
-        model_dir = output_dir / MERGED_DIR
-        if process.is_main_process:
-            merge_adapter(output_dir, model_dir, staged.resolved_dtype())
-        process.wait_for_everyone()
+    output_dir, model_dir = stage_model(staged, process)
     summary.update(stage=name, role=stage.role, start_model=start_model, model_dir=str(model_dir),
                    adapter_dir=str(output_dir) if staged.use_lora else None, dataset=staged.dataset,
                    entropy_coef=staged.entropy_coef if staged.entropy_bonus else 0.0, beta=staged.beta,
                    adaptive_entropy=staged.adaptive_entropy, reward=staged.reward)
-    if process.is_main_process:
-        record = {k: summary[k] for k in ("stage", "role", "start_model", "model_dir", "adapter_dir", "dataset",
-                                          "steps", "reward_functions", "reward_weights", "entropy_coef", "beta",
-                                          "adaptive_entropy", "reward")}
-        (output_dir / STAGE_RECORD).write_text(json.dumps({**record, "finished_at": time.time()}, indent=2),
-                                               encoding="utf-8")
+    write_stage_record(output_dir / STAGE_RECORD, summary, ("stage", "role", "start_model", "model_dir",
+                                                            "adapter_dir", "dataset", "steps", "reward_functions",
+                                                            "reward_weights", "entropy_coef", "beta",
+                                                            "adaptive_entropy", "reward"), process)
     return summary
 
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+import time
 from pathlib import Path
+from typing import Any
+
+MERGED_DIR = "merged"
 
 
 def merge_adapter(adapter_dir: Path, merged_dir: Path, dtype: str) -> None:
@@ -35,3 +39,23 @@ def recorded_stage_model(record: Path, stage: str, previous: str) -> str:
         raise FileNotFoundError(f"stage {previous}'s model {model_dir} (from {record}) is missing: rerun stage "
                                 f"{previous}")
     return model_dir
+
+
+def stage_model(staged: Any, process: Any) -> tuple[Path, Path]:
+    """After a stage trained: its output folder and the model the next stage starts from (with LoRA, the adapter
+    merged into `OUTPUT/merged/` by the main process while the others wait)."""
+    output_dir = Path(staged.output_dir)
+    if not staged.use_lora:
+        return output_dir, output_dir
+    model_dir = output_dir / MERGED_DIR
+    if process.is_main_process:
+        merge_adapter(output_dir, model_dir, staged.resolved_dtype())
+    process.wait_for_everyone()
+    return output_dir, model_dir
+
+
+def write_stage_record(path: Path, summary: dict[str, Any], keys: tuple[str, ...], process: Any) -> None:
+    """The stage's record (`keys` of its summary, and when it finished), written once, by the main process."""
+    if process.is_main_process:
+        record = {key: summary[key] for key in keys}
+        path.write_text(json.dumps({**record, "finished_at": time.time()}, indent=2), encoding="utf-8")
