@@ -201,15 +201,35 @@ def canonical_option_key(key: Any) -> str:
     return letter
 
 
-def begin_run(state: Mapping[str, Any], ctx: Context, graph_name: str) -> dict[str, Any]:
-    """Check the input and open its run in the trace store; the state update every graph starts with."""
+def per_question(combine: Callable[[Any, Any], Any], empty: Callable[[], Any] = list
+                 ) -> Callable[[Any, Any], Any]:
+    """A state channel's reducer that combines updates with `combine` and starts over on None: `begin_run` sends
+    None to each such channel (`fresh`), so a new question on a thread that answered one before (Studio, a
+    reused `thread_id`) never inherits its documents, opinions, segments or timings."""
+    def reduce(current: Any, new: Any) -> Any:
+        if new is None:
+            return empty()
+        return combine(empty() if current is None else current, new)
+    return reduce
+
+
+def begin_run(state: Mapping[str, Any], ctx: Context, graph_name: str, fresh: tuple[str, ...] = ("timings",)
+              ) -> dict[str, Any]:
+    """Check the input and open its run in the trace store; the state update every graph starts with. `fresh`:
+    the graph's `per_question` channels, emptied. The run id is the input's, unless it names a run that already
+    finished or asked another question (the state of a reused thread): then the question gets a new run."""
     question, options = validate_question(state)
     gold = state.get("gold")
     if options and isinstance(gold, str) and gold.strip().upper() in options:
         gold = gold.strip().upper()  # the same canonical key as the options (and the parsed answers)
-    run_id = state.get("run_id") or uuid.uuid4().hex
-    trace_store(ctx).start_run(run_id, graph_name, {"question": question, "options": options}, gold)
-    return {"run_id": run_id, "question": question, "options": options, "gold": gold}
+    store = trace_store(ctx)
+    run_id = state.get("run_id")
+    earlier = store.run(run_id) if run_id else None
+    if earlier and (earlier.get("finished_at") or (earlier.get("question") or {}).get("question") != question):
+        run_id = None
+    run_id = run_id or uuid.uuid4().hex
+    store.start_run(run_id, graph_name, {"question": question, "options": options}, gold)
+    return {"run_id": run_id, "question": question, "options": options, "gold": gold} | dict.fromkeys(fresh)
 
 
 def retrieve_recorded(ctx: Context, query: str, *, run_id: str, node: str, k: int, coarse_k: int

@@ -16,7 +16,7 @@ from langgraph.types import Send
 from typing_extensions import TypedDict
 
 from ermedrag.agents import extractor, respondent
-from ermedrag.graphs.common import Context, begin_run, record_call, respond_with, retrieve_evidence
+from ermedrag.graphs.common import Context, begin_run, per_question, record_call, respond_with, retrieve_evidence
 
 GRAPH_NAME = "er_medrag"
 
@@ -30,9 +30,9 @@ class InputState(TypedDict, total=False):
 
 class State(InputState, total=False):
     snippets: list[dict[str, Any]]
-    extractions: Annotated[list[extractor.Extraction], operator.add]
+    extractions: Annotated[list[extractor.Extraction], per_question(operator.add)]
     answer: respondent.Answer
-    timings: Annotated[dict[str, float], operator.or_]
+    timings: Annotated[dict[str, float], per_question(operator.or_, dict)]
     stage_started_at: float
 
 
@@ -44,7 +44,7 @@ class ExtractTask(TypedDict):
 
 
 def retrieve(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
-    update = begin_run(state, runtime.context, GRAPH_NAME)
+    update = begin_run(state, runtime.context, GRAPH_NAME, fresh=("timings", "extractions"))
     evidence = retrieve_evidence(runtime.context, update["question"], run_id=update["run_id"], node="retrieve")
     return update | evidence | {"stage_started_at": time.time()}
 

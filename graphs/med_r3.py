@@ -25,8 +25,8 @@ from typing_extensions import TypedDict
 
 from ermedrag.agents import reasoner
 from ermedrag.agents.respondent import Answer
-from ermedrag.graphs.common import (Context, begin_run, env_int, extract_if_unparsed, record_call, retrieve_recorded,
-                                   trace_store)
+from ermedrag.graphs.common import (Context, begin_run, env_int, extract_if_unparsed, per_question, record_call,
+                                   retrieve_recorded, trace_store)
 from ermedrag.graphs.er_medrag import InputState
 from ermedrag.tools.retrieval import SEARCH_K, search_coarse_k
 
@@ -54,15 +54,15 @@ class Search(TypedDict):
 
 class State(InputState, total=False):
     transcript: str  # the segments' text, as the model reads it (for Studio and the trace)
-    segments: Annotated[list[reasoner.Segment], operator.add]
-    searches: Annotated[list[Search], operator.add]
+    segments: Annotated[list[reasoner.Segment], per_question(operator.add)]
+    searches: Annotated[list[Search], per_question(operator.add)]
     pending_query: str | None
     next_action: reasoner.LoopAction
     forced_answer: reasoner.ForceReason | None  # why the system had to ask for the answer (None: the model gave it)
     generated_tokens: int
     forged_document: bool
     answer: Answer
-    timings: Annotated[dict[str, float], operator.or_]
+    timings: Annotated[dict[str, float], per_question(operator.or_, dict)]
 
 
 def _model_spec(ctx: MedR3Context) -> str:
@@ -70,8 +70,9 @@ def _model_spec(ctx: MedR3Context) -> str:
 
 
 def start(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
-    return begin_run(state, runtime.context, GRAPH_NAME) | {"transcript": "", "generated_tokens": 0,
-                                                             "forged_document": False, "forced_answer": None}
+    fresh = ("timings", "segments", "searches")
+    return begin_run(state, runtime.context, GRAPH_NAME, fresh) | {"transcript": "", "generated_tokens": 0,
+                                                                  "forged_document": False, "forced_answer": None}
 
 
 def _generate(state: State, ctx: MedR3Context, budget: int, stop: list[str], node: str

@@ -38,8 +38,8 @@ from typing_extensions import TypedDict
 from ermedrag.agents import mmedagent as roles
 from ermedrag.agents.mmedagent import Opinion, Triage
 from ermedrag.agents.respondent import Answer, render_snippets
-from ermedrag.graphs.common import (Context, answer_call, begin_run, env, env_bool, env_int, record_call,
-                                   retrieve_evidence, trace_store)
+from ermedrag.graphs.common import (Context, answer_call, begin_run, env, env_bool, env_int, per_question,
+                                   record_call, retrieve_evidence, trace_store)
 from ermedrag.graphs.er_medrag import InputState
 from ermedrag.tools.chat_models import require_image_support
 from ermedrag.tools.images import cache_data_uris, validate_images
@@ -143,14 +143,14 @@ class State(MMedAgentInput, total=False):
     evidence: str | None
     specialty: str  # the chosen specialty
     triage: Triage
-    opinions: Annotated[list[Opinion], by_specialist]
-    attending_answers: Annotated[list[AttendingSample], by_sample]
+    opinions: Annotated[list[Opinion], per_question(by_specialist)]
+    attending_answers: Annotated[list[AttendingSample], per_question(by_sample)]
     answer: Answer
     agreement: float | None  # share of specialists whose answer is the gold one (None without gold)
     bucket: roles.Bucket | None
     majority: str | None  # the specialists' most common answer (None on a tie)
     followed_majority: bool | None
-    timings: Annotated[dict[str, float], operator.or_]
+    timings: Annotated[dict[str, float], per_question(operator.or_, dict)]
     stage_started_at: float
 
 
@@ -203,7 +203,8 @@ def intake(state: State, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]:
     images = _check_extra_input(state)
     check_models_see(runtime.context, images)
     # Written once, passed on as paths: the tasks of each fan-out and every later checkpoint stay small.
-    return begin_run(state, runtime.context, GRAPH_NAME) | {"images": cache_data_uris(images)}
+    fresh = ("timings", "opinions", "attending_answers")
+    return begin_run(state, runtime.context, GRAPH_NAME, fresh) | {"images": cache_data_uris(images)}
 
 
 def after_intake(state: State, runtime: Runtime[MMedAgentContext]) -> Literal["retrieve", "triage"]:
