@@ -504,7 +504,8 @@ def rag_quality_section(result_dirs: list[str], trace_db: str, corpus_dir: str |
                      f"{_num(g['context_recall'])} |")
     if judge:
         quality["judge"] = judge_metrics(judge_samples(load_rows(result_dirs), trace_db), judge, base_url)
-        lines += ["", f"Judge {judge}: " + ", ".join(f"{k}={_num(v['mean'])} (n={v['n']})" for k, v in quality["judge"]["summary"].items())]
+        judged = quality["judge"]["summary"].items()
+        lines += ["", f"Judge {judge}: " + ", ".join(f"{k}={_num(v['mean'])} (n={v['n']})" for k, v in judged)]
     (out / "rag_quality.json").write_text(json.dumps(quality, indent=2, default=str))
     return "\n".join(lines) + "\n"
 

@@ -69,7 +69,8 @@ GRAPHS: dict[str, GraphSpec] = {
                         ("respondent_model", "temperature", "answer_extraction", "index_dir", "coarse_k", "reranker")
                         + SEARCH_LOOP, ("reasoner", "respondent")),
     # Specialists use the respondent's template, example and answer extraction; triage and attending their own.
-    "mmedagent": GraphSpec("mmedagent:graph", "triage picks a specialty → N specialists answer → an attending decides",
+    "mmedagent": GraphSpec("mmedagent:graph",
+                           "triage picks a specialty → N specialists answer → an attending decides",
                            ("respondent_model", "temperature", "answer_extraction") + RETRIEVAL + PANEL,
                            ("mmedagent", "respondent")),
 }
