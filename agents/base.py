@@ -15,6 +15,18 @@ def clip(text: str, limit: int = MAX_INPUT_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + " …"
 
 
+def is_word_char(char: str) -> bool:
+    """Whether `char` is what regex `\\w` matches (a letter, a digit or `_`): word boundaries without regex."""
+    return char.isalnum() or char == "_"
+
+
+def word_boundary(text: str, index: int) -> bool:
+    """Whether `\\b` holds at `index` of `text` (a word character on exactly one side)."""
+    before = index > 0 and is_word_char(text[index - 1])
+    after = index < len(text) and is_word_char(text[index])
+    return before != after
+
+
 def fold_case(text: str) -> str:
     """`text` lower-cased with its length kept, so a position found in it is the same position in `text`.
 

@@ -22,7 +22,7 @@ from typing import Literal
 from typing_extensions import TypedDict  # pydantic (Studio's schemas) rejects typing.TypedDict on Python < 3.12
 
 from ermedrag.agents import respondent
-from ermedrag.agents.base import chat_messages, clip, fold_case, with_images
+from ermedrag.agents.base import chat_messages, clip, fold_case, is_word_char, with_images
 from ermedrag.agents.markup import defuse, quote, rotated_example_key
 from ermedrag.agents.respondent import Answer, example_options, format_options, parse_answer
 
@@ -64,10 +64,6 @@ def canonical_specialty(name: str | None, specialties: Sequence[str]) -> str | N
     return next((s for s in specialties if fold_case(s) == wanted), None) if wanted else None
 
 
-def _is_word(char: str) -> bool:
-    return char.isalnum() or char == "_"
-
-
 def find_specialty(text: str, specialties: Sequence[str]) -> str | None:
     """The specialty that `text` names: a specialty's name standing as a word of it (any case), the one that
     starts first (at the same start, the longer name). Linear in `text` for each of the (bounded) names: each
@@ -79,7 +75,8 @@ def find_specialty(text: str, specialties: Sequence[str]) -> str | None:
         start = folded.find(wanted) if wanted else -1
         while start >= 0:
             end = start + len(wanted)
-            if ((start == 0 or not _is_word(folded[start - 1])) and (end == len(folded) or not _is_word(folded[end]))):
+            if ((start == 0 or not is_word_char(folded[start - 1]))
+                    and (end == len(folded) or not is_word_char(folded[end]))):
                 candidate = (start, -len(wanted), name)
                 best = candidate if best is None or candidate < best else best
                 break
@@ -161,8 +158,7 @@ def triage_messages(question: str, options: dict[str, str] | None, specialties: 
 
 
 def _case(question: str, options: dict[str, str] | None) -> str:
-    return CASE_TEMPLATE.format(question=defuse(clip(question)), options=format_options(_defused_options(options))
-                                ).rstrip()
+    return CASE_TEMPLATE.format(question=defuse(clip(question)), options=format_options(options)).rstrip()
 
 
 def parse_triage(completion: str, specialties: Sequence[str], fallback: str) -> Triage:
@@ -207,7 +203,6 @@ SPECIALIST_SYSTEM_PROMPT = """You are {article} {specialty}, consulted on a medi
 First reason briefly inside <think></think>, then give only the final answer inside <answer></answer>: the option letter for a multiple-choice question, otherwise a short answer."""
 NO_RETRIEVAL = "(none: answer from your own knowledge)"
 SPECIALIST_MAX_NEW_TOKENS = 192
-MAX_OPTION_CHARS = 1000  # what `respondent.format_options` keeps of an option
 MAX_OPINION_REASONING_CHARS = 400  # what the attending reads of one specialist's reasoning
 
 
@@ -220,14 +215,8 @@ def specialist_messages(specialty: str, question: str, options: dict[str, str] |
 
     name = quote(specialty, MAX_SPECIALTY_CHARS)
     system = SPECIALIST_SYSTEM_PROMPT.format(article="an" if name[:1].lower() in "aeiou" else "a", specialty=name)
-    messages = respondent.build_messages(defuse(question), _defused_options(options), evidence or NO_RETRIEVAL)
+    messages = respondent.build_messages(question, options, evidence or NO_RETRIEVAL)
     return with_images([SystemMessage(content=system), *messages[1:]], images)
-
-
-def _defused_options(options: dict[str, str] | None) -> dict[str, str] | None:
-    """Option texts defused and on one line each (an option cannot start a prompt line). The question keeps its
-    lines (a vignette may have them) and is defused where it is rendered."""
-    return {key: quote(text, MAX_OPTION_CHARS) for key, text in options.items()} if options else options
 
 
 class Opinion(TypedDict):
@@ -309,7 +298,7 @@ def attending_messages(question: str, options: dict[str, str] | None, opinions: 
                        images: Sequence[str] = ()) -> list:
     """The attending's conversation: the case and the opinions (all defused), after its worked example; the
     case's images go with the case."""
-    user = ATTENDING_TEMPLATE.format(question=defuse(clip(question)), options=format_options(_defused_options(options)),
+    user = ATTENDING_TEMPLATE.format(question=defuse(clip(question)), options=format_options(options),
                                      opinions=render_opinions(opinions))
     return with_images(chat_messages(ATTENDING_SYSTEM_PROMPT, user, attending_example(question, options)), images)
 

@@ -16,7 +16,7 @@ import re
 
 from typing_extensions import NotRequired, TypedDict  # pydantic (Studio's schemas) rejects typing.TypedDict on Python < 3.12
 
-from ermedrag.agents.base import chat_messages, clip, fold_case
+from ermedrag.agents.base import chat_messages, clip, fold_case, word_boundary
 from ermedrag.agents.extractor import NO_EVIDENCE
 from ermedrag.agents.markup import defuse, quote, rotated_example_key
 
@@ -212,17 +212,6 @@ def _option_by_text(text: str, options: dict[str, str]) -> str | None:
         if lowered == option_text:
             return key
     for key, option_text in option_texts.items():
-        if option_text and lowered.startswith(option_text) and _word_boundary(lowered, len(option_text)):
+        if option_text and lowered.startswith(option_text) and word_boundary(lowered, len(option_text)):
             return key
     return None
-
-
-def _is_word(char: str) -> bool:
-    return char.isalnum() or char == "_"
-
-
-def _word_boundary(text: str, index: int) -> bool:
-    """Whether `\\b` holds at `index` of `text` (a word character on exactly one side)."""
-    before = index > 0 and _is_word(text[index - 1])
-    after = index < len(text) and _is_word(text[index])
-    return before != after
