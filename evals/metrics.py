@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 NEEDS_SAMPLES = "needs --samples > 1"
 
@@ -55,6 +55,13 @@ def option_order(row: dict[str, Any]) -> int:
     """The option permutation a row answered (0 = the original order; older rows have no field)."""
     value = number(row.get("order"))
     return int(value) if value is not None else 0
+
+
+def original_order_rows(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows of questions asked as given (order 0, or rows written before orders existed): what the main
+    tables count, so that `--permute-options` never weighs a question N times (permuted rows belong to the
+    position-bias section)."""
+    return [r for r in rows if option_order(dict(r)) == 0]
 
 
 def question_key(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -113,16 +120,3 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "token_entropy": _mean(token_entropies),
         "token_entropy_n": sum(v is not None for v in token_entropies),
     }
-
-
-def group_summaries(rows: list[dict[str, Any]], *keys: str) -> dict[tuple, dict[str, Any]]:
-    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        groups[tuple(_field(r, k) for k in keys)].append(r)
-    return {key: summarise(group) for key, group in sorted(groups.items(), key=lambda item: str(item[0]))}
-
-
-def _field(row: dict[str, Any], key: str) -> Any:
-    if key in ("system", "model"):
-        return (row.get("config") or {}).get(key)
-    return row.get(key)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any, Iterable, Mapping
 
-from ermedrag.evals.metrics import option_order, wilson_interval
+from ermedrag.evals.metrics import original_order_rows, wilson_interval
 
 BUCKETS = ("easy", "medium", "hard")
 
@@ -26,8 +26,8 @@ def panel_summary(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]
     fallback rate, the bucket mix, the attending's and the specialists' majority's accuracy, and how often the
     attending followed the majority. None when no row comes from a panel graph."""
     groups: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-    for row in rows:
-        if "specialty" in row and option_order(dict(row)) == 0:
+    for row in original_order_rows(rows):
+        if "specialty" in row:
             groups[row["config_key"]].append(row)
     if not groups:
         return None

@@ -48,12 +48,6 @@ def original_key(keys: Sequence[str], shown: str | None, order: int) -> str | No
     return keys[(keys.index(shown) + order) % len(keys)]
 
 
-def original_order_rows(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The rows of questions asked as given (order 0, or rows written before orders existed): what the main
-    accuracy table should count, so that `--permute-options` never weighs a question N times."""
-    return [r for r in rows if not r.get("order")]
-
-
 # ------------------------------------------------------------------------------------------- the summary
 
 

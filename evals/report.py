@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ermedrag.evals.panel import panel_section, panel_summary
-from ermedrag.evals.metrics import NEEDS_SAMPLES, number, option_order, summarise
+from ermedrag.evals.metrics import NEEDS_SAMPLES, number, option_order, original_order_rows, summarise
 from ermedrag.evals.runner import RESULTS
 from ermedrag.tools.jsonl import read_records
 
@@ -236,11 +236,6 @@ def summaries(rows: list[dict[str, Any]], comparison: Comparison) -> Summaries:
     return Summaries(overall, by_benchmark, sorted({r["benchmark"] for r in rows}))
 
 
-def main_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows in the original option order: permuted ones belong to the position-bias section."""
-    return [r for r in rows if r["order"] == 0]
-
-
 # ------------------------------------------------------------------------------------------------ markdown
 
 def _cell(s: dict[str, Any] | None) -> str:
@@ -282,7 +277,7 @@ def _stages(s: dict[str, Any]) -> str:
 def markdown_report(rows: list[dict[str, Any]], comparison: Comparison | None = None,
                     warnings: Sequence[str] = ()) -> str:
     comparison = comparison or compare_configurations(rows)
-    main = main_rows(rows)
+    main = original_order_rows(rows)
     sums = summaries(main, comparison)
     configs = comparison.configurations
     lines = ["# Evaluation report", "", *comparison_header(comparison), ""]
@@ -482,7 +477,7 @@ def plot_panels(panels: list[Panel], comparison: Comparison, sums: Summaries, co
 
 def plot_report(rows: list[dict[str, Any]], out_dir: Path, comparison: Comparison | None = None) -> list[Path]:
     comparison = comparison or compare_configurations(rows)
-    sums = summaries(main_rows(rows), comparison)
+    sums = summaries(original_order_rows(rows), comparison)
     colours = config_colours([c.label for c in comparison.configurations])
     return [plot_panels([accuracy_panel(comparison, sums)], comparison, sums, colours, out_dir / "accuracy.png"),
             plot_panels(entropy_panels(comparison, sums), comparison, sums, colours, out_dir / "entropy.png")]
@@ -528,7 +523,7 @@ def load_warnings(loaded: LoadedResults) -> list[str]:
 
 
 def summary_record(comparison: Comparison, sums: Summaries, loaded: LoadedResults) -> dict[str, Any]:
-    main = main_rows(loaded.rows)
+    main = original_order_rows(loaded.rows)
     return {
         "configurations": {c.label: {"config_key": c.key, "system": c.system, "model": c.model, "samples": c.samples,
                                      "settings": c.settings, "overall": sums.overall[c.key],
@@ -565,7 +560,7 @@ def write_report(result_dirs: list[str], out_dir: str | Path, *, trace_db: str |
     if trace_db:
         text += rag_quality_section(result_dirs, trace_db, corpus_dir, qrels, judge, base_url, out)
     (out / "report.md").write_text(text, encoding="utf-8")
-    sums = summaries(main_rows(rows), comparison)
+    sums = summaries(original_order_rows(rows), comparison)
     record = {**summary_record(comparison, sums, loaded), "position_bias": bias_summary, "panel": panel_summary(rows)}
     (out / "summary.json").write_text(json.dumps(record, indent=2, default=str), encoding="utf-8")
     plots = plot_report(rows, out, comparison)

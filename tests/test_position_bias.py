@@ -9,8 +9,9 @@ import itertools
 
 import pytest
 
-from ermedrag.evals.position_bias import (option_orders, original_key, original_order_rows, position_bias_section,
-                                          position_bias_summary, rotate_options, shown_key)
+from ermedrag.evals.metrics import original_order_rows
+from ermedrag.evals.position_bias import (option_orders, original_key, position_bias_section, position_bias_summary,
+                                          rotate_options, shown_key)
 
 KEYS = ["A", "B", "C", "D"]
 
