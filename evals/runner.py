@@ -36,7 +36,7 @@ from ermedrag.tools.chat_models import ModelServerError
 from ermedrag.tools.index import load_encoder
 from ermedrag.tools.retrieval import load_cross_encoder
 from ermedrag.tools.specialties import gold_specialty_for
-from ermedrag.agents import mmedagent as panel
+from ermedrag.agents import mmedagent as roles
 from ermedrag.graphs.common import MAX_OPTIONS, chat_model, index_for, parse_bool, retrieval_config
 from ermedrag.graphs.durable import arun_durably, describe_target, durable, open_async_saver, run_config
 from ermedrag.graphs.registry import context_fields, graph_spec, load_graph, resolved_settings
@@ -247,11 +247,12 @@ def panel_fields(state: Mapping[str, Any], asking: Asking, specialties: str | No
         return {}
     keys = list(asking.question.options or {})
     answers = [o.get("answer") for o in state.get("opinions", [])]
-    chosen = panel.vote(answers)
+    chosen = roles.vote(answers)
     majority = answers[chosen] if chosen is not None else None
     majority = original_key(keys, majority, asking.order) if keys else majority
-    gold_specialty = panel.canonical_specialty(gold_specialty_for(asking.question),
-                                               panel.parse_specialties(specialties or ",".join(panel.SPECIALTIES)))
+    # The gold the run was given (`panel_inputs`), spelled as the configuration's list spells it (None if absent).
+    gold_specialty = roles.canonical_specialty(state.get("gold_specialty"),
+                                               roles.parse_specialties(specialties or ",".join(roles.SPECIALTIES)))
     return {"specialty": state.get("specialty"), "gold_specialty": gold_specialty,
             "triage_correct": None if gold_specialty is None else state.get("specialty") == gold_specialty,
             "triage_fell_back": bool((state.get("triage") or {}).get("fell_back")), "bucket": state.get("bucket"),

@@ -281,6 +281,9 @@ def record_call(
     return parsed, event
 
 
+REQUEST_REJECTED = ("http_4xx:400", "http_4xx:422")  # a server refusing the request's shape, not failing
+
+
 def extract_if_unparsed(state: Mapping[str, Any], ctx: Context, model_spec: str, reply: respondent.Answer,
                         reasoning: str) -> respondent.Answer:
     """The reply's answer, or, when it names no option (and `ctx.answer_extraction` is on), one recorded
@@ -310,9 +313,6 @@ def extract_if_unparsed(state: Mapping[str, Any], ctx: Context, model_spec: str,
             " ".join(f"{type(err).__name__}: {err}".split())[:300]
         return {**reply, "extracted": False, "error": f"{reply['error']}; answer extraction failed ({why})"}
     return extracted
-
-
-REQUEST_REJECTED = ("http_4xx:400", "http_4xx:422")  # a server refusing the request's shape, not failing
 
 
 def answer_call(ctx: Context, model_spec: str, max_new_tokens: int, messages: list[BaseMessage],
