@@ -37,6 +37,12 @@ MAX_ATTENDING_SAMPLES = 16
 TRIAGE_MODES = ("model", "oracle", "fixed:NAME")
 
 
+def split_triage_mode(text: str) -> tuple[str, str]:
+    """A `triage_mode` setting as (mode, specialty name): 'fixed: Radiologist' → ('fixed', 'Radiologist')."""
+    mode, _, name = str(text).strip().partition(":")
+    return mode, name.strip()
+
+
 def parse_specialties(text: str) -> tuple[str, ...]:
     """A comma-separated list of specialty names ('Radiologist, Surgeon'), each one's spaces collapsed, or a
     ValueError naming the context field. Names are plain words: no tag brackets, no duplicates (any case)."""

@@ -87,12 +87,12 @@ class MMedAgentContext(Context):
         values = vars(self)
         known = roles.parse_specialties(values["specialties"])
         triage_mode, default = str(values["triage_mode"]), str(values["default_specialty"])
-        mode, _, name = triage_mode.strip().partition(":")
-        if mode not in ("model", "oracle", "fixed") or (mode == "fixed") != bool(name.strip()):
+        mode, name = roles.split_triage_mode(triage_mode)
+        if mode not in ("model", "oracle", "fixed") or (mode == "fixed") != bool(name):
             raise ValueError(f"context field 'triage_mode' is {triage_mode!r}; use one of "
                              f"{', '.join(roles.TRIAGE_MODES)}")
         if mode == "fixed" and not roles.canonical_specialty(name, known):
-            raise ValueError(f"context field 'triage_mode': {name.strip()!r} is not one of the specialties "
+            raise ValueError(f"context field 'triage_mode': {name!r} is not one of the specialties "
                              f"({', '.join(known)})")
         if default.strip() and not roles.canonical_specialty(default, known):
             raise ValueError(f"context field 'default_specialty': {default!r} is not one of the "
@@ -187,7 +187,7 @@ def seeing_roles(ctx: MMedAgentContext) -> list[tuple[str, str, str]]:
     """(role, context field, model spec) of every role whose model is shown the images: the triage doctor (when
     a model triages), the specialists, the attending. An empty role field means respondent_model."""
     roles_fields = [("specialist", "specialist_model"), ("attending", "attending_model")]
-    if ctx.triage_mode.strip().partition(":")[0] == "model":
+    if roles.split_triage_mode(ctx.triage_mode)[0] == "model":
         roles_fields.insert(0, ("triage doctor", "triage_model"))
     return [(role, field if getattr(ctx, field) else "respondent_model", role_model(ctx, getattr(ctx, field)))
             for role, field in roles_fields]
@@ -220,7 +220,7 @@ def retrieve(state: State, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]
 def triage(state: State, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]:
     ctx = runtime.context
     known, fallback = specialty_list(ctx), fallback_specialty(ctx)
-    mode, _, name = ctx.triage_mode.strip().partition(":")
+    mode, name = roles.split_triage_mode(ctx.triage_mode)
     started = time.perf_counter()
     if mode == "fixed":
         chosen = roles.fixed_triage(roles.canonical_specialty(name, known) or fallback)
