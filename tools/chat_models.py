@@ -624,7 +624,7 @@ def load_hf_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
     source = model_path
     if model_path.endswith(".gguf"):
         source, kwargs["gguf_file"] = str(Path(model_path).parent), Path(model_path).name
-    dtype = _prepare_loading("model", model_path, device)
+    dtype = _prepare_loading("model", model_path, device, stored_dtype=None if kwargs else checkpoint_dtype(source))
     with quiet_model_loading(gguf_file="gguf_file" in kwargs):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -635,16 +635,16 @@ def load_hf_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
     return tokenizer, model
 
 
-def _prepare_loading(kind: str, model_path: str, device: str) -> Any:
+def _prepare_loading(kind: str, model_path: str, device: str, stored_dtype: str | None) -> Any:
     """What every weight load does first: torch's thread count (ERMEDRAG_TORCH_THREADS), one line on stderr
-    naming the model, device, dtype and threads, and glibc set to return freed blocks. Returns the dtype:
-    float32 on CPU, bfloat16 on an accelerator."""
+    naming the model, device, dtype and threads, and glibc set to return freed blocks. Returns the dtype
+    (`inference_dtype`)."""
     import torch
 
     threads = os.environ.get("ERMEDRAG_TORCH_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = inference_dtype(device, stored_dtype)
     label = _model_label(model_path)
     where = f" ({model_path})" if label != f"hf:{model_path}" else ""
     threads_used = torch.get_num_threads()
@@ -652,6 +652,55 @@ def _prepare_loading(kind: str, model_path: str, device: str) -> Any:
           f"{threads_used} torch thread{'s' if threads_used != 1 else ''}) …", file=sys.stderr, flush=True)
     return_large_blocks_to_the_os()
     return dtype
+
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def inference_dtype(device: str, stored_dtype: str | None) -> Any:
+    """The dtype weights are loaded and computed in: ERMEDRAG_DTYPE when set, else `auto`: bfloat16 on an
+    accelerator; on CPU bfloat16 only when the checkpoint is stored in bfloat16 (nothing is lost in loading) and
+    the CPU computes it natively (AVX512-BF16 / AMX, where emulation would be slower), else float32.
+
+    For the offline Gemma 270M (stored in bfloat16) that halves the weights' memory (0.5 instead of 1.1 GB:
+    benches/eval_memory.py) on CPUs that have the instructions."""
+    import torch
+
+    choice = os.environ.get("ERMEDRAG_DTYPE", "auto").strip().lower() or "auto"
+    if choice not in DTYPE_CHOICES:
+        raise ValueError(f"ERMEDRAG_DTYPE={choice!r}: expected one of {', '.join(DTYPE_CHOICES)}")
+    if choice != "auto":
+        return getattr(torch, choice)
+    if device != "cpu":
+        return torch.bfloat16
+    if stored_dtype == "bfloat16" and cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def checkpoint_dtype(source: str) -> str | None:
+    """The dtype a checkpoint's config says its weights are stored in ("bfloat16", "float32", ...); None when it
+    cannot tell (a hub id not in the local cache, a config without it)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+    for candidate in (config, getattr(config, "text_config", None)):
+        stored = getattr(candidate, "dtype", None) or getattr(candidate, "torch_dtype", None)
+        if stored is not None:
+            return str(stored).removeprefix("torch.")
+    return None
 
 
 def _give_pad_token(tokenizer: Any) -> None:
@@ -671,7 +720,7 @@ def hf_generator(model_path: str, device: str = "cpu") -> BatchingGenerator:
 def load_hf_vision_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
     """Load (processor, model) of a vision-language model once per process (AutoProcessor and
     AutoModelForImageTextToText), saying so on stderr like `load_hf_model`."""
-    dtype = _prepare_loading("vision-language model", model_path, device)
+    dtype = _prepare_loading("vision-language model", model_path, device, stored_dtype=checkpoint_dtype(model_path))
     with quiet_model_loading():
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
