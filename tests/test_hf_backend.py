@@ -20,8 +20,8 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 
 from ermedrag.testing import build_tiny_causal_lm
 from ermedrag.tools.agent_calls import call_agent, call_timing
-from ermedrag.tools.chat_models import (HFChatModel, _model_label, hf_generator, load_chat_model, load_hf_model,
-                                        return_large_blocks_to_the_os)
+from ermedrag.tools.chat_models import (HFChatModel, _model_label, checkpoint_dtype, cpu_has_native_bf16, hf_generator,
+                                        inference_dtype, load_chat_model, load_hf_model, return_large_blocks_to_the_os)
 from ermedrag.tools.hf_batching import BatchingGenerator, Generated, GenerationParams, apportion_compute
 from ermedrag.tools.offline_model import cache_home
 from ermedrag.tools.traces import TraceEvent, TraceStore
@@ -187,6 +187,24 @@ def test_apportioning_splits_the_prompt_pass_by_prompt_and_the_steps_by_generate
 
 
 # ----------------------------------------------------------------------------------- model loading (point 8)
+
+
+def test_the_dtype_follows_the_checkpoint_on_cpu_and_the_setting_overrides_it(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.delenv("ERMEDRAG_DTYPE", raising=False)
+    path = build_tiny_causal_lm(tmp_path / "model")  # saved in float32
+    assert checkpoint_dtype(path) == "float32"
+    assert inference_dtype("cpu", checkpoint_dtype(path)) == torch.float32  # never below what was stored
+    assert inference_dtype("cpu", None) == torch.float32  # unknown: the safe choice
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # never emulated
+    assert inference_dtype("cpu", "bfloat16") == expected
+    assert inference_dtype("cuda", "float32") == torch.bfloat16
+    monkeypatch.setenv("ERMEDRAG_DTYPE", "float32")
+    assert inference_dtype("cpu", "bfloat16") == torch.float32
+    monkeypatch.setenv("ERMEDRAG_DTYPE", "half")
+    with pytest.raises(ValueError, match="ERMEDRAG_DTYPE='half': expected one of auto, float32, bfloat16"):
+        inference_dtype("cpu", None)
 
 
 def test_loading_says_what_it_loads_once_without_progress_bars(tmp_path, capfd):
