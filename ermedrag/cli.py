@@ -143,7 +143,9 @@ def _parser() -> argparse.ArgumentParser:
 def _add_batch_args(parser: argparse.ArgumentParser) -> None:
     """What `eval` and `run` share: the model, the questions' selection, retrieval and concurrency."""
     parser.add_argument("--model", default=None, help=f"chat model for every agent (default {DEFAULT_MODEL})")
-    parser.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
+    parser.add_argument("--base-url", action="append", default=None, metavar="URL",
+                        help="OpenAI-compatible server for openai: models; repeat it for replicas of one model (each "
+                             "question goes to the least busy live one, a server that is down leaves the rotation)")
     parser.add_argument("--data", default=None,
                         help="the data root holding benchmarks/, or that benchmarks folder itself (default: "
                              "ERMEDRAG_SHARED_DATA, either form; without either, the upstream datasets)")

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
@@ -43,6 +43,7 @@ from ermedrag.graphs.registry import context_fields, graph_spec, load_graph, res
 from ermedrag.tools.jsonl import AppendLog, read_records
 from ermedrag.tools.traces import TraceStore, default_trace_db
 from ermedrag.evals.position_bias import option_orders, original_key, rotate_options, shown_key
+from ermedrag.evals.servers import ServerPool, server_list
 
 RESULTS = "results.jsonl"
 BAD_ROWS = "bad_rows.jsonl"
@@ -264,7 +265,7 @@ def panel_fields(state: Mapping[str, Any], asking: Asking, specialties: str | No
 class Outcome:
     """What answering one configuration's questions came to."""
 
-    counts: dict[str, int]
+    counts: dict[str, Any]  # todo, answered, failed, skipped_done (and by_server, with several)
     failures: list[str] = field(default_factory=list)  # one line each, for the end of the run
     server_down: ModelServerError | None = None  # the error that stopped it early
 
@@ -332,12 +333,12 @@ async def run_questions(
     out_dir: Path,
     *,
     concurrency: int = 8,
-    base_url: str | None = None,
+    base_url: str | Sequence[str] | None = None,
     trace_db: str | None = None,
     checkpoint_db: str | None = None,
     progress: bool = True,
     permute_options: int = 1,
-) -> dict[str, int]:
+) -> dict[str, Any]:
     """Answer every (question, order, sample) not yet recorded for `config`, each continued from its checkpoint
     when a killed or failed run left one (`checkpoint_db`: a file or a Postgres URL; None =
     `OUT/checkpoints.sqlite`); prints the failures and returns counts. One configuration with its own progress
@@ -354,7 +355,7 @@ async def run_questions(
 
 
 async def answer_config(config: EvalConfig, questions: list[Question], out_dir: Path, bar: Progress, *,
-                        concurrency: int, base_url: str | None, trace_db: str | None, checkpoint_db: str | None,
+                        concurrency: int, base_url: str | Sequence[str] | None, trace_db: str | None, checkpoint_db: str | None,
                         permute_options: int) -> Outcome:
     """`run_questions` without printing, moving `bar` (shared by the eval's configurations)."""
     checkpoint_db = checkpoint_db or str(out_dir / CHECKPOINTS)
@@ -364,13 +365,13 @@ async def answer_config(config: EvalConfig, questions: list[Question], out_dir: 
 
 
 async def _answer_config(config: EvalConfig, questions: list[Question], out_dir: Path, saver: BaseCheckpointSaver,
-                         bar: Progress, *, concurrency: int, base_url: str | None, trace_db: str | None,
+                         bar: Progress, *, concurrency: int, base_url: str | Sequence[str] | None, trace_db: str | None,
                          permute_options: int) -> Outcome:
     graph = durable(load_graph(config.system), saver)
     graph_inputs = set(graph.get_input_jsonschema().get("properties", {}))
     trace_db = trace_db or default_trace_db()
     store = TraceStore(trace_db)
-    context = config.context(base_url, trace_db)
+    servers = ServerPool(base_url)
     todo, skipped = pending(config, questions, out_dir, permute_options)
     writer = AppendLog(out_dir / RESULTS)
     failure_log: AppendLog | None = None  # opened at the first failure: a clean run leaves no empty file
@@ -383,7 +384,6 @@ async def _answer_config(config: EvalConfig, questions: list[Question], out_dir:
     loop.set_default_executor(ThreadPoolExecutor(max_workers=concurrency * (fan_out + 2)))
 
     async def answer(asking: Asking) -> None:
-        nonlocal failure_log
         question = asking.question
         async with semaphore:
             if outcome.server_down:  # the rest would each wait (retries + 1) × timeout to fail the same way
@@ -394,23 +394,41 @@ async def _answer_config(config: EvalConfig, questions: list[Question], out_dir:
             # The gold is the letter it stands at in this order: the trace (training data) matches what was asked.
             inputs = {"question": question.question, "options": asking.options, "gold": asking.shown_gold,
                       "run_id": uuid.uuid4().hex, **panel_inputs(graph_inputs, question)}
-            try:
-                state = await arun_durably(graph, run_config(thread_id, config.system, context), inputs, context)
-            except Exception as err:  # noqa: BLE001 - recorded, continued from its checkpoint on the next run
-                failure_log = failure_log or AppendLog(out_dir / FAILURES)
-                failure_log.write(failure_record(config, question, asking.sample, thread_id, err, asking.order))
-                where = f"{question.benchmark}/{question.id}" + (f" (order {asking.order})" if asking.order else "")
-                outcome.failures.append(f"{where}: {type(err).__name__}: {str(err)[:300]}")
-                if isinstance(err, ModelServerError) and err.server_down and outcome.server_down is None:
-                    outcome.server_down = err
-                bar.done(failed=True)
-            else:
-                writer.write(result_row(config, asking, state, store, time.perf_counter() - started))
-                # The row holds the result (the trace store the run): the checkpoints are spent. A kill right
-                # here leaves the thread behind, unused (the row makes reruns skip the question).
-                await saver.adelete_thread(thread_id)
-                bar.done(failed=False)
+            while True:  # once per server found down, while another one is live
+                url = servers.acquire()
+                answered = False
+                try:
+                    state = await arun_durably(graph, run_config(thread_id, config.system, context_for[url]), inputs,
+                                               context_for[url])
+                except ModelServerError as err:
+                    if err.server_down and servers.mark_down(url, err):
+                        continue  # from its checkpoint, on the next live server
+                    record_failure(asking, thread_id, err)
+                except Exception as err:  # noqa: BLE001 - recorded, continued from its checkpoint on the next run
+                    record_failure(asking, thread_id, err)
+                else:
+                    answered = True
+                    writer.write(result_row(config, asking, state, store, time.perf_counter() - started))
+                    # The row holds the result (the trace store the run): the checkpoints are spent. A kill right
+                    # here leaves the thread behind, unused (the row makes reruns skip the question).
+                    await saver.adelete_thread(thread_id)
+                    bar.done(failed=False)
+                finally:
+                    servers.release(url, answered=answered)
+                return
 
+    def record_failure(asking: Asking, thread_id: str, err: Exception) -> None:
+        nonlocal failure_log
+        question = asking.question
+        failure_log = failure_log or AppendLog(out_dir / FAILURES)
+        failure_log.write(failure_record(config, question, asking.sample, thread_id, err, asking.order))
+        where = f"{question.benchmark}/{question.id}" + (f" (order {asking.order})" if asking.order else "")
+        outcome.failures.append(f"{where}: {type(err).__name__}: {str(err)[:300]}")
+        if isinstance(err, ModelServerError) and err.server_down and outcome.server_down is None:
+            outcome.server_down = err
+        bar.done(failed=True)
+
+    context_for = {url: config.context(url, trace_db) for url in servers.in_flight}
     try:
         await asyncio.gather(*(answer(a) for a in todo))
     finally:
@@ -419,6 +437,8 @@ async def _answer_config(config: EvalConfig, questions: list[Question], out_dir:
             failure_log.close()
     failed = len(outcome.failures)
     outcome.counts = {"todo": len(todo), "answered": len(todo) - failed, "failed": failed, "skipped_done": skipped}
+    if servers.summary():
+        outcome.counts["by_server"] = servers.summary()
     return outcome
 
 
@@ -446,7 +466,7 @@ def run_eval(
     limit: int | None = None,
     seed: int = 0,
     concurrency: int = 8,
-    base_url: str | None = None,
+    base_url: str | Sequence[str] | None = None,
     trace_db: str | None = None,
     checkpoint_db: str | None = None,
     samples: int = 1,
@@ -533,14 +553,14 @@ def load_questions(benchmarks: Iterable[str | Path], out_dir: Path, *, data_dir:
 
 
 def _run_configs(configs: list[EvalConfig], benchmarks: Iterable[str | Path], out_dir: Path, *, data_dir: str | None,
-                 limit: int | None, seed: int, concurrency: int, base_url: str | None, trace_db: str | None,
+                 limit: int | None, seed: int, concurrency: int, base_url: str | Sequence[str] | None, trace_db: str | None,
                  checkpoint_db: str | None, permute_options: int, progress: bool) -> dict[str, Any]:
     questions = load_questions(benchmarks, out_dir, data_dir=data_dir, limit=limit, seed=seed)
     trace_db = trace_db or default_trace_db()
     todo = [len(pending(config, questions, out_dir, permute_options)[0]) for config in configs]
     for config, count in zip(configs, todo):
         if count:  # nothing to load for a configuration whose questions are all recorded
-            warm_up(config, base_url, trace_db)
+            warm_up(config, server_list(base_url)[0], trace_db)
     bar = Progress(sum(todo), "eval " + ", ".join(c.system for c in configs), progress)
     outcomes: list[Outcome] = []
     try:

@@ -377,3 +377,54 @@ def test_eval_stops_at_a_server_that_is_down_and_lists_what_failed(tmp_path):
     failed = (tmp_path / "out" / FAILURES).read_text().splitlines()
     assert 1 <= len(failed) <= 2  # the questions in flight; the other four were never started
     assert time.monotonic() - started < 30
+
+
+def _questions_file(tmp_path, count: int):
+    import json
+
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"id": f"q{i}", "question": QUESTION["question"],
+                                             "options": QUESTION["options"], "answer": "A"}) + "\n"
+                                 for i in range(count)))
+    return str(questions)
+
+
+def test_eval_spreads_questions_over_two_servers_as_one_configuration(tmp_path):
+    from ermedrag.evals.report import load_rows
+    from ermedrag.evals.runner import run_eval
+
+    with MisbehavingServer("slow_then_ok", delay_s=0.2) as first, MisbehavingServer("slow_then_ok", delay_s=0.2) as second:
+        summary = run_eval(["cot"], [_questions_file(tmp_path, 8)], "openai:x", tmp_path / "out",
+                           base_url=[first.base_url, second.base_url], concurrency=4, progress=False,
+                           trace_db=str(tmp_path / "t.sqlite"), request_timeout_s=5.0, connect_timeout_s=1.0)
+    counts = summary["cot"]
+    assert counts["answered"] == 8 and counts["failed"] == 0, counts
+    assert counts["by_server"] == {first.base_url: 4, second.base_url: 4}  # 4 in flight: 2 on each, always
+    assert first.requests >= 4 and second.requests >= 4
+    rows = load_rows([tmp_path / "out"])
+    assert len(rows) == 8 and len({row["config_key"] for row in rows}) == 1  # replicas: one configuration
+
+
+def test_a_server_that_is_down_leaves_the_rotation_and_its_questions_move_on(tmp_path, capsys):
+    from ermedrag.evals.runner import FAILURES, run_eval
+
+    with MisbehavingServer("ok") as live, refused_url() as down:
+        summary = run_eval(["cot"], [_questions_file(tmp_path, 6)], "openai:x", tmp_path / "out",
+                           base_url=[down, live.base_url], concurrency=2, progress=False,
+                           trace_db=str(tmp_path / "t.sqlite"), max_retries=0, request_timeout_s=5.0,
+                           connect_timeout_s=1.0)
+    counts = summary["cot"]
+    assert counts["answered"] == 6 and counts["failed"] == 0, counts
+    assert counts["by_server"] == {down: 0, live.base_url: 6}
+    assert not (tmp_path / "out" / FAILURES).exists()
+    err = capsys.readouterr().err
+    assert f"server {down} is down (refused); 1 other server takes its questions" in err
+    assert err.count(" is down ") == 1  # said once, however many questions found it
+
+
+def test_cli_base_url_repeats():
+    from ermedrag.cli import _parser
+
+    args = _parser().parse_args(["eval", "--system", "cot", "--bench", "medqa", "--out", "o",
+                                      "--base-url", "http://127.0.0.1:1/v1", "--base-url", "http://127.0.0.1:2/v1"])
+    assert args.base_url == ["http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"]
