@@ -19,7 +19,8 @@ from ermedrag.tools.chat_models import (DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_R
                                         DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_BACKOFF_S, ModelServerError,
                                         ServerPolicy, load_chat_model)
 from ermedrag.tools.index import Index, cached_index
-from ermedrag.tools.retrieval import COARSE_K, DEFAULT_CONFIG, SNIPPETS_K, RetrievalConfig, retrieval_settings
+from ermedrag.tools.retrieval import (COARSE_K, DEFAULT_CONFIG, SNIPPETS_K, RetrievalConfig, coarse_k_for,
+                                      retrieval_settings)
 from ermedrag.tools.retrieval import retrieve as retrieve_snippets
 from ermedrag.tools.traces import RetrievalEvent, TraceEvent, TraceStore, default_trace_db, snippet_record
 from ermedrag.tools.cache import shared_resource
@@ -82,7 +83,8 @@ class Context:
     chroma_url: str = env("ERMEDRAG_CHROMA_URL", "")
     """A Chroma server (http://host:port) instead of the embedded store. Env ERMEDRAG_CHROMA_URL."""
     coarse_k: int = env_int("ERMEDRAG_COARSE_K", COARSE_K)
-    """Chunks kept by the coarse stage (BM25 + dense fused, pseudo-relevance feedback). Env ERMEDRAG_COARSE_K."""
+    """Chunks kept by the coarse stage (BM25 + dense fused, pseudo-relevance feedback); at least `snippets_k` are
+    kept, so each snippet can come from its own chunk. Env ERMEDRAG_COARSE_K."""
     reranker: str = env("ERMEDRAG_RERANKER", "")
     """Cross-encoder (HF id or folder, e.g. ncbi/MedCPT-Cross-Encoder) re-scoring the coarse chunks; empty = off.
     Env ERMEDRAG_RERANKER."""
@@ -249,7 +251,7 @@ def retrieve_recorded(ctx: Context, query: str, *, run_id: str, node: str, k: in
 def retrieve_evidence(ctx: Context, question: str, *, run_id: str, node: str) -> dict[str, Any]:
     """The question's snippets, retrieved and recorded, as a state update (with the stage's timing)."""
     snippets, seconds = retrieve_recorded(ctx, question, run_id=run_id, node=node, k=ctx.snippets_k,
-                                          coarse_k=ctx.coarse_k)
+                                          coarse_k=coarse_k_for(ctx.snippets_k, ctx.coarse_k))
     return {"snippets": snippets, "timings": {"retrieve_s": seconds}}
 
 

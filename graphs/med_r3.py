@@ -28,7 +28,7 @@ from ermedrag.agents.respondent import Answer
 from ermedrag.graphs.common import (Context, begin_run, env_int, extract_if_unparsed, per_question, record_call,
                                    retrieve_recorded, trace_store)
 from ermedrag.graphs.er_medrag import InputState
-from ermedrag.tools.retrieval import SEARCH_K, search_coarse_k
+from ermedrag.tools.retrieval import SEARCH_K, coarse_k_for
 
 GRAPH_NAME = "med_r3"
 
@@ -122,7 +122,7 @@ def search(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
     query = state["pending_query"]
     # The retrieval of `tools.retrieval.search` (what the training rollout runs), recorded in the trace.
     snippets, seconds = retrieve_recorded(ctx, query, run_id=state["run_id"], node="search", k=ctx.search_k,
-                                          coarse_k=search_coarse_k(ctx.search_k, ctx.coarse_k))
+                                          coarse_k=coarse_k_for(ctx.search_k, ctx.coarse_k))
     documents = reasoner.render_documents(snippets)
     return {
         "transcript": state["transcript"] + documents,

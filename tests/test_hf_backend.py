@@ -20,8 +20,9 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 
 from ermedrag.testing import build_tiny_causal_lm
 from ermedrag.tools.agent_calls import call_agent, call_timing
-from ermedrag.tools.chat_models import (HFChatModel, _model_label, checkpoint_dtype, cpu_has_native_bf16, hf_generator,
-                                        inference_dtype, load_chat_model, load_hf_model, return_large_blocks_to_the_os)
+from ermedrag.tools.chat_models import (HFChatModel, _model_label, hf_generator, load_chat_model, load_hf_model,
+                                        return_large_blocks_to_the_os)
+from ermedrag.tools.precision import checkpoint_dtype, cpu_has_native_bf16, inference_dtype
 from ermedrag.tools.hf_batching import BatchingGenerator, Generated, GenerationParams, apportion_compute
 from ermedrag.tools.offline_model import cache_home
 from ermedrag.tools.traces import TraceEvent, TraceStore
@@ -200,6 +201,7 @@ def test_the_dtype_follows_the_checkpoint_on_cpu_and_the_setting_overrides_it(tm
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # never emulated
     assert inference_dtype("cpu", "bfloat16") == expected
     assert inference_dtype("cuda", "float32") == torch.bfloat16
+    assert inference_dtype("cpu", "float32", single_pass=True) == expected  # an encoder: one pass, compared by cosine
     monkeypatch.setenv("ERMEDRAG_DTYPE", "float32")
     assert inference_dtype("cpu", "bfloat16") == torch.float32
     monkeypatch.setenv("ERMEDRAG_DTYPE", "half")

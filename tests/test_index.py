@@ -175,6 +175,44 @@ def test_retrieve_finds_the_passage_that_answers(built: Built) -> None:
     assert [s.score for s in snippets] == sorted((s.score for s in snippets), reverse=True)
 
 
+def test_weighted_bm25_from_postings_equals_bm25s_own_scores(built: Built) -> None:
+    import numpy as np
+
+    from ermedrag.tools.retrieval import query_terms, weighted_bm25_scores
+
+    index = open_index(built.directory)
+    terms = query_terms(index.bm25, "A 45-year-old man with type 2 diabetes, chest pain and an elevated troponin "
+                                     "after metformin; which treatment is first-line for his hypertension?")
+    weights = {term: 1.0 + 0.5 * (number % 3) for number, term in enumerate(dict.fromkeys(terms))}
+    expected = np.zeros(len(index.bm25_ids), dtype=np.float32)
+    for term, weight in weights.items():
+        expected += np.float32(weight) * index.bm25.get_scores([term])
+    assert len(weights) > 10 and expected.max() > 0
+    np.testing.assert_allclose(weighted_bm25_scores(index.bm25, weights), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_query_longer_than_the_encoder_window_is_encoded_whole() -> None:
+    import numpy as np
+
+    from ermedrag.tools.index import encode, encode_queries, load_encoder, token_windows
+
+    tokenizer = load_encoder().tokenizer
+    short = "Which vitamin deficiency causes scurvy?"
+    assert token_windows(tokenizer, short, 254) == [short]
+    np.testing.assert_allclose(encode_queries([short])[0], encode([short])[0], atol=1e-6)
+    # 300+ tokens of history, then what is asked: the encoder alone would never read the end.
+    history = "The patient reports mild fatigue and occasional headaches over several months. " * 25
+    vignette = history + "Her gums bleed and she bruises easily; which vitamin deficiency explains it?"
+    windows = token_windows(tokenizer, vignette, 254)
+    lengths = [len(tokenizer(w, add_special_tokens=False)["input_ids"]) for w in windows]
+    assert len(windows) >= 2 and max(lengths) <= 254 and max(lengths) - min(lengths) <= 2  # equal: one padded batch
+    assert windows[0].startswith("The patient") and windows[-1].endswith("explains it?")
+    topic = encode(["Scurvy: vitamin C deficiency causes bleeding gums and easy bruising."])[0]
+    whole, truncated = encode_queries([vignette])[0], encode([vignette])[0]
+    assert abs(float(np.linalg.norm(whole)) - 1.0) < 1e-5
+    assert float(whole @ topic) > float(truncated @ topic) + 0.05
+
+
 def test_reindexing_the_same_files_adds_nothing(built: Built) -> None:
     index = open_index(built.directory)
     before_size, before_bm25 = index.size, list(index.bm25_ids)

@@ -21,7 +21,7 @@ from ermedrag.graphs.med_r3 import graph as med_r3
 from ermedrag.tools import gold_evidence as ge
 from ermedrag.tools.index import DEFAULT_ENCODER, open_index
 from ermedrag.tools.retrieval import (COARSE_K, DEFAULT_CONFIG, SNIPPETS_K, retrieval_settings, search,
-                                      search_coarse_k)
+                                      coarse_k_for)
 from ermedrag.tools.starter_kb import starter_index_dir
 from ermedrag.tools.traces import RetrievalEvent, TraceEvent, TraceStore
 from tests.conftest import SCRIPTED
@@ -73,7 +73,7 @@ def test_med_r3_records_each_search(tmp_path):
     assert [r["node"] for r in retrievals] == ["search", "search"] and [r["seq"] for r in retrievals] == [0, 1]
     assert [(r["query"], snippet_ids(r)) for r in retrievals] == [
         (s["query"], s["snippet_ids"]) for s in state["searches"]]
-    settings = retrieval_settings(SEARCH_K, search_coarse_k(SEARCH_K, COARSE_K), DEFAULT_CONFIG)
+    settings = retrieval_settings(SEARCH_K, coarse_k_for(SEARCH_K, COARSE_K), DEFAULT_CONFIG)
     assert all(r["settings"] == settings for r in retrievals)
     # The graph's search is the training rollout's `tools.retrieval.search`.
     index = open_index(starter_index_dir())

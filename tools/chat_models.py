@@ -59,6 +59,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from ermedrag.agents.base import block_image_url, image_block, message_images, to_chat
 from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.env import env_flag
+from ermedrag.tools.precision import checkpoint_dtype, inference_dtype
 from ermedrag.tools.hf_batching import (BatchingGenerator, GenerationParams, Generated, StepStatistics,
                                         generation_kwargs, trimmed_completion)
 from ermedrag.tools.images import as_pil, as_url, images_in, is_url
@@ -652,55 +653,6 @@ def _prepare_loading(kind: str, model_path: str, device: str, stored_dtype: str 
           f"{threads_used} torch thread{'s' if threads_used != 1 else ''}) …", file=sys.stderr, flush=True)
     return_large_blocks_to_the_os()
     return dtype
-
-
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-
-
-def inference_dtype(device: str, stored_dtype: str | None) -> Any:
-    """The dtype weights are loaded and computed in: ERMEDRAG_DTYPE when set, else `auto`: bfloat16 on an
-    accelerator; on CPU bfloat16 only when the checkpoint is stored in bfloat16 (nothing is lost in loading) and
-    the CPU computes it natively (AVX512-BF16 / AMX, where emulation would be slower), else float32.
-
-    For the offline Gemma 270M (stored in bfloat16) that halves the weights' memory (0.5 instead of 1.1 GB:
-    benches/eval_memory.py) on CPUs that have the instructions."""
-    import torch
-
-    choice = os.environ.get("ERMEDRAG_DTYPE", "auto").strip().lower() or "auto"
-    if choice not in DTYPE_CHOICES:
-        raise ValueError(f"ERMEDRAG_DTYPE={choice!r}: expected one of {', '.join(DTYPE_CHOICES)}")
-    if choice != "auto":
-        return getattr(torch, choice)
-    if device != "cpu":
-        return torch.bfloat16
-    if stored_dtype == "bfloat16" and cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def checkpoint_dtype(source: str) -> str | None:
-    """The dtype a checkpoint's config says its weights are stored in ("bfloat16", "float32", ...); None when it
-    cannot tell (a hub id not in the local cache, a config without it)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError):
-        return None
-    for candidate in (config, getattr(config, "text_config", None)):
-        stored = getattr(candidate, "dtype", None) or getattr(candidate, "torch_dtype", None)
-        if stored is not None:
-            return str(stored).removeprefix("torch.")
-    return None
 
 
 def _give_pad_token(tokenizer: Any) -> None:

