@@ -208,6 +208,56 @@ def test_evidence_use_on_free_text_answers():
     assert score(evidence_use_reward, "<think>Classic.</think><answer>Rickets</answer>", **columns) == 0.0
 
 
+# Evidence lists as the export writes them: the run's own triplets and distractors from other runs, shuffled,
+# numbered 1.. in the prompt.
+YES_NO_QUESTION = "Does metformin use lower the risk of lactic acidosis in patients with renal impairment?"
+YES_NO_TRIPLETS = [
+    {"condition": "sepsis", "relation": "treated with", "conclusion": "broad-spectrum antibiotics",
+     "snippet_id": "pubmed-9@0-80", "distractor": True},
+    {"condition": "metformin in patients with reduced eGFR", "relation": "associated with",
+     "conclusion": "higher incidence of lactic acidosis", "snippet_id": "pubmed-1@0-120", "distractor": False},
+]
+
+
+def yes_no_cols(**extra) -> dict:
+    return {"gold": ["no"], "options": [None], "question": [YES_NO_QUESTION], "triplets": [YES_NO_TRIPLETS], **extra}
+
+
+def test_evidence_use_fires_on_yes_no_questions_when_the_reasoning_uses_a_triplet():
+    restates = "<think>Reduced eGFR showed a higher incidence with metformin, so it does not lower it.</think><answer>no</answer>"
+    by_number = "<think>Evidence 2 says the opposite.</think><answer>no</answer>"
+    by_bracket = "<think>As [2] reports, it does not.</think><answer>no</answer>"
+    by_id = "<think>pubmed-1@0-120 reports the opposite.</think><answer>no</answer>"
+    for completion in (restates, by_number, by_bracket, by_id):
+        assert score(evidence_use_reward, completion, **yes_no_cols()) == 1.0, completion
+    assert score(evidence_use_reward, restates.replace(">no<", ">yes<"), **yes_no_cols()) == 0.0  # wrong answer
+
+
+def test_evidence_use_ignores_distractors_and_restated_questions():
+    distractor_by_number = "<think>Evidence 1 settles it.</think><answer>no</answer>"
+    distractor_content = "<think>Sepsis needs broad-spectrum antibiotics, so no.</think><answer>no</answer>"
+    question_only = "<think>Metformin, lactic acidosis, renal impairment: no.</think><answer>no</answer>"
+    unnumbered = "<think>In 2 weeks of use nothing changes.</think><answer>no</answer>"  # a number is not a citation
+    for completion in (distractor_by_number, distractor_content, question_only, unnumbered):
+        assert score(evidence_use_reward, completion, **yes_no_cols()) == 0.0, completion
+
+
+def test_evidence_use_on_options_cites_by_number_or_content():
+    columns = cols(triplets=TRIPLETS) | {"question": ["A child has bowed legs. Which deficiency?"]}
+    assert score(evidence_use_reward, "<think>Triplet #1 fits.</think><answer>B</answer>", **columns) == 1.0
+    assert score(evidence_use_reward, "<think>Triplet #2 fits.</think><answer>B</answer>", **columns) == 0.0  # no 2
+    assert score(evidence_use_reward, "<think>A child with bowed legs.</think><answer>B</answer>", **columns) == 0.0
+
+
+def test_evidence_references_are_read_in_linear_time():
+    import time
+
+    hostile = "<think>" + "evidence #[" * 40_000 + "</think><answer>no</answer>"
+    started = time.perf_counter()
+    assert score(evidence_use_reward, hostile, **yes_no_cols()) == 0.0
+    assert time.perf_counter() - started < 2.0
+
+
 # --- the default set, and TRL's calling convention -----------------------------------------------------
 
 

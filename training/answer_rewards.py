@@ -19,7 +19,7 @@ evidence the respondent was shown: dicts with condition/relation/conclusion/snip
 | `well_formed_correctness_reward` | correctness | 1.0 if the completion is well formed and its answer equals `gold`, else 0.0 |
 | `format_reward` | format | 1.0 well formed, else 0.0 (no partial credit: see below) |
 | `length_penalty` | length | 0.0 up to `soft_chars`, linearly down to -`max_penalty` at `max_chars` and beyond |
-| `evidence_use_reward` | evidence | 1.0 if correct and grounded in a triplet the reasoning refers to, else 0.0 |
+| `evidence_use_reward` | evidence | 1.0 if correct and the reasoning refers to a triplet that is not a distractor, else 0.0 |
 
 `correctness_reward` (no format gate) is what evaluation counts; benches report it, training does not use it.
 It reads a search rollout's `answer_text` (an answer the system had to ask for counts, as in the graph);
@@ -39,11 +39,13 @@ every other reward reads only what the model wrote, so a forced answer earns no 
   out-scored reasoning that the token budget cut short.
 - Length is counted in characters (`LengthPenalty(max_chars=1500, max_penalty=1.0, soft_chars=None)`;
   `soft_chars` defaults to two thirds of `max_chars`, i.e. 1000; Med-R³ sets `max_chars` from its config).
-- Evidence use: 0.0 unless the answer is correct and `triplets` is non-empty. Then 1.0 when some triplet
-  (a) supports the answer: the answer's content tokens (the chosen option's text, or the free-text answer)
-  overlap the triplet's condition or conclusion, and (b) is referred to by the reasoning: the `<think>`
-  text names the triplet's snippet id, or shares a content token with the triplet other than the answer's
-  own tokens (restating the answer is not citing evidence).
+- Evidence use: 0.0 unless the answer is correct and `triplets` is non-empty. Then 1.0 when the reasoning (the
+  `<think>` text) refers to a triplet that is not a distractor (`distractor: true`, the export's noise from
+  other runs): it cites the triplet's number in the evidence list ("evidence 2", "triplet #2", "[2]") or its
+  snippet id, or restates it: shares at least `MIN_SHARED_TOKENS` content tokens with the triplet that are
+  neither the question's nor the answer's own (restating the question or naming the answer is not using the
+  evidence). The rule asks nothing of the answer's wording, so it fires on yes/no/maybe questions too: an earlier
+  rule asked the answer's tokens to appear in the triplet and never fired on PubMedQA (issue 15).
 """
 
 from __future__ import annotations
@@ -213,14 +215,24 @@ class LengthPenalty:
 length_penalty = LengthPenalty()
 
 
-def _triplets(value: Any) -> list[dict[str, str]]:
+def _triplets(value: Any) -> list[dict[str, Any]]:
+    """The evidence list as the prompt numbered it (1-based), at most 64 triplets, each field a string."""
     if not isinstance(value, (list, tuple)):
         return []
     rows = []
     for item in value[:64]:
         if isinstance(item, dict):
-            rows.append({name: str(item.get(name) or "") for name in (*FIELDS, "snippet_id")})
+            rows.append({**{name: str(item.get(name) or "") for name in (*FIELDS, "snippet_id")},
+                         "distractor": bool(item.get("distractor"))})
     return rows
+
+
+MIN_SHARED_TOKENS = 2  # one shared word is often a coincidence ("patient", "risk"); two rarely are
+# "evidence 2", "triplets #3", "fact no. 1", "[2]": a number the reasoning gives an evidence line. Bounded digits
+# and literal alternatives: linear in the reasoning's length.
+NUMBERED_REFERENCE = re.compile(
+    r"(?:\b(?:triplet|evidence|fact|statement|finding|line|item|point)s?\s{0,3}(?:#|no\.?|number)?\s{0,3}|\[)"
+    r"(\d{1,3})\b", re.IGNORECASE)
 
 
 def _cites(reasoning: str, snippet_id: str) -> bool:
@@ -228,28 +240,35 @@ def _cites(reasoning: str, snippet_id: str) -> bool:
     return bool(sid) and re.search(rf"(?<![\w-]){re.escape(sid)}(?![\w-])", reasoning, re.IGNORECASE) is not None
 
 
-def uses_evidence(parsed: dict[str, Any], options: dict[str, str] | None, triplets: list[dict[str, str]]) -> bool:
-    """Some triplet supports the parsed answer and the reasoning refers to that triplet (module docstring)."""
+def cited_numbers(reasoning: str) -> set[int]:
+    return {int(number) for number in NUMBERED_REFERENCE.findall(reasoning)}
+
+
+def uses_evidence(parsed: dict[str, Any], options: dict[str, str] | None, triplets: list[dict[str, Any]],
+                  question: str = "") -> bool:
+    """The reasoning refers to some triplet that is not a distractor (module docstring)."""
     answer = parsed.get("answer")
     if answer is None:
         return False
-    answer_text = options.get(answer, answer) if options else answer
-    answer_tokens = set(content_tokens(answer_text))
     reasoning = str(parsed.get("reasoning") or "")
+    answer_text = options.get(answer, answer) if options else answer
+    own = set(content_tokens(answer_text)) | set(content_tokens(question))
     reasoning_tokens = set(content_tokens(reasoning))
-    for triplet in triplets:
-        ends = set(content_tokens(triplet["condition"])) | set(content_tokens(triplet["conclusion"]))
-        if not answer_tokens & ends:
+    numbers = cited_numbers(reasoning)
+    for number, triplet in enumerate(triplets, 1):
+        if triplet["distractor"]:
             continue
-        evidence = (ends | set(content_tokens(triplet["relation"]))) - answer_tokens
-        if reasoning_tokens & evidence or _cites(reasoning, triplet["snippet_id"]):
+        if number in numbers or _cites(reasoning, triplet["snippet_id"]):
+            return True
+        distinctive = set(content_tokens(" ".join(triplet[name] for name in FIELDS))) - own
+        if len(reasoning_tokens & distinctive) >= MIN_SHARED_TOKENS:
             return True
     return False
 
 
 def evidence_use_reward(completions: list, **kwargs: Any) -> list[float]:
-    """1.0 when the answer is correct, a given triplet supports it and the reasoning refers to that triplet;
-    0.0 otherwise, including rows without triplets."""
+    """1.0 when the answer is correct and the reasoning refers to a triplet that is not a distractor; 0.0
+    otherwise, including rows without triplets."""
     rewards = []
     for i, completion in enumerate(completions):
         triplets = _triplets(column(kwargs, "triplets", i))
@@ -258,6 +277,7 @@ def evidence_use_reward(completions: list, **kwargs: Any) -> list[float]:
             continue
         options = _options(column(kwargs, "options", i))
         parsed = _parse(own_text(completion, kwargs, i), options)
-        ok = _correct(parsed, kwargs, i) and uses_evidence(parsed, options, triplets)
+        question = str(column(kwargs, "question", i) or "")
+        ok = _correct(parsed, kwargs, i) and uses_evidence(parsed, options, triplets, question)
         rewards.append(1.0 if ok else 0.0)
     return rewards
