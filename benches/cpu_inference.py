@@ -1,0 +1,187 @@
+"""CPU inference of the offline model where users feel it: single-stream tokens/s, the extractor fan-out, the demo.
+
+    .venv/bin/python benches/cpu_inference.py            # ≈ 12 min on 2 idle cores → results/cpu_inference.json
+    .venv/bin/python benches/cpu_inference.py --quick    # one question, fewer tokens: checks the script
+
+Every configuration runs in a fresh child process (this parent imports only the standard library), one after
+another on the same machine, so the figures are side by side:
+
+- `before`: the offline model as it ran before this bench's levers, in float32 (`ERMEDRAG_DTYPE=float32`);
+- `after`: the defaults (`tools.precision`: bfloat16 where the CPU has AVX512-BF16/AMX, as this one does);
+- levers on top of `after`, tokens/s only: eager attention instead of SDPA, a static KV cache.
+
+Per configuration:
+- `tokens_per_s`: greedy decoding of 64 tokens (forced: `min_new_tokens`) after a real extractor prompt through
+  `model.generate`, median of 3; `prefill_s` the prompt pass alone (1 new token); `decode_tokens_per_s` the
+  63 further tokens over the time they added.
+- `extract_fanout_ratio`: the ER-MedRAG graph's extract stage (`timings.extract_s`: from the end of retrieval to
+  the start of the respondent) with `snippets_k` 4 over the same with 1, same question (the starter knowledge
+  base, whose top snippet is the first of the four), median over the questions; the design goal is ≤ 1.3×,
+  the issue's target ≤ 1.5×.
+- `demo_s`: wall time of `python -m ermedrag demo` (model load, index open, the answer), once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "ANONYMIZED_TELEMETRY": "False", "TOKENIZERS_PARALLELISM": "false"}
+QUESTIONS = [
+    ("A 52-year-old man is newly diagnosed with type 2 diabetes; his kidney function is normal. "
+     "Which drug should he start first?",
+     {"A": "Insulin glargine", "B": "Glipizide", "C": "Metformin", "D": "Pioglitazone"}),
+    ("A woman develops hives, wheeze and low blood pressure minutes after a bee sting. What is the first treatment?",
+     {"A": "Oral antihistamine", "B": "Intramuscular epinephrine", "C": "Inhaled salbutamol", "D": "IV fluids"}),
+    ("A healthy 30-year-old has community-acquired pneumonia and no risk factors. Which antibiotic first?",
+     {"A": "Amoxicillin", "B": "Vancomycin", "C": "Meropenem", "D": "Ciprofloxacin"}),
+]
+# name: (environment, what the child measures)
+CONFIGURATIONS = {
+    "before": ({"ERMEDRAG_DTYPE": "float32"}, ("tokens", "fanout", "demo")),
+    "after": ({}, ("tokens", "fanout", "demo")),
+    "after+eager_attention": ({"BENCH_ATTENTION": "eager"}, ("tokens",)),
+    "after+static_cache": ({"BENCH_CACHE": "static"}, ("tokens",)),
+}
+
+
+def child(parts: list[str], quick: bool) -> dict:
+    """Runs in the fresh process: the measurements `parts` names, on the default offline model."""
+    import tempfile
+
+    import torch
+
+    from ermedrag.agents import extractor
+    from ermedrag.tools.chat_models import load_hf_model
+    from ermedrag.tools.offline_model import offline_model_dir
+
+    out: dict = {"torch_threads": torch.get_num_threads()}
+    tokenizer, model = load_hf_model(str(offline_model_dir()))
+    out["dtype"] = str(model.dtype).removeprefix("torch.")
+    if "tokens" in parts:
+        if os.environ.get("BENCH_ATTENTION"):
+            model.set_attn_implementation(os.environ["BENCH_ATTENTION"])
+        question, _ = QUESTIONS[0]
+        snippet = ("Metformin is the usual first drug for type 2 diabetes with normal kidney function; it lowers "
+                   "hepatic glucose output, rarely causes hypoglycaemia and is weight neutral. ") * 3
+        messages = extractor.build_messages(question, snippet)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        new_tokens = 16 if quick else 64
+        extra = {"cache_implementation": os.environ["BENCH_CACHE"]} if os.environ.get("BENCH_CACHE") else {}
+
+        def timed(tokens: int) -> float:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id, **extra)
+            return time.perf_counter() - started
+
+        timed(4)  # warm-up
+        prefill = statistics.median(timed(1) for _ in range(3))
+        total = statistics.median(timed(new_tokens) for _ in range(3))
+        out.update(prompt_tokens=int(ids.shape[1]), new_tokens=new_tokens, prefill_s=round(prefill, 3),
+                   generate_s=round(total, 3), tokens_per_s=round(new_tokens / total, 2),
+                   decode_tokens_per_s=round((new_tokens - 1) / max(total - prefill, 1e-9), 2))
+    if "fanout" in parts:
+        from ermedrag.graphs.registry import load_graph
+        from ermedrag.tools.starter_kb import starter_index_dir
+
+        starter_index_dir(progress=False)
+        graph = load_graph("er_medrag")
+        runs = []
+        with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp:
+            context = {"trace_db": str(Path(tmp) / "traces.sqlite")}
+            graph.invoke({"question": "What treats anaphylaxis?", "options": None},
+                         context={**context, "snippets_k": 1})  # warm-up: index, encoder, first batch
+            for question, options in QUESTIONS[:1] if quick else QUESTIONS:
+                row = {"question": question[:60]}
+                for k in (1, 4):
+                    started = time.perf_counter()
+                    state = graph.invoke({"question": question, "options": options}, context={**context, "snippets_k": k})
+                    row[f"k{k}"] = {"extract_s": round(state["timings"]["extract_s"], 2),
+                                    "total_s": round(time.perf_counter() - started, 2),
+                                    "snippets": [s["id"] for s in state["snippets"]]}
+                row["same_first_snippet"] = row["k1"]["snippets"][:1] == row["k4"]["snippets"][:1]
+                # The stage is timed on the wall clock (it lives in the graph's state, across processes): a clock
+                # step while it ran makes it longer than the whole call, measured on the monotonic clock.
+                row["clock_step"] = any(row[f"k{k}"]["extract_s"] > row[f"k{k}"]["total_s"] for k in (1, 4))
+                row["ratio"] = round(row["k4"]["extract_s"] / max(row["k1"]["extract_s"], 1e-9), 2)
+                runs.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+        out["fanout_runs"] = runs
+        runs = [r for r in runs if not r["clock_step"]] or runs
+        out["extract_fanout_ratio"] = round(statistics.median(r["ratio"] for r in runs), 2)
+        out["extract_s_k1"] = round(statistics.median(r["k1"]["extract_s"] for r in runs), 2)
+        out["extract_s_k4"] = round(statistics.median(r["k4"]["extract_s"] for r in runs), 2)
+    return out
+
+
+def run_child(name: str, environment: dict[str, str], parts: tuple[str, ...], quick: bool) -> dict:
+    env = {**os.environ, **OFFLINE_ENV, **environment}
+    command = [sys.executable, __file__, "--child", ",".join(p for p in parts if p != "demo")]
+    if quick:
+        command.append("--quick")
+    result: dict = {"environment": environment}
+    if set(parts) - {"demo"}:
+        proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=3600)
+        if proc.returncode:
+            raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+        result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    if "demo" in parts and not quick:
+        started = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "ermedrag", "demo"], env=env, cwd=REPO, capture_output=True,
+                              text=True, timeout=3600)
+        result["demo_s"] = round(time.perf_counter() - started, 1)
+        result["demo_exit_code"] = proc.returncode
+    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'fanout_runs'})}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="one question, 16 tokens, no demo: checks the script")
+    parser.add_argument("--only", default=None, help="comma-separated configurations (default: all)")
+    parser.add_argument("--out", default=str(REPO / "benches" / "results" / "cpu_inference.json"))
+    args = parser.parse_args()
+    if args.child is not None:
+        print(json.dumps(child(args.child.split(","), args.quick)))
+        return
+    started = time.perf_counter()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    names = args.only.split(",") if args.only else list(CONFIGURATIONS)
+    results = {name: run_child(name, *CONFIGURATIONS[name], args.quick) for name in names}
+    record: dict = {"configurations": results}
+    if {"before", "after"} <= results.keys():
+        before, after = results["before"], results["after"]
+        record["summary"] = {
+            "tokens_per_s": {"before": before.get("tokens_per_s"), "after": after.get("tokens_per_s"),
+                             "speedup": round(after["tokens_per_s"] / before["tokens_per_s"], 2)},
+            "extract_fanout_ratio": {"before": before.get("extract_fanout_ratio"),
+                                     "after": after.get("extract_fanout_ratio")},
+            "extract_s_k4": {"before": before.get("extract_s_k4"), "after": after.get("extract_s_k4")},
+            "demo_s": {"before": before.get("demo_s"), "after": after.get("demo_s")},
+        }
+    record.update(command="python benches/cpu_inference.py" + (" --quick" if args.quick else ""),
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  machine=f"{platform.machine()}, {os.cpu_count()} cores, load average {load} at start",
+                  seconds=round(time.perf_counter() - started, 1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out} in {record['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
