@@ -8,7 +8,8 @@ another on the same machine, so the figures are side by side:
 
 - `before`: the offline model as it ran before this bench's levers, in float32 (`ERMEDRAG_DTYPE=float32`);
 - `after`: the defaults (`tools.precision`: bfloat16 where the CPU has AVX512-BF16/AMX, as this one does);
-- levers on top of `after`, tokens/s only: eager attention instead of SDPA, a static KV cache.
+- levers on top of `after`, tokens/s only: eager attention instead of SDPA, a static KV cache, and that cache
+  with `torch.compile` (its compilation time is `warm_up_s`).
 
 Per configuration:
 - `tokens_per_s`: greedy decoding of 64 tokens (forced: `min_new_tokens`) after a real extractor prompt through
@@ -52,6 +53,7 @@ CONFIGURATIONS = {
     "after": ({}, ("tokens", "fanout", "demo")),
     "after+eager_attention": ({"BENCH_ATTENTION": "eager"}, ("tokens",)),
     "after+static_cache": ({"BENCH_CACHE": "static"}, ("tokens",)),
+    "after+static_cache+compile": ({"BENCH_CACHE": "static", "BENCH_COMPILE": "1"}, ("tokens",)),
 }
 
 
@@ -87,7 +89,11 @@ def child(parts: list[str], quick: bool) -> dict:
                                pad_token_id=tokenizer.pad_token_id, **extra)
             return time.perf_counter() - started
 
-        timed(4)  # warm-up
+        if os.environ.get("BENCH_COMPILE"):
+            model.forward = torch.compile(model.forward, dynamic=False)
+        compile_started = time.perf_counter()
+        timed(4)  # warm-up (and, with torch.compile, the compilation)
+        out["warm_up_s"] = round(time.perf_counter() - compile_started, 1)
         prefill = statistics.median(timed(1) for _ in range(3))
         total = statistics.median(timed(new_tokens) for _ in range(3))
         out.update(prompt_tokens=int(ids.shape[1]), new_tokens=new_tokens, prefill_s=round(prefill, 3),
