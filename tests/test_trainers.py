@@ -210,6 +210,22 @@ def test_grpo_lora_logs_every_reward_component(tiny_model, grpo_dataset, tmp_pat
     assert all(o["A"] == "metformin" for seen in SEEN_COLUMNS for o in seen["options"])
     assert_adapter_trained(config.output_dir)
     assert_plot(config.output_dir)
+    # how many steps had equal rewards in every group, read from TRL's own per-step figure
+    silent = summary["zero_variance_steps"]
+    expected_silent = sum(r["frac_reward_zero_std"] == 1.0 for r in records)
+    assert silent["logged_steps"] == 3 and silent["steps_without_signal"] == expected_silent
+    assert silent["share"] == pytest.approx(expected_silent / 3, abs=1e-4)
+
+
+def test_zero_variance_steps_counts_steps_whose_groups_all_had_equal_rewards():
+    from ermedrag.training.metrics import zero_variance_steps
+
+    records = [{"step": 1, "frac_reward_zero_std": 1.0}, {"step": 2, "frac_reward_zero_std": 0.5},
+               {"step": 3, "frac_reward_zero_std": 1.0}, {"step": 4, "frac_reward_zero_std": float("nan")},
+               {"step": 5, "loss": 0.1}]
+    assert zero_variance_steps(records) == {"logged_steps": 3, "steps_without_signal": 2, "share": 0.6667,
+                                            "mean_frac_reward_zero_std": 0.8333}
+    assert zero_variance_steps([{"step": 1, "loss": 0.2}]) is None  # DPO logs no such figure
 
 
 def test_grpo_rollouts_end_at_the_stop_string(tiny_model, grpo_dataset, tmp_path):

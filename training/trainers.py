@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import warnings
 from collections.abc import Sequence
@@ -51,12 +52,13 @@ from pathlib import Path
 from typing import Any
 
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig, load_config
-from ermedrag.training.metrics import METRICS_FILE, PLOT_FILE, MetricsRecorder, plot_curves
+from ermedrag.training.metrics import METRICS_FILE, PLOT_FILE, MetricsRecorder, plot_curves, zero_variance_steps
 from ermedrag.training.reward_text import RewardFunc
 from ermedrag.training.rewards import RESPONDENT_REWARDS, WeightedReward, named_weights, resolve_rewards
 from ermedrag.training.rollouts import RolloutFunc, make_search_rollout
 
 CONFIG_FILE = "training_config.json"
+log = logging.getLogger(__name__)
 
 # Columns a DPO row must have; anything else is provenance and is dropped before TRL tokenises.
 DPO_COLUMNS = ("prompt", "chosen", "rejected")
@@ -213,6 +215,13 @@ def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: s
     }
     step_records = [r for r in recorder.records if "loss" in r]
     summary["final_metrics"] = step_records[-1] if step_records else {}
+    silent = zero_variance_steps(step_records)
+    if silent is not None:
+        summary["zero_variance_steps"] = silent
+        if silent["share"] > 0.5:
+            log.warning("%d of %d logged steps had equal rewards in every group (no learning signal): more "
+                        "generations, more prompts per step or a higher temperature give groups that differ",
+                        silent["steps_without_signal"], silent["logged_steps"])
     if trainer.is_world_process_zero():
         (output_dir / CONFIG_FILE).write_text(
             json.dumps(dataclasses.asdict(config), indent=2, default=str), encoding="utf-8"
