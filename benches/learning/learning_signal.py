@@ -11,6 +11,12 @@ Writes benches/results/learning.json (and the curves of both trainings next to i
     .venv/bin/python benches/learning/learning_signal.py                 # ≈ 45 minutes on 2 cores
     .venv/bin/python benches/learning/learning_signal.py --smoke         # tiny random model, ~2 minutes
     .venv/bin/python benches/learning/learning_signal.py --reuse --parts grpo   # rerun one training only
+    .venv/bin/python benches/learning/learning_signal.py --seeds 3       # each training 3 times (seeds 0, 1, 2)
+
+With `--seeds N` every training runs N times from the same start (seeds 0..N-1: LoRA initialisation, data order,
+sampled rollouts) against one before, measured once on the same held-out prompts; `seeds.over_seeds` reports
+each metric's mean ± sd after, per-seed values and how many seeds improved it. Held-out prompts: the
+`--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from ermedrag.training.export import DPOExportConfig, GRPOExportConfig, export_d
 from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
+
+from seeds import accuracy_interval, gain, over_seeds  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -81,17 +89,23 @@ def answer_parsed_rate(texts: list[str], options: list[dict[str, str] | None]) -
 
 
 def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
-    columns = {key: [row[key] for row in rows] for key in ("gold", "options", "triplets")}
+    """Every reward component separately (a gain that is only format or only brevity shows as such), the app's
+    accuracy, and how long the reasoning is."""
+    columns = {key: [row.get(key) for row in rows] for key in ("gold", "options", "triplets", "question")}
     rewards = resolve_rewards(None, RESPONDENT_REWARDS)  # what train_grpo trains with
     scores = {r.func.__name__: r.func(completions, **columns) for r in rewards}
     total = [sum(r.weight * scores[r.func.__name__][i] for r in rewards) for i in range(len(completions))]
+    parsed = [respondent.parse_answer(c, o) for c, o in zip(completions, columns["options"])]
+    n = max(len(completions), 1)
     return {
-        "well_formed_rate": sum(s == 1.0 for s in scores["format_reward"]) / len(completions),
+        "well_formed_rate": sum(s == 1.0 for s in scores["format_reward"]) / n,
         "answer_parsed_rate": answer_parsed_rate(completions, columns["options"]),
         # what the app would score: any answer its parser reads, well formed or not
-        "accuracy": sum(correctness_reward(completions, **columns)) / len(completions),
-        "mean_reward": sum(total) / len(total),
-        "mean_chars": sum(len(c) for c in completions) / len(completions),
+        "accuracy": sum(correctness_reward(completions, **columns)) / n,
+        "mean_reward": sum(total) / n,
+        **{f"reward/{name}": sum(values) / n for name, values in scores.items()},
+        "mean_chars": sum(len(c) for c in completions) / n,
+        "mean_reasoning_chars": sum(len(p.get("reasoning") or "") for p in parsed) / n,
     }
 
 
@@ -126,7 +140,7 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true",
                         help="keep the work folder's index, traces and exports from an earlier run (same sizes)")
     parser.add_argument("--train-questions", type=int, default=32)
-    parser.add_argument("--eval-questions", type=int, default=16)
+    parser.add_argument("--eval-questions", type=int, default=48)
     parser.add_argument("--snippets", type=int, default=2)
     parser.add_argument("--extract-tokens", type=int, default=64)
     parser.add_argument("--respond-tokens", type=int, default=96)
@@ -138,6 +152,7 @@ def main() -> None:
                              "model leaves the format, a group's rewards are equal and GRPO learns nothing)")
     parser.add_argument("--dpo-steps", type=int, default=20)
     parser.add_argument("--dpo-samples", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=1, help="train each agent this many times (seeds 0..N-1)")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -171,50 +186,78 @@ def main() -> None:
     result = json.loads(out.read_text()) if out.exists() else {}
     results_dir = Path(args.out).parent
 
+    seeds = list(range(max(args.seeds, 1)))
+    result["seeds"] = {"n": len(seeds)}
     if "grpo" in parts:
         before = respondent_metrics(generate(model, eval_prompts, args.respond_tokens, respondent.STOP), eval_rows)
         log(f"before: respondent {before}")
-        grpo_started = time.time()
-        grpo = train_grpo(GRPOTrainingConfig(  # rewards unset: the respondent's defaults
-            model=model_path, dataset=str(work / "grpo-train" / "dataset"), output_dir=str(work / "grpo-out"),
-            max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=args.grpo_generations,
-            per_device_train_batch_size=args.grpo_generations, max_completion_length=args.respond_tokens,
-            temperature=args.grpo_temperature, save_steps=10_000))
-        grpo_minutes = (time.time() - grpo_started) / 60
-        after = respondent_metrics(
-            generate(f"hf:{merged_model(grpo['model_dir'], model_path, work / 'grpo-merged')}", eval_prompts,
-                     args.respond_tokens, respondent.STOP), eval_rows)
-        log(f"after grpo: {after} ({grpo_minutes:.1f} min)")
+        runs = [grpo_run(args, work, model_path, eval_prompts, eval_rows, seed) for seed in seeds]
+        afters = [run["after"] for run in runs]
         result["grpo_respondent"] = {
-            "before": before, "after": after, "steps": grpo["steps"], "minutes": round(grpo_minutes, 1),
+            "before": before, "after": afters[0], "steps": runs[0]["steps"],
+            "minutes": round(sum(r["minutes"] for r in runs) / len(runs), 1),
             "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
             "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
-            "num_generations": args.grpo_generations, "temperature": args.grpo_temperature}
-        if grpo.get("plot_path") and not args.smoke:
-            shutil.copy(grpo["plot_path"], results_dir / "learning_grpo_respondent_curves.png")
+            "num_generations": args.grpo_generations, "temperature": args.grpo_temperature,
+            "zero_variance_steps": [r["zero_variance_steps"] for r in runs]}
+        result["seeds"]["grpo_respondent"] = {
+            **over_seeds(before, afters),
+            "accuracy_before": accuracy_interval(before["accuracy"], len(eval_rows)),
+            "accuracy_after": [accuracy_interval(a["accuracy"], len(eval_rows)) for a in afters],
+            "zero_variance_share": [(r["zero_variance_steps"] or {}).get("share") for r in runs]}
+        if runs[0].get("plot_path") and not args.smoke:
+            shutil.copy(runs[0]["plot_path"], results_dir / "learning_grpo_respondent_curves.png")
 
     if "dpo" in parts:
         before = extractor_metrics(generate(model, extract_prompts, args.extract_tokens, extractor.STOP), eval_events)
         log(f"before: extractor {before}")
-        dpo_started = time.time()
-        dpo = train_dpo(DPOTrainingConfig(
-            model=model_path, dataset=str(work / "dpo-train" / "dataset"), output_dir=str(work / "dpo-out"),
-            max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
-            save_steps=10_000))
-        dpo_minutes = (time.time() - dpo_started) / 60
-        after = extractor_metrics(
-            generate(f"hf:{merged_model(dpo['model_dir'], model_path, work / 'dpo-merged')}", extract_prompts,
-                     args.extract_tokens, extractor.STOP), eval_events)
-        log(f"after dpo: {after} ({dpo_minutes:.1f} min)")
-        result["dpo_extractor"] = {"before": before, "after": after, "steps": dpo["steps"],
-                                   "minutes": round(dpo_minutes, 1),
+        runs = [dpo_run(args, work, model_path, extract_prompts, eval_events, seed) for seed in seeds]
+        afters = [run["after"] for run in runs]
+        result["dpo_extractor"] = {"before": before, "after": afters[0], "steps": runs[0]["steps"],
+                                   "minutes": round(sum(r["minutes"] for r in runs) / len(runs), 1),
                                    "pairs": len(load_from_disk(str(work / "dpo-train" / "dataset"))),
                                    "eval_prompts": len(eval_events)}
-        if dpo.get("plot_path") and not args.smoke:
-            shutil.copy(dpo["plot_path"], results_dir / "learning_dpo_extractor_curves.png")
+        summary = over_seeds(before, afters)
+        result["seeds"]["dpo_extractor"] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
+                                            "strict_json_rate": summary.get("strict_json_rate")}
+        if runs[0].get("plot_path") and not args.smoke:
+            shutil.copy(runs[0]["plot_path"], results_dir / "learning_dpo_extractor_curves.png")
 
     result["decoding"] = "greedy, same prompts and token budgets before and after"
     write_result(result, out, started)
+
+
+def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts: list, eval_rows: list[dict],
+             seed: int) -> dict[str, Any]:
+    """Train the respondent with GRPO from the base model (one seed) and measure it on the held-out prompts."""
+    started = time.time()
+    grpo = train_grpo(GRPOTrainingConfig(  # rewards unset: the respondent's defaults
+        model=model_path, dataset=str(work / "grpo-train" / "dataset"), output_dir=str(work / f"grpo-out-s{seed}"),
+        max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=args.grpo_generations,
+        per_device_train_batch_size=args.grpo_generations, max_completion_length=args.respond_tokens,
+        temperature=args.grpo_temperature, save_steps=10_000, seed=seed))
+    minutes = (time.time() - started) / 60
+    merged = merged_model(grpo["model_dir"], model_path, work / f"grpo-merged-s{seed}")
+    after = respondent_metrics(generate(f"hf:{merged}", eval_prompts, args.respond_tokens, respondent.STOP), eval_rows)
+    log(f"after grpo (seed {seed}): {after} ({minutes:.1f} min; {grpo.get('zero_variance_steps')})")
+    return {"after": after, "steps": grpo["steps"], "minutes": minutes, "plot_path": grpo.get("plot_path"),
+            "zero_variance_steps": grpo.get("zero_variance_steps")}
+
+
+def dpo_run(args: argparse.Namespace, work: Path, model_path: str, extract_prompts: list, eval_events: list[dict],
+            seed: int) -> dict[str, Any]:
+    """Train the extractor with DPO from the base model (one seed) and measure it on the held-out prompts."""
+    started = time.time()
+    dpo = train_dpo(DPOTrainingConfig(
+        model=model_path, dataset=str(work / "dpo-train" / "dataset"), output_dir=str(work / f"dpo-out-s{seed}"),
+        max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
+        save_steps=10_000, seed=seed))
+    minutes = (time.time() - started) / 60
+    merged = merged_model(dpo["model_dir"], model_path, work / f"dpo-merged-s{seed}")
+    after = extractor_metrics(generate(f"hf:{merged}", extract_prompts, args.extract_tokens, extractor.STOP),
+                              eval_events)
+    log(f"after dpo (seed {seed}): {after} ({minutes:.1f} min)")
+    return {"after": after, "steps": dpo["steps"], "minutes": minutes, "plot_path": dpo.get("plot_path")}
 
 
 def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, eval_db: Path) -> None:
