@@ -197,9 +197,14 @@ class Index:
 
     @property
     def size(self) -> int:
-        """Chunks in the index: the committed ids held in memory (a store count costs ~5 ms per call, a round trip
-        to a Chroma server); the store's count only for an index without BM25."""
-        return len(self.bm25_ids) or self.collection.count()
+        """Chunks in the vector store (a running build's uncommitted ones included): one store round trip."""
+        return self.collection.count()
+
+    @property
+    def committed_chunks(self) -> int:
+        """Chunks of the last commit: the ids held in memory, free to ask on every query (a store count costs
+        ~5 ms, a round trip to a Chroma server); the store's count for an index without BM25."""
+        return len(self.bm25_ids) or self.size
 
     def identity(self) -> dict[str, Any]:
         """Which index answered a retrieval (traces): its folder, its encoder, and its chunk count, which
@@ -305,7 +310,10 @@ def _load_bm25(directory: Path, manifest: dict[str, Any]) -> tuple[Any | None, l
         raise IndexUnavailable(f"{directory}: manifest.json commits {manifest['chunks']} chunks but its BM25 "
                                f"generation lists {len(ids)}; it was changed by hand: build a new index "
                                "(`ermedrag index PATH --index-dir NEW_DIR`)")
-    return bm25s.BM25.load(str(_bm25_folder(directory, manifest))), ids
+    # Memory-mapped: a query reads only its terms' postings (`retrieval.weighted_bm25_scores`), so serving needs
+    # pages for what queries touch, not the whole matrix (~420 MB per million chunks). A later build writes a new
+    # generation folder; an open mapping of the old one stays valid until it is closed.
+    return bm25s.BM25.load(str(_bm25_folder(directory, manifest)), mmap=True), ids
 
 
 def _read_committed(directory: Path) -> tuple[dict[str, Any], Any | None, list[str] | None]:

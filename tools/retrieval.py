@@ -139,7 +139,7 @@ def weighted_bm25_scores(bm25: Any, term_weights: dict[str, float]) -> np.ndarra
 
 def dense_search(index: Index, query: str, k: int, query_vector: np.ndarray | None = None) -> list[ChunkHit]:
     vector = encode_queries([query], index.encoder)[0] if query_vector is None else query_vector
-    got = index.collection.query(query_embeddings=[vector.tolist()], n_results=min(k, max(index.size, 1)),
+    got = index.collection.query(query_embeddings=[vector.tolist()], n_results=min(k, max(index.committed_chunks, 1)),
                                  include=["distances"])
     return [ChunkHit(cid, 1.0 - float(dist)) for cid, dist in zip(got["ids"][0], got["distances"][0])]
 
