@@ -435,8 +435,10 @@ async def _answer_config(config: EvalConfig, questions: list[Question], out_dir:
         writer.close()
         if failure_log:
             failure_log.close()
-    failed = len(outcome.failures)
-    outcome.counts = {"todo": len(todo), "answered": len(todo) - failed, "failed": failed, "skipped_done": skipped}
+    failed, answered = len(outcome.failures), sum(servers.served.values())
+    outcome.counts = {"todo": len(todo), "answered": answered, "failed": failed, "skipped_done": skipped}
+    if len(todo) - answered - failed:  # stopped early: every server was down
+        outcome.counts["not_started"] = len(todo) - answered - failed
     if servers.summary():
         outcome.counts["by_server"] = servers.summary()
     return outcome

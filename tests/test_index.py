@@ -194,16 +194,18 @@ def test_weighted_bm25_from_postings_equals_bm25s_own_scores(built: Built) -> No
 def test_a_query_longer_than_the_encoder_window_is_encoded_whole() -> None:
     import numpy as np
 
-    from ermedrag.tools.index import encode, encode_queries, load_encoder, token_windows
+    from ermedrag.tools.index import encode, encode_queries, load_encoder, token_windows, window_tokens
 
     tokenizer = load_encoder().tokenizer
+    assert window_tokens(256) == 250 and window_tokens(None) == 506 and window_tokens(8) == 33
+    assert encode([]).shape == (0, 384)
     short = "Which vitamin deficiency causes scurvy?"
     assert token_windows(tokenizer, short, 254) == [short]
     np.testing.assert_allclose(encode_queries([short])[0], encode([short])[0], atol=1e-6)
     # 300+ tokens of history, then what is asked: the encoder alone would never read the end.
     history = "The patient reports mild fatigue and occasional headaches over several months. " * 25
     vignette = history + "Her gums bleed and she bruises easily; which vitamin deficiency explains it?"
-    windows = token_windows(tokenizer, vignette, 254)
+    windows = token_windows(tokenizer, vignette, window_tokens(256))
     lengths = [len(tokenizer(w, add_special_tokens=False)["input_ids"]) for w in windows]
     assert len(windows) >= 2 and max(lengths) <= 254 and max(lengths) - min(lengths) <= 2  # equal: one padded batch
     assert windows[0].startswith("The patient") and windows[-1].endswith("explains it?")

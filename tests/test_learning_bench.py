@@ -31,7 +31,7 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     for metric in ("accuracy", "well_formed_rate", "reward/format_reward", "reward/well_formed_correctness_reward",
                    "reward/length_penalty", "reward/evidence_use_reward", "mean_reasoning_chars"):
         entry = grpo[metric]
-        assert len(entry["after"]["values"]) == 2 and 0 <= entry["seeds_improved"] <= 2, metric
+        assert len(entry["after"]["values"]) == 2 and 0 <= entry["seeds_higher_after"] <= 2, metric
         assert entry["before"] == result["grpo_respondent"]["before"][metric]  # one before for every seed
     assert grpo["accuracy_before"]["n"] == result["grpo_respondent"]["eval_prompts"]
     low, high = grpo["accuracy_before"]["wilson_95"]

@@ -238,8 +238,16 @@ def test_evidence_use_ignores_distractors_and_restated_questions():
     distractor_content = "<think>Sepsis needs broad-spectrum antibiotics, so no.</think><answer>no</answer>"
     question_only = "<think>Metformin, lactic acidosis, renal impairment: no.</think><answer>no</answer>"
     unnumbered = "<think>In 2 weeks of use nothing changes.</think><answer>no</answer>"  # a number is not a citation
-    for completion in (distractor_by_number, distractor_content, question_only, unnumbered):
+    own_points = "<think>Point 2: it does not. Finding 2: no.</think><answer>no</answer>"  # its own list, not ours
+    for completion in (distractor_by_number, distractor_content, question_only, unnumbered, own_points):
         assert score(evidence_use_reward, completion, **yes_no_cols()) == 0.0, completion
+
+
+def test_evidence_numbers_are_the_prompts_even_after_an_item_that_is_not_a_triplet():
+    shown = ["not a triplet", *YES_NO_TRIPLETS]  # the prompt showed the real triplet as number 3
+    columns = yes_no_cols(triplets=[shown])
+    assert score(evidence_use_reward, "<think>Evidence 3 says so.</think><answer>no</answer>", **columns) == 1.0
+    assert score(evidence_use_reward, "<think>Evidence 2 says so.</think><answer>no</answer>", **columns) == 0.0
 
 
 def test_evidence_use_on_options_cites_by_number_or_content():

@@ -103,6 +103,8 @@ def load_encoder(name: str = DEFAULT_ENCODER) -> Any:
 def encode(texts: Sequence[str], encoder: str = DEFAULT_ENCODER, batch_size: int = 64) -> np.ndarray:
     """L2-normalised float32 embeddings."""
     model = load_encoder(encoder)
+    if not len(texts):
+        return np.zeros((0, model.get_sentence_embedding_dimension() or 0), dtype=np.float32)
     vectors = model.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
                            show_progress_bar=False).astype(np.float32)
     # Normalised in float32: a bfloat16 encoder's own normalisation leaves norms off by up to 0.2%.
@@ -117,7 +119,7 @@ def encode_queries(queries: Sequence[str], encoder: str = DEFAULT_ENCODER) -> np
     windows: list[str] = []
     owners: list[int] = []
     for number, query in enumerate(queries):
-        for window in token_windows(model.tokenizer, query, model.max_seq_length - 2):  # [CLS] … [SEP]
+        for window in token_windows(model.tokenizer, query, window_tokens(model.max_seq_length)):
             windows.append(window)
             owners.append(number)
     vectors = encode(windows, encoder)
@@ -129,6 +131,13 @@ def encode_queries(queries: Sequence[str], encoder: str = DEFAULT_ENCODER) -> np
 
 
 QUERY_WINDOW_OVERLAP = 32  # tokens two windows of a long query share, so no phrase is only ever seen cut in two
+# [CLS] and [SEP], and a margin: a window that starts inside a word can tokenize one token longer on its own.
+WINDOW_RESERVED_TOKENS = 2 + 4
+
+
+def window_tokens(max_seq_length: int | None) -> int:
+    """Tokens of query text one encoder pass reads in full (a model without a limit: 512, BERT's)."""
+    return max((max_seq_length or 512) - WINDOW_RESERVED_TOKENS, QUERY_WINDOW_OVERLAP + 1)
 
 
 def token_windows(tokenizer: Any, text: str, max_tokens: int) -> list[str]:

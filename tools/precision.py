@@ -13,6 +13,7 @@ bfloat16 only where the CPU computes it natively (AVX512-BF16 / AMX: emulated it
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from typing import Any
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -35,13 +36,27 @@ def inference_dtype(device: str, stored_dtype: str | None, *, single_pass: bool 
     return torch.float32
 
 
-def cpu_has_native_bf16() -> bool:
-    import torch
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX512-BF16 / AMX, Arm's BF16 extension
 
+
+def cpu_has_native_bf16() -> bool:
+    """The CPU has bfloat16 instructions (read from /proc/cpuinfo's flags; False where that file is missing).
+    oneDNN's own check says yes on any AVX-512 CPU, where it emulates bfloat16 more slowly than float32."""
+    return bool(NATIVE_BF16_FLAGS & cpu_flags())
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return frozenset()
+    flags: set[str] = set()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return frozenset(flags)
 
 
 def checkpoint_dtype(source: str) -> str | None:

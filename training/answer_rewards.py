@@ -41,7 +41,7 @@ every other reward reads only what the model wrote, so a forced answer earns no 
   `soft_chars` defaults to two thirds of `max_chars`, i.e. 1000; Med-R³ sets `max_chars` from its config).
 - Evidence use: 0.0 unless the answer is correct and `triplets` is non-empty. Then 1.0 when the reasoning (the
   `<think>` text) refers to a triplet that is not a distractor (`distractor: true`, the export's noise from
-  other runs): it cites the triplet's number in the evidence list ("evidence 2", "triplet #2", "[2]") or its
+  other runs): it cites the triplet's number in the evidence list ("evidence 2", "triplet #2", "fact 2", "[2]") or its
   snippet id, or restates it: shares at least `MIN_SHARED_TOKENS` content tokens with the triplet that are
   neither the question's nor the answer's own (restating the question or naming the answer is not using the
   evidence). The rule asks nothing of the answer's wording, so it fires on yes/no/maybe questions too: an earlier
@@ -216,23 +216,24 @@ length_penalty = LengthPenalty()
 
 
 def _triplets(value: Any) -> list[dict[str, Any]]:
-    """The evidence list as the prompt numbered it (1-based), at most 64 triplets, each field a string."""
+    """The evidence list, each triplet with the number the prompt showed it under (1-based; an item that is not a
+    triplet keeps its place in the numbering), at most 64, each field a string."""
     if not isinstance(value, (list, tuple)):
         return []
     rows = []
-    for item in value[:64]:
+    for number, item in enumerate(value[:64], 1):
         if isinstance(item, dict):
             rows.append({**{name: str(item.get(name) or "") for name in (*FIELDS, "snippet_id")},
-                         "distractor": bool(item.get("distractor"))})
+                         "distractor": bool(item.get("distractor")), "number": number})
     return rows
 
 
 MIN_SHARED_TOKENS = 2  # one shared word is often a coincidence ("patient", "risk"); two rarely are
-# "evidence 2", "triplets #3", "fact no. 1", "[2]": a number the reasoning gives an evidence line. Bounded digits
-# and literal alternatives: linear in the reasoning's length.
+# "evidence 2", "triplets #3", "fact no. 1", "[2]": a number the reasoning gives an evidence line. Only words that
+# name the evidence list: a model numbering its own thoughts ("Point 1:", "Finding 2:") cites nothing. Bounded
+# digits and literal alternatives: linear in the reasoning's length.
 NUMBERED_REFERENCE = re.compile(
-    r"(?:\b(?:triplet|evidence|fact|statement|finding|line|item|point)s?\s{0,3}(?:#|no\.?|number)?\s{0,3}|\[)"
-    r"(\d{1,3})\b", re.IGNORECASE)
+    r"(?:\b(?:triplet|evidence|fact)s?\s{0,3}(?:#|no\.?|number)?\s{0,3}|\[)(\d{1,3})\b", re.IGNORECASE)
 
 
 def _cites(reasoning: str, snippet_id: str) -> bool:
@@ -255,10 +256,10 @@ def uses_evidence(parsed: dict[str, Any], options: dict[str, str] | None, triple
     own = set(content_tokens(answer_text)) | set(content_tokens(question))
     reasoning_tokens = set(content_tokens(reasoning))
     numbers = cited_numbers(reasoning)
-    for number, triplet in enumerate(triplets, 1):
+    for triplet in triplets:
         if triplet["distractor"]:
             continue
-        if number in numbers or _cites(reasoning, triplet["snippet_id"]):
+        if triplet["number"] in numbers or _cites(reasoning, triplet["snippet_id"]):
             return True
         distinctive = set(content_tokens(" ".join(triplet[name] for name in FIELDS))) - own
         if len(reasoning_tokens & distinctive) >= MIN_SHARED_TOKENS:

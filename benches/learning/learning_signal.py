@@ -187,7 +187,7 @@ def main() -> None:
     results_dir = Path(args.out).parent
 
     seeds = list(range(max(args.seeds, 1)))
-    result["seeds"] = {"n": len(seeds)}
+    result["seeds"] = {**result.get("seeds", {}), "n": len(seeds)}  # --parts grpo keeps the DPO summary
     if "grpo" in parts:
         before = respondent_metrics(generate(model, eval_prompts, args.respond_tokens, respondent.STOP), eval_rows)
         log(f"before: respondent {before}")

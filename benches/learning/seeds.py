@@ -15,7 +15,8 @@ from ermedrag.evals.metrics import wilson_interval
 
 def over_seeds(before: dict[str, float], afters: Sequence[dict[str, float]]) -> dict[str, Any]:
     """Per numeric metric of `before`: its value before, and after training its mean ± sd over the seeds, each
-    seed's value, and in how many seeds it rose."""
+    seed's value, and in how many seeds it ended higher than before (better for rates and rewards, not for
+    lengths)."""
     summary: dict[str, Any] = {"n": len(afters)}
     for name, value in before.items():
         values = [after[name] for after in afters if isinstance(after.get(name), (int, float))]
@@ -26,7 +27,7 @@ def over_seeds(before: dict[str, float], afters: Sequence[dict[str, float]]) -> 
             "after": {"mean": round(statistics.fmean(values), 4),
                       "sd": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
                       "values": [round(v, 4) for v in values]},
-            "seeds_improved": sum(v > value for v in values),
+            "seeds_higher_after": sum(v > value for v in values),
         }
     return summary
 
