@@ -8,6 +8,7 @@ another on the same machine, so the figures are side by side:
 
 - `before`: the offline model as it ran before this bench's levers, in float32 (`ERMEDRAG_DTYPE=float32`);
 - `after`: the defaults (`tools.precision`: bfloat16 where the CPU has AVX512-BF16/AMX, as this one does);
+- `after-prefix_sharing`: `after` with the batch's shared prompt prefix computed per row again (fan-out only);
 - levers on top of `after`, tokens/s only: eager attention instead of SDPA, a static KV cache, and that cache
   with `torch.compile` (its compilation time is `warm_up_s`).
 
@@ -51,6 +52,7 @@ QUESTIONS = [
 CONFIGURATIONS = {
     "before": ({"ERMEDRAG_DTYPE": "float32"}, ("tokens", "fanout", "demo")),
     "after": ({}, ("tokens", "fanout", "demo")),
+    "after-prefix_sharing": ({"ERMEDRAG_HF_SHARE_PREFIX": "0"}, ("fanout",)),
     "after+eager_attention": ({"BENCH_ATTENTION": "eager"}, ("tokens",)),
     "after+static_cache": ({"BENCH_CACHE": "static"}, ("tokens",)),
     "after+static_cache+compile": ({"BENCH_CACHE": "static", "BENCH_COMPILE": "1"}, ("tokens",)),

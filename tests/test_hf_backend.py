@@ -6,6 +6,7 @@ then reduce): on a tiny random model in the default run, on the real offline mod
 
 from __future__ import annotations
 
+import functools
 import platform
 import sqlite3
 import threading
@@ -23,7 +24,8 @@ from ermedrag.tools.agent_calls import call_agent, call_timing
 from ermedrag.tools.chat_models import (HFChatModel, _model_label, hf_generator, load_chat_model, load_hf_model,
                                         return_large_blocks_to_the_os)
 from ermedrag.tools.precision import checkpoint_dtype, cpu_has_native_bf16, inference_dtype
-from ermedrag.tools.hf_batching import BatchingGenerator, Generated, GenerationParams, apportion_compute
+from ermedrag.tools.hf_batching import (MIN_SHARED_PREFIX, BatchingGenerator, Generated, GenerationParams,
+                                        apportion_compute, padded_rows, shared_prefix_length)
 from ermedrag.tools.offline_model import cache_home
 from ermedrag.tools.traces import TraceEvent, TraceStore
 
@@ -124,6 +126,47 @@ def test_streamed_statistics_equal_the_full_logits_ones_on_a_tiny_model(tiny_gen
     reference = reference_generate(tiny_generator, prompts, params)
     assert_same_generation(new, reference)
     assert len({len(g.token_ids) for g in new}) > 1 or params is GREEDY  # rows ended at different steps
+
+
+def fan_out_prompts(generator: BatchingGenerator) -> list[list[int]]:
+    """An extractor fan-out: one long instruction and question, then a snippet of each row's own."""
+    shared = generator.tokenizer("Extract condition, relation and conclusion triplets from the snippet. Question: "
+                                 "which drug should a 52-year-old man with type 2 diabetes and normal kidney "
+                                 "function start first? Snippet:")["input_ids"] * 2
+    snippets = ["Metformin lowers hepatic glucose output.", "Glipizide can cause hypoglycaemia in older adults who "
+                "eat little.", "Pioglitazone", "Basal insulin is used when glucose is very high at diagnosis."]
+    return [shared + generator.tokenizer(s)["input_ids"] for s in snippets]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_shared_prompt_prefix_is_computed_once_and_changes_nothing(tiny_generator, params, monkeypatch):
+    prompts = fan_out_prompts(tiny_generator)
+    shared = shared_prefix_length(prompts)
+    assert shared >= MIN_SHARED_PREFIX
+    forward_lengths: list[int] = []
+    original_forward = tiny_generator.model.forward
+
+    @functools.wraps(original_forward)  # generate reads forward's signature (position ids, logits to keep)
+    def counting_forward(*args: Any, **kwargs: Any) -> Any:
+        forward_lengths.append(kwargs["input_ids"].shape[1])
+        return original_forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_generator.model, "forward", counting_forward)
+    new = tiny_generator.generate_many(prompts, params)
+    monkeypatch.undo()
+    # the prefix once (batch 1), then only each row's rest, not the whole prompts again
+    assert forward_lengths[0] == shared and forward_lengths[1] == max(len(p) for p in prompts) - shared
+    assert_same_generation(new, reference_generate(tiny_generator, prompts, params))
+
+
+def test_padding_goes_between_the_shared_prefix_and_each_rows_rest():
+    prompts = [[5, 6, 7, 8, 9], [5, 6, 7, 1], [5, 6, 7, 2, 3, 4]]
+    assert shared_prefix_length(prompts) == 3
+    assert shared_prefix_length([[5, 6, 7], [5, 6, 7]]) == 2  # every row keeps a token of its own to start from
+    ids, masks = padded_rows(prompts, 3, pad=0)
+    assert ids == [[5, 6, 7, 0, 8, 9], [5, 6, 7, 0, 0, 1], [5, 6, 7, 2, 3, 4]]
+    assert masks == [[1, 1, 1, 0, 1, 1], [1, 1, 1, 0, 0, 1], [1, 1, 1, 1, 1, 1]]
+    assert padded_rows(prompts, 0, pad=0)[0][1] == [0, 0, 5, 6, 7, 1]  # no shared prefix: left padding
 
 
 def test_generation_never_asks_for_per_step_vocabulary_arrays(tiny_generator, monkeypatch):

@@ -665,7 +665,8 @@ def _give_pad_token(tokenizer: Any) -> None:
 def hf_generator(model_path: str, device: str = "cpu") -> BatchingGenerator:
     """The one batching generator per loaded model; concurrent callers share its batches."""
     tokenizer, model = load_hf_model(model_path, device)
-    return BatchingGenerator(tokenizer, model, device, max_batch=int(os.environ.get("ERMEDRAG_HF_MAX_BATCH", 8)))
+    return BatchingGenerator(tokenizer, model, device, max_batch=int(os.environ.get("ERMEDRAG_HF_MAX_BATCH", 8)),
+                             share_prefix=env_flag("ERMEDRAG_HF_SHARE_PREFIX", True))
 
 
 @shared_resource(maxsize=2)

@@ -10,6 +10,12 @@ most one step's log-softmax is alive at a time. Asking `generate` for the logits
 [batch, vocab] float32 tensor per step: ~1 MB per row per token with Gemma's 262k vocabulary, ~1.4 GB for a
 batch of 8 writing 180 tokens.
 
+Shared prompt prefix: the rows of a batch often start alike (an extractor fan-out: the same instructions and
+question, then each its own snippet). Their common prefix goes through the model once; its KV cache is copied to
+every row and only each row's rest is computed (`shared_prefix_length`, `padded_rows`). Same tokens and
+statistics as computing every row whole, exactly in float32 (tests/test_hf_backend.py); in bfloat16 within its
+rounding, as any change of batch composition is. `ERMEDRAG_HF_SHARE_PREFIX=0` turns it off.
+
 Timing: each request reports `queue_s` (from `generate` until its batch starts computing) and `compute_s`,
 its share of the batch's compute time (`apportion_compute`).
 """
@@ -137,12 +143,39 @@ def generation_kwargs(params: Any, stats: StepStatistics, tokenizer: Any, pad_to
     return gen
 
 
+MIN_SHARED_PREFIX = 32  # tokens: below this a separate prompt pass costs more than it saves
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens every prompt starts with, leaving each at least its last token (`generate` needs one new input
+    token per row to start from)."""
+    shortest = min(len(p) for p in prompts)
+    length = 0
+    while length < shortest - 1 and all(p[length] == prompts[0][length] for p in prompts):
+        length += 1
+    return length
+
+
+def padded_rows(prompts: Sequence[Sequence[int]], shared: int, pad: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids and attention masks of one batch. Without a shared prefix the rows are left-padded. With one
+    (cached once for all rows) the padding goes between the prefix and each row's own rest, so the prefix's
+    positions are the same in every row; positions follow the mask, as `generate` derives them."""
+    width = max(len(p) for p in prompts) - shared
+    ids, masks = [], []
+    for prompt in prompts:
+        gap = width - (len(prompt) - shared)
+        ids.append([*prompt[:shared], *[pad] * gap, *prompt[shared:]])
+        masks.append([1] * shared + [0] * gap + [1] * (len(prompt) - shared))
+    return ids, masks
+
+
 class BatchingGenerator:
     """Serialises access to one model; each `generate` call may share a batch with concurrent calls."""
 
-    def __init__(self, tokenizer: Any, model: Any, device: str, max_batch: int = 8, gather_s: float = 0.03):
+    def __init__(self, tokenizer: Any, model: Any, device: str, max_batch: int = 8, gather_s: float = 0.03,
+                 share_prefix: bool = True):
         self.tokenizer, self.model, self.device = tokenizer, model, device
-        self.max_batch, self.gather_s = max_batch, gather_s
+        self.max_batch, self.gather_s, self.share_prefix = max_batch, gather_s, share_prefix
         self._pending: list[_Request] = []
         self._cond = threading.Condition()
         self.batch_sizes: list[int] = []  # observable: how many requests each generate() served
@@ -189,14 +222,22 @@ class BatchingGenerator:
         started = time.perf_counter()
         params = batch[0].params
         pad = self.tokenizer.pad_token_id
-        width = max(len(r.prompt_ids) for r in batch)
-        input_ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
-        attention = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
+        prompts = [r.prompt_ids for r in batch]
+        shared = shared_prefix_length(prompts) if self.share_prefix and len(batch) > 1 else 0
+        if shared < MIN_SHARED_PREFIX:
+            shared = 0
+        rows_ids, rows_mask = padded_rows(prompts, shared, pad)
+        width = len(rows_ids[0])
         stats = StepStatistics()
         gen = generation_kwargs(params, stats, self.tokenizer, pad)
         with torch.inference_mode():
-            sequences = self.model.generate(input_ids=input_ids.to(self.device),
-                                            attention_mask=attention.to(self.device), **gen)
+            if shared:  # one prompt pass for what every row starts with, its cache copied to every row
+                cache = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device),
+                                   use_cache=True).past_key_values
+                cache.batch_repeat_interleave(len(batch))
+                gen["cache"] = cache
+            sequences = self.model.generate(input_ids=torch.tensor(rows_ids, device=self.device),
+                                            attention_mask=torch.tensor(rows_mask, device=self.device), **gen)
             new = sequences[:, width:]
             chosen, entropy = stats.finish(new)
         self.batch_sizes.append(len(batch))
