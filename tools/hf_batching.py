@@ -233,7 +233,7 @@ class BatchingGenerator:
         with torch.inference_mode():
             if shared:  # one prompt pass for what every row starts with, its cache copied to every row
                 cache = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device),
-                                   use_cache=True).past_key_values
+                                   use_cache=True).cache
                 cache.batch_repeat_interleave(len(batch))
                 gen["cache"] = cache
             sequences = self.model.generate(input_ids=torch.tensor(rows_ids, device=self.device),
