@@ -8,7 +8,8 @@ The transcript is kept as typed segments (`Segment`): what the model wrote, what
 short prompts the system itself appends (answer forcing). Answers and searches are read only from the model's
 segments (plus the system's own prompts), never from a document: a retrieved document, whatever its fields
 hold, cannot close its block or inject an answer. Every field of a retrieved document is also defused
-(`agents.markup.defuse`) before it is rendered. A model-written `<document>` is bad format (forged evidence).
+(`agents.markup.defuse`) before it is rendered. A model-written `<document>` or `</document>` is bad format
+(forged evidence).
 The graph (`graphs.med_r3`) and the training rollout (`training.rollouts`) share these segments, the loop rule
 (`after_step`) and the answer forcing (`force_answer_prompt`).
 """
@@ -58,6 +59,9 @@ MAX_DOCUMENT_CHARS = 1500  # one snippet's text inside a document block
 MAX_ID_CHARS = 200
 # Tag names the reasoner's format uses (for rewards that check a query holds none).
 TAG = re.compile(r"</?\s*(document|search|answer|think)\s*>", re.IGNORECASE)
+# A document tag the model wrote itself, opening or closing: forged evidence structure (bad format), the same
+# test for the graph (`parse_step`) and the training reward (`training.search_rewards`).
+DOCUMENT_TAG = re.compile(r"</?\s*document\s*>", re.IGNORECASE)
 # Exactly what `render_documents` inserts right after a closed search (a training rollout's transcript).
 INSERTED_DOCUMENT = re.compile(r"(?<=</search>)\n<document>\n.*?\n</document>\n", re.DOTALL | re.IGNORECASE)
 
@@ -105,7 +109,7 @@ def parse_step(segment: str) -> Step:
         opened = tail.rfind("<search>", 0, body_end)
         if opened >= 0:
             query = " ".join(text[opened + len("<search>"):body_end].split())[:MAX_QUERY_CHARS]
-    return Step(query=query or None, closed_search=closed, forged_document="<document>" in lowered,
+    return Step(query=query or None, closed_search=closed, forged_document=DOCUMENT_TAG.search(text) is not None,
                 answered="<answer>" in lowered)
 
 

@@ -240,13 +240,14 @@ def _sentence_transformer_embeddings(encoder: str) -> Any:
     from langchain_core.embeddings import Embeddings
     from ragas.embeddings import LangchainEmbeddingsWrapper
 
-    from ermedrag.tools.index import DEFAULT_ENCODER, load_encoder
+    from ermedrag.tools.index import DEFAULT_ENCODER, encode, load_encoder
 
-    model = load_encoder(encoder or DEFAULT_ENCODER)
+    name = encoder or DEFAULT_ENCODER
+    load_encoder(name)  # now: a missing model fails here, not in the middle of the judging
 
     class SentenceTransformerEmbeddings(Embeddings):
         def embed_documents(self, texts: list[str]) -> list[list[float]]:
-            return model.encode(list(texts), normalize_embeddings=True, show_progress_bar=False).tolist()
+            return encode(list(texts), name).tolist()  # the project's encoding: unit vectors in float32
 
         def embed_query(self, text: str) -> list[float]:
             return self.embed_documents([text])[0]

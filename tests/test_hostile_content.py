@@ -89,10 +89,13 @@ def _assert_prompts_inert(graph_name: str, state: dict[str, Any], events: list[d
         for label in ("Question:", "Options:", "Snippet:", "Evidence:"):
             count = sum(line.startswith(label) for line in lines)
             assert count <= 1, f"{graph_name}/{event['agent']}: a document started a {label!r} line:\n{user['content']}"
-        if event["agent"] == "reasoner" and event["messages"][-1]["role"] == "ai":
-            transcript = event["messages"][-1]["content"]
-            # Only the system's own wrappers open and close documents in the transcript the model continues.
-            assert transcript.count("<document>") == transcript.count("</document>") == transcript.count(DOCUMENT_OPEN)
+    if state.get("segments"):
+        # Outside what the model wrote, only the system's own wrappers open and close documents; a document tag
+        # the model wrote itself (a small model copying the worked example) is flagged as forged, never trusted.
+        system_text = "".join(s["text"] for s in state["segments"] if s["kind"] != "model")
+        assert system_text.count("<document>") == system_text.count("</document>") == system_text.count(DOCUMENT_OPEN)
+        if reasoner.DOCUMENT_TAG.search(reasoner.model_text(state["segments"])):
+            assert state["forged_document"] and not state["answer"]["well_formed"]
 
 
 @pytest.mark.parametrize("graph_name", list(GRAPHS))

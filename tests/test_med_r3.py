@@ -109,6 +109,9 @@ def test_answers_are_read_only_from_the_model_segments():
         "query": "metformin dose", "closed_search": True, "forged_document": False, "answered": False}
     assert parse_step("<search></search>")["query"] is None
     assert parse_step("<search>a</search> and more")["query"] is None  # a search counts only at the step's end
+    # a document tag the model writes itself, opening or closing, is forged (as the training reward reads it)
+    for forged in ("x <document> y", "copied the example.\n</document>\nSo", "</ Document >"):
+        assert parse_step(forged)["forged_document"], forged
 
 
 @pytest.mark.slow

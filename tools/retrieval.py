@@ -395,8 +395,9 @@ def retrieve(
 
 def coarse_k_for(k: int, coarse_k: int = COARSE_K) -> int:
     """Coarse chunks for `k` snippets: at least `k`, so each snippet can come from its own chunk. On the BioASQ
-    held-out split `retrieve(k=10)` reads 10 chunks this way (recall@10 0.740; with 8 it was 0.703: benches/README)."""
-    return max(coarse_k, k)
+    held-out split `retrieve(k=10)` reads 10 chunks this way (recall@10 0.741; with 8 it was 0.703: benches/README).
+    A `coarse_k` of 0 or less keeps no chunk, hence no snippet: it is not raised to `k`."""
+    return max(coarse_k, k) if coarse_k > 0 else 0
 
 
 def search(index: Index, query: str, *, k: int = SEARCH_K, coarse_k: int = COARSE_K,

@@ -39,7 +39,6 @@ from ermedrag.training.reward_text import (
 logger = logging.getLogger(__name__)
 
 _SNIPPET_LINE = re.compile(r"^\[([^\[\]\s]+)\]", re.MULTILINE)
-_DOCUMENT_TAG = re.compile(r"</?\s*document\s*>", re.IGNORECASE)
 _SEARCH_OPEN = re.compile(r"<search>", re.IGNORECASE)
 _SEARCH_CLOSE = re.compile(r"</search>", re.IGNORECASE)
 _THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL | re.IGNORECASE)
@@ -58,7 +57,7 @@ def audit_searches(text: str, max_searches: int = MAX_SEARCHES) -> SearchAudit:
     """Check every `<search>` of the model's own text (see the module docstring for the rules). Linear time:
     opening and closing tags and `<think>` spans are each found once and walked in order (bisect)."""
     text = str(text or "")[:MAX_TEXT_CHARS]
-    forged = bool(_DOCUMENT_TAG.search(text))
+    forged = bool(reasoner.DOCUMENT_TAG.search(text))
     think_spans = [m.span(1) for m in _THINK.finditer(text)]  # in order, not overlapping
     think_starts = [start for start, _ in think_spans]
     opens = [m.start() for m in _SEARCH_OPEN.finditer(text)]
