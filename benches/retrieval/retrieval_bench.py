@@ -22,14 +22,13 @@ import platform
 import random
 import resource
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import CACHE, DEFAULT_DATA, METRICS, REPO, run_system, set_threads
+from common import CACHE, DEFAULT_DATA, METRICS, REPO, chroma_server, run_system, set_threads
 from data import SharedData, long_documents, load_passages, passage_vectors, single_passage_vectors, split_qrels
 from indexes import ensure_index, fingerprint
 from scoring import passage_metrics, snippet_metrics
@@ -120,6 +119,7 @@ import json, resource, sys, time
 import torch; torch.set_num_threads({threads})
 from ermedrag.tools.index import open_index
 from ermedrag.tools.retrieval import retrieve
+from benches.retrieval.common import peak_rss_mb  # the child's own VmHWM (see there)
 index = open_index({index!r}, {url!r})
 questions = json.loads(sys.stdin.read())
 retrieve(index, questions[0], k=10)
@@ -127,10 +127,7 @@ latencies = []
 for q in questions:
     t0 = time.perf_counter(); retrieve(index, q, k=10); latencies.append(1000 * (time.perf_counter() - t0))
 latencies.sort()
-# VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's high-water mark (exec keeps it), and the
-# parent here is the bench, which holds two indexes; VmHWM belongs to this process's own address space.
-hwm_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({{"peak_rss_mb": round(hwm_kb / 1024),
+print(json.dumps({{"peak_rss_mb": round(peak_rss_mb()),
                   "p50_ms": round(latencies[len(latencies) // 2], 1),
                   "p95_ms": round(latencies[int(len(latencies) * 0.95)], 1), "queries": len(latencies)}}))
 """
@@ -152,30 +149,8 @@ def through_chroma_server(index_dir: Path, questions: list[str], threads: int) -
 
     with tempfile.TemporaryDirectory(prefix="ermedrag-chroma-server-") as tmp:
         shutil.copytree(index_dir / "chroma", Path(tmp) / "chroma")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        chroma = Path(sys.executable).with_name("chroma")
-        server = subprocess.Popen([str(chroma), "run", "--path", str(Path(tmp) / "chroma"), "--host", "127.0.0.1",
-                                   "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            _wait_for_port(port, server)
-            return serve_in_child(index_dir, questions, threads, f"http://127.0.0.1:{port}")
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-
-
-def _wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"chroma run exited with {process.returncode}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"chroma run did not listen on port {port} within {timeout} s")
+        with chroma_server(Path(tmp) / "chroma", timeout_s=60) as url:
+            return serve_in_child(index_dir, questions, threads, url)
 
 
 def vignette_latency(systems: dict, wanted: list[str], questions: list[str], warmup: int) -> dict:

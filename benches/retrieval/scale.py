@@ -27,12 +27,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from common import chroma_server, peak_rss_mb
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -54,7 +55,6 @@ def synthetic_corpus(data_root: Path, first: int, count: int) -> tuple[list, dic
 
     import numpy as np
 
-    sys.path.insert(0, str(HERE))
     from data import SharedData, load_passages, passage_vectors
 
     from ermedrag.tools.corpus import Document, chunk_documents
@@ -85,13 +85,6 @@ def synthetic_corpus(data_root: Path, first: int, count: int) -> tuple[list, dic
     return documents, precomputed
 
 
-def peak_rss_mb() -> float:
-    """This process's own high-water mark (VmHWM)."""
-    with open("/proc/self/status", encoding="utf-8") as status:
-        kilobytes = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    return round(kilobytes / 1024, 1)
-
-
 def child_build(index_dir: Path, data_root: Path, first: int, count: int) -> dict:
     from ermedrag.tools.index import build_index
 
@@ -107,7 +100,6 @@ def child_serve(index_dir: Path, data_root: Path, chroma_url: str | None) -> dic
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(HERE))
     from data import SharedData, split_qrels
 
     from ermedrag.tools.index import load_encoder, open_index
@@ -144,30 +136,9 @@ def disk_mb(folder: Path) -> float:
     return round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20, 1)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def through_chroma_server(index_dir: Path, data_root: Path) -> dict:
-    port = free_port()
-    chroma = Path(sys.executable).with_name("chroma")
-    server = subprocess.Popen([str(chroma), "run", "--path", str(index_dir / "chroma"), "--host", "127.0.0.1",
-                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("chroma run did not start")
-            time.sleep(0.5)
-        return run_child("serve", str(index_dir), str(data_root), f"http://127.0.0.1:{port}")
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    with chroma_server(index_dir / "chroma") as url:
+        return run_child("serve", str(index_dir), str(data_root), url)
 
 
 def measure(size: int, work: Path, data_root: Path) -> dict:
