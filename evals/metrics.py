@@ -51,7 +51,7 @@ def number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def option_order(row: dict[str, Any]) -> int:
+def option_order(row: Mapping[str, Any]) -> int:
     """The option permutation a row answered (0 = the original order; older rows have no field)."""
     value = number(row.get("order"))
     return int(value) if value is not None else 0
@@ -61,7 +61,7 @@ def original_order_rows(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, 
     """The rows of questions asked as given (order 0, or rows written before orders existed): what the main
     tables count, so that `--permute-options` never weighs a question N times (permuted rows belong to the
     position-bias section)."""
-    return [r for r in rows if option_order(dict(r)) == 0]
+    return [r for r in rows if option_order(r) == 0]
 
 
 def question_key(row: dict[str, Any]) -> tuple[Any, ...]:
