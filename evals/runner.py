@@ -439,8 +439,9 @@ async def _answer_config(config: EvalConfig, questions: list[Question], out_dir:
     outcome.counts = {"todo": len(todo), "answered": answered, "failed": failed, "skipped_done": skipped}
     if len(todo) - answered - failed:  # stopped early: every server was down
         outcome.counts["not_started"] = len(todo) - answered - failed
-    if servers.summary():
-        outcome.counts["by_server"] = servers.summary()
+    by_server = servers.summary()
+    if by_server:
+        outcome.counts["by_server"] = by_server
     return outcome
 
 
