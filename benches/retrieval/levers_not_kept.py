@@ -86,7 +86,7 @@ def term_coverage(index, gamma: float) -> Callable[[str, Features], list[str]]:
     def rank(query: str, features: Features) -> list[str]:
         coverage, total = np.zeros(n, dtype=np.float32), 0.0
         for term in set(query_terms(index.bm25, query)):
-            present = index.bm25.get_scores([term]) > 0
+            present = index.bm25.scores({term: 1.0}) > 0
             idf = math.log(1 + (n - present.sum() + 0.5) / (present.sum() + 0.5))
             coverage += idf * present
             total += idf

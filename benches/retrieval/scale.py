@@ -18,7 +18,8 @@ documents and vectors in memory, as any caller of `build_index` does. Per size:
 `build_s`, `build_peak_rss_mb`, `disk_mb`, `open_s` (open_index: manifest, BM25 memory-mapped, Chroma),
 `serve_peak_rss_mb`, `p50_ms` / `p95_ms` (embedded Chroma), `server_p50_ms` / `server_p95_ms` (`chroma run` on
 127.0.0.1 serving the index's store), and `add_10k_s` (10,000 more passages through `build_index`, with the
-`add_bm25_s` of it: BM25 is re-indexed over every chunk on each commit).
+`add_bm25_s` of it: one BM25 segment of the new chunks, or a merge when one is due; `add_segments`: the BM25
+segments committed after it; `after_add_p50_ms` / `after_add_p95_ms`: queries again, over those segments).
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def child_build(index_dir: Path, data_root: Path, first: int, count: int) -> dic
     documents, precomputed = synthetic_corpus(data_root, first, count)
     stats = build_index(documents, index_dir, chunk_size=CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP,
                         precomputed=precomputed, progress=False)
+    segments = json.loads((index_dir / "manifest.json").read_text())["bm25_segments"]
     return {"seconds": round(stats["seconds"], 1), "bm25_s": round(stats["bm25_seconds"], 1),
-            "chunks_total": stats["chunks_total"], "peak_rss_mb": peak_rss_mb()}
+            "chunks_total": stats["chunks_total"], "segments": len(segments), "peak_rss_mb": peak_rss_mb()}
 
 
 def child_serve(index_dir: Path, data_root: Path, chroma_url: str | None) -> dict:
@@ -154,7 +156,10 @@ def measure(size: int, work: Path, data_root: Path) -> dict:
     remote = through_chroma_server(index_dir, data_root)
     row.update(server_p50_ms=remote["p50_ms"], server_p95_ms=remote["p95_ms"])
     added = run_child("build", str(index_dir), str(data_root), str(size), str(ADD))
-    row.update(add_10k_s=added["seconds"], add_bm25_s=added["bm25_s"], add_peak_rss_mb=added["peak_rss_mb"])
+    row.update(add_10k_s=added["seconds"], add_bm25_s=added["bm25_s"], add_peak_rss_mb=added["peak_rss_mb"],
+               add_segments=added["segments"])
+    after = run_child("serve", str(index_dir), str(data_root), "")  # the commits' segments scored as one BM25
+    row.update(after_add_p50_ms=after["p50_ms"], after_add_p95_ms=after["p95_ms"])
     print(f"{size:,}: {json.dumps(row)}", flush=True)
     return row
 

@@ -33,12 +33,13 @@ def default_bm25(index: Any) -> Any:
     """bm25s with its own default parameters over the index's chunks (the `bm25` baseline's index)."""
     import bm25s
 
-    from ermedrag.tools.index import bm25_tokenize, chunk_texts
+    from ermedrag.tools.bm25 import SingleBM25s, bm25_tokenize
+    from ermedrag.tools.index import chunk_texts
 
     ids, texts = chunk_texts(index.collection)
     retriever = bm25s.BM25()
     retriever.index(bm25_tokenize(texts), show_progress=False)
-    return retriever, ids
+    return SingleBM25s(retriever), ids
 
 
 def make_systems(index: Any) -> dict[str, System]:
@@ -89,7 +90,8 @@ def llamaindex_fusion(index: Any, chunk_ids: list[str]) -> System:
     from llama_index.retrievers.bm25 import BM25Retriever
     from llama_index.vector_stores.chroma import ChromaVectorStore
 
-    from ermedrag.tools.index import _stemmer, encode  # noqa: PLC2701
+    from ermedrag.tools.bm25 import snowball_stemmer
+    from ermedrag.tools.index import encode
 
     class LocalEmbedding(BaseEmbedding):
         """The bench's encoder for llama-index (its HuggingFace embedding package is not installed)."""
@@ -108,7 +110,7 @@ def llamaindex_fusion(index: Any, chunk_ids: list[str]) -> System:
     ids, texts = chunk_texts(index.collection)
     nodes = [TextNode(id_=cid, text=text) for cid, text in zip(ids, texts)]
     fetch = max(2 * DEPTH, 100)
-    bm25 = BM25Retriever.from_defaults(nodes=nodes, similarity_top_k=fetch, stemmer=_stemmer(), language="english")
+    bm25 = BM25Retriever.from_defaults(nodes=nodes, similarity_top_k=fetch, stemmer=snowball_stemmer(), language="english")
     vectors = VectorStoreIndex.from_vector_store(ChromaVectorStore(chroma_collection=index.collection),
                                                  embed_model=LocalEmbedding())
     fusion = QueryFusionRetriever([vectors.as_retriever(similarity_top_k=fetch), bm25], llm=MockLLM(),

@@ -53,12 +53,13 @@ VARIANTS: list[dict] = [
 def bm25_variants(index, questions: list[dict]) -> list[dict]:
     import bm25s
 
-    from ermedrag.tools.index import _stemmer, chunk_texts  # noqa: PLC2701
+    from ermedrag.tools.bm25 import snowball_stemmer
+    from ermedrag.tools.index import chunk_texts
 
     ids, texts = chunk_texts(index.collection)
     rows = []
     for variant in BM25_VARIANTS:
-        stemmer = _stemmer() if variant["stem"] else None
+        stemmer = snowball_stemmer() if variant["stem"] else None
         tokenize = lambda t, s=stemmer: bm25s.tokenize(t, stopwords="en", stemmer=s, show_progress=False)  # noqa: E731
         retriever = bm25s.BM25(k1=variant["k1"], b=variant["b"])
         retriever.index(tokenize(texts), show_progress=False)
