@@ -42,3 +42,23 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     dpo = seeds["dpo_extractor"]
     assert set(dpo["mean_reward_gain"]) == {"mean", "sd"}
     assert len(dpo["strict_json_rate"]["after"]["values"]) == 2
+
+
+def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from seeds import paired_over_seeds
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    befores = [{"accuracy": 0.25, "rewards": {"format": 0.5}, "ended": {"budget": 10}},
+               {"accuracy": 0.5, "rewards": {"format": 0.25}, "ended": {"budget": 8}}]
+    afters = [{"accuracy": 0.5, "rewards": {"format": 1.0}, "ended": {"budget": 4, "answer": 6}},
+              {"accuracy": 0.25, "rewards": {"format": 0.75}, "ended": {"budget": 2}}]
+    summary = paired_over_seeds(befores, afters)
+    assert summary["n"] == 2
+    assert summary["accuracy"]["before"]["values"] == [0.25, 0.5]
+    assert summary["accuracy"]["gain"] == {"mean": 0.0, "sd": 0.3536, "values": [0.25, -0.25]}
+    assert summary["accuracy"]["seeds_higher_after"] == 1
+    assert summary["rewards/format"]["after"]["mean"] == 0.875 and summary["rewards/format"]["seeds_higher_after"] == 2
+    assert summary["ended/budget"]["gain"]["values"] == [-6, -6]
+    assert "ended/answer" not in summary  # only in one after: no before to compare with

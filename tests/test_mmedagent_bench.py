@@ -28,8 +28,8 @@ def run_bench(*args: str, timeout: float = SMOKE_TIMEOUT_S) -> subprocess.Comple
                           timeout=timeout)
 
 
-def test_smoke_run_writes_every_section(shared_data: Path, tmp_path: Path) -> None:
-    proc = run_bench("--smoke", "--data", str(shared_data), "--work", str(tmp_path))
+def test_smoke_run_with_two_seeds_writes_every_section(shared_data: Path, tmp_path: Path) -> None:
+    proc = run_bench("--smoke", "--seeds", "2", "--data", str(shared_data), "--work", str(tmp_path))
     out = tmp_path / "smoke" / "mmedagent_learning.json"
     assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -57,6 +57,16 @@ def test_smoke_run_writes_every_section(shared_data: Path, tmp_path: Path) -> No
     assert len(entropy["with_bonus"]) == len(entropy["without_bonus"]) == sizes["hard_steps"]
     # Same start model, data and seed: the first step's entropy is measured before any update, so it is equal.
     assert entropy["with_bonus"][0] == pytest.approx(entropy["without_bonus"][0], rel=1e-4)
+
+    seeds = result["seeds"]
+    assert seeds["n"] == 2 and seeds["training_seeds"] == [42, 43]
+    for part in ("triage", "attending"):
+        entry = seeds[part]["accuracy"]
+        assert entry["before"]["values"] == [result[part]["before"]["accuracy"]] * 2  # the base model, measured once
+        assert len(entry["after"]["values"]) == 2 and 0 <= entry["seeds_higher_after"] <= 2
+        assert entry["after"]["values"][0] == result[part]["after"]["accuracy"]  # the first seed is the run reported
+        assert [a["n"] for a in seeds[part]["accuracy_after"]] == [sizes["eval_questions"]] * 2
+    assert (tmp_path / "smoke" / "train-s1" / "hard").is_dir()  # the second seed trained its own chain
 
     assert result["seconds"] > 0 and result["date"] and "CPUs" in result["machine"]
     for name in ("triage", "easy", "medium", "hard"):

@@ -7,8 +7,15 @@ after each stage, the same held-out prompts are rolled out greedily in that stag
 search loop) and scored with that stage's own reward functions and weights. Writes
 benches/results/med_r3_learning.json and one curves plot per stage.
 
-    .venv/bin/python benches/learning/med_r3_learning.py            # ≈ 40 minutes on 2 cores
-    .venv/bin/python benches/learning/med_r3_learning.py --smoke    # tiny random model, a few minutes
+    .venv/bin/python benches/learning/med_r3_learning.py              # one chain of the three stages
+    .venv/bin/python benches/learning/med_r3_learning.py --seeds 3    # three chains (seeds 0, 1, 2)
+    .venv/bin/python benches/learning/med_r3_learning.py --smoke      # tiny random model, a few minutes
+
+With `--seeds N` the chain of three stages runs N times from the base model (seeds 0..N-1: LoRA initialisation,
+data order, sampled rollouts); the base model's before is measured once, and a later stage's before is its own
+seed's earlier stage. `seeds` in the JSON reports per stage and metric before and after as mean ± sd, the gain,
+and how many seeds improved it. Held-out prompts: the `--eval-questions` PubMedQA-train questions after the
+training ones in one seeded shuffle (disjoint from them).
 """
 
 from __future__ import annotations
@@ -19,12 +26,14 @@ import os
 import random
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
 from learning_signal import abstracts_as_documents, answer_parsed_rate, log, write_result  # noqa: E402
+from seeds import accuracy_interval, paired_over_seeds  # noqa: E402
 
 from ermedrag.tools.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.index import build_index, open_index  # noqa: E402
@@ -97,7 +106,7 @@ def main() -> None:
     parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "med_r3"))
     parser.add_argument("--out", default=str(REPO / "benches" / "results" / "med_r3_learning.json"))
     parser.add_argument("--train-questions", type=int, default=24)
-    parser.add_argument("--eval-questions", type=int, default=12)
+    parser.add_argument("--eval-questions", type=int, default=48)
     parser.add_argument("--steps", type=int, default=8, help="GRPO steps per stage")
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (GRPO group)")
     parser.add_argument("--step-tokens", type=int, default=96, help="tokens per generation step")
@@ -106,12 +115,14 @@ def main() -> None:
                         help="sampling temperature of training rollouts (at 1.0 the base 270M model leaves the format "
                              "in nearly every sample, so a group's rewards are all equal and GRPO learns nothing)")
     parser.add_argument("--eval-batch", type=int, default=6)
+    parser.add_argument("--seeds", type=int, default=1, help="run the chain of stages this many times (seeds 0..N-1)")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
     started = time.time()
 
     work = Path(args.work) / ("smoke" if args.smoke else "full")
-    shutil.rmtree(work / "train", ignore_errors=True)
+    for old in work.glob("train*"):
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
     work.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         from ermedrag.testing import build_tiny_causal_lm
@@ -142,23 +153,21 @@ def main() -> None:
         max_steps=args.steps, learning_rate=1e-4, num_generations=args.generations,
         per_device_train_batch_size=args.generations, max_completion_length=args.completion_tokens,
         step_max_new_tokens=args.step_tokens, temperature=args.temperature, save_steps=10_000, mask_truncated_completions=False)
-    result: dict[str, Any] = {}
-    results_dir = Path(args.out).parent
-    for stage in STAGES:
-        searching = search if STAGES[stage].search else None
-        before_model = stage_start_model(config, stage)
-        before = evaluate(before_model, eval_rows, stage, searching, config, args)
-        log(f"stage {stage} before: {json.dumps(before)}")
-        stage_started = time.time()
-        summary = train_med_r3(config, stages=[stage])["stages"][stage]
-        minutes = (time.time() - stage_started) / 60
-        after = evaluate(summary["model_dir"], eval_rows, stage, searching, config, args)
-        log(f"stage {stage} after ({minutes:.1f} min): {json.dumps(after)}")
-        result[f"stage{stage}"] = {"name": STAGES[stage].name, "search": STAGES[stage].search, "before": before,
-                                   "after": after, "steps": summary["steps"], "minutes": round(minutes, 1),
-                                   "reward_weights": summary["reward_weights"]}
-        if summary.get("plot_path") and not args.smoke:
-            shutil.copy(summary["plot_path"], results_dir / f"med_r3_stage{stage}_curves.png")
+    measured: dict[tuple[str, int], dict] = {}  # (model, stage) -> its evaluation: the base model's once
+    chains = [run_stages(replace(config, seed=seed, output_dir=str(work / f"train-s{seed}")), eval_rows, search, args,
+                         measured) for seed in range(max(args.seeds, 1))]
+    result: dict[str, Any] = dict(chains[0])  # the first seed's stages, as one run reports them
+    result["seeds"] = {"n": len(chains), **{name: {
+        **paired_over_seeds([c[name]["before"] for c in chains], [c[name]["after"] for c in chains]),
+        "accuracy_after": [accuracy_interval(c[name]["after"]["accuracy"], len(eval_rows)) for c in chains]}
+        for name in chains[0]}}
+    if not args.smoke:
+        for stage in STAGES:
+            if chains[0][f"stage{stage}"].get("plot_path"):
+                shutil.copy(chains[0][f"stage{stage}"]["plot_path"], Path(args.out).parent / f"med_r3_stage{stage}_curves.png")
+    for chain in chains:
+        for entry in chain.values():
+            entry.pop("plot_path", None)
     result.update({
         "model": "tiny random (smoke)" if args.smoke else "gemma3-270m (base, LoRA per stage, merged between stages)",
         "train_prompts": len(train_rows), "eval_prompts": len(eval_rows), "num_generations": args.generations,
@@ -166,6 +175,29 @@ def main() -> None:
         "decoding": "greedy, same held-out prompts before and after each stage, in the stage's mode",
     })
     write_result(result, Path(args.out) if not args.smoke else work / "med_r3_learning.json", started)
+
+
+def run_stages(config: MedR3TrainingConfig, eval_rows: list[dict[str, Any]], search, args: argparse.Namespace,
+               measured: dict[tuple[str, int], dict]) -> dict[str, dict]:
+    """The three stages in order with `config`'s seed, each measured before and after on the held-out prompts in
+    its own mode; `measured` keeps evaluations already made (the base model's, shared by every seed)."""
+    result = {}
+    for stage in STAGES:
+        searching = search if STAGES[stage].search else None
+        before_model = stage_start_model(config, stage)
+        if (before_model, stage) not in measured:
+            measured[before_model, stage] = evaluate(before_model, eval_rows, stage, searching, config, args)
+        before = measured[before_model, stage]
+        log(f"stage {stage} (seed {config.seed}) before: {json.dumps(before)}")
+        stage_started = time.time()
+        summary = train_med_r3(config, stages=[stage])["stages"][stage]
+        minutes = (time.time() - stage_started) / 60
+        after = evaluate(summary["model_dir"], eval_rows, stage, searching, config, args)
+        log(f"stage {stage} (seed {config.seed}) after ({minutes:.1f} min): {json.dumps(after)}")
+        result[f"stage{stage}"] = {"name": STAGES[stage].name, "search": STAGES[stage].search, "before": before,
+                                   "after": after, "steps": summary["steps"], "minutes": round(minutes, 1),
+                                   "reward_weights": summary["reward_weights"], "plot_path": summary.get("plot_path")}
+    return result
 
 
 if __name__ == "__main__":

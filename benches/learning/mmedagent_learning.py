@@ -23,8 +23,14 @@ Held-out prompts are rolled out greedily with the training rollouts' own stop (`
 stage's reward functions. Writes benches/results/mmedagent_learning.json and curve PNGs next to it (`--smoke`:
 in the work folder).
 
-    .venv/bin/python benches/learning/mmedagent_learning.py            # ≈ 46 minutes on 2 idle cores (estimated)
-    .venv/bin/python benches/learning/mmedagent_learning.py --smoke    # tiny random model, < 1 min: checks the pipeline
+    .venv/bin/python benches/learning/mmedagent_learning.py              # one run; prints its estimated minutes
+    .venv/bin/python benches/learning/mmedagent_learning.py --seeds 3    # the stages trained 3 times
+    .venv/bin/python benches/learning/mmedagent_learning.py --smoke      # tiny random model, < 1 min: checks the pipeline
+
+With `--seeds N` triage and the attending's curriculum are trained N times from the base model (training seeds
+42, 43, …: LoRA initialisation, data order, sampled rollouts; the question split and the opinions stay those of
+`--seed`); the base model's befores are measured once. `seeds` in the JSON reports per part and metric before and
+after as mean ± sd, the gain, and how many seeds improved it. The entropy ablation (c) runs for the first seed.
 
 Without the shared data (`--data`, ERMEDRAG_SHARED_DATA, else ../shared/data) it says so and exits 0.
 
@@ -59,6 +65,7 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DA
     os.environ.setdefault(_name, _value)
 
 BENCHMARK_FILES = ("medmcqa_dev.jsonl", "medxpertqa_text_test.jsonl")
+TRAINING_SEED = 42  # the first seed's; --seeds N trains with 42 .. 42 + N - 1
 ATTENDING_STAGES = ("easy", "medium", "hard")
 RELIABILITIES = (0.8, 0.5, 0.2)  # specialist 1, 2, 3: probability of naming the gold option
 # The smoke keeps the full run's training split (same questions, same opinions, so the same buckets: every stage
@@ -378,7 +385,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="offline:gemma3-270m", help="policy model (path, hub id, offline:NAME)")
     parser.add_argument("--seed", type=int, default=0, help="question split and scripted opinions")
     parser.add_argument("--train-questions", type=int, default=48)
-    parser.add_argument("--eval-questions", type=int, default=24)
+    parser.add_argument("--eval-questions", type=int, default=48)
     parser.add_argument("--sampling", choices=("balanced", "natural"), default="balanced",
                         help="balanced: the same number of questions per specialty; natural: as the data has them")
     parser.add_argument("--max-question-chars", type=int, default=1500,
@@ -400,6 +407,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reliabilities", default=",".join(map(str, RELIABILITIES)),
                         help="the scripted specialists' probabilities of naming the gold option, comma-separated")
     parser.add_argument("--eval-batch", type=int, default=8)
+    parser.add_argument("--seeds", type=int, default=1, help="train the stages this many times (training seeds 42, 43, …)")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -408,8 +416,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.reliabilities = tuple(float(p) for p in str(args.reliabilities).split(",") if p.strip())
     if not args.reliabilities or not all(0 <= p <= 1 for p in args.reliabilities):
         parser.error(f"--reliabilities must be probabilities, got {args.reliabilities}")
-    if min(args.train_questions, args.eval_questions, args.generations, args.eval_batch) < 1:
-        parser.error("--train-questions, --eval-questions, --generations and --eval-batch must be at least 1")
+    if min(args.train_questions, args.eval_questions, args.generations, args.eval_batch, args.seeds) < 1:
+        parser.error("--train-questions, --eval-questions, --generations, --eval-batch and --seeds must be at least 1")
     return args
 
 
@@ -481,7 +489,7 @@ def bench_config(args: argparse.Namespace, model_path: str, export: Path, output
         learning_rate=args.learning_rate, num_generations=args.generations,
         per_device_train_batch_size=args.generations, gradient_accumulation_steps=1,
         max_completion_length=args.attending_tokens, temperature=args.temperature, save_steps=10_000,
-        logging_steps=1, seed=42,
+        logging_steps=1, seed=TRAINING_SEED,
         stage_overrides={"triage": {"max_steps": args.triage_steps, "max_completion_length": args.triage_tokens},
                          "easy": {"max_steps": args.easy_steps}, "medium": {"max_steps": args.medium_steps},
                          "hard": {"max_steps": args.hard_steps}})
@@ -511,13 +519,22 @@ def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[st
     }
 
 
-def triage_part(config, model_path: str, data: BenchData, args: argparse.Namespace) -> tuple[dict, dict]:
+def measured_once(measured: dict[tuple[str, str], dict], model_dir: str, part: str, evaluate) -> dict:
+    """One evaluation per (model, part): every seed starts from the same base model, measured once."""
+    if (model_dir, part) not in measured:
+        measured[model_dir, part] = evaluate()
+    return measured[model_dir, part]
+
+
+def triage_part(config, model_path: str, data: BenchData, args: argparse.Namespace,
+                measured: dict[tuple[str, str], dict]) -> tuple[dict, dict]:
     """(a): held-out triage accuracy before and after the triage stage; the result and the stage's summary."""
     from ermedrag.agents.mmedagent import SPECIALTIES
     from ermedrag.training.mmedagent import stage_config
 
     staged = stage_config(config, "triage")
-    before = evaluate_triage(model_path, data.eval_triage, staged, args)
+    before = measured_once(measured, model_path, "triage",
+                           lambda: evaluate_triage(model_path, data.eval_triage, staged, args))
     log(f"triage before: {json.dumps(before)}")
     summary = run_stage(config, "triage", data.stage_rows["triage"])
     after = evaluate_triage(summary["model_dir"], data.eval_triage, staged, args)
@@ -528,13 +545,16 @@ def triage_part(config, model_path: str, data: BenchData, args: argparse.Namespa
             "steps": summary["steps"], "minutes": summary["minutes"]}, summary
 
 
-def attending_part(config, data: BenchData, args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
+def attending_part(config, data: BenchData, args: argparse.Namespace,
+                   measured: dict[tuple[str, str], dict]) -> tuple[dict, dict[str, dict]]:
     """(b): held-out attending accuracy before the curriculum and after each of its stages, with the ceilings
     the opinions allow; the result and the stages' summaries."""
     from ermedrag.training.mmedagent import stage_config, stage_start_model
 
     staged = stage_config(config, "easy")  # the attending's rewards and budget are the same in every stage
-    before = evaluate_attending(stage_start_model(config, "easy"), data.eval_attending, staged, args)
+    start = stage_start_model(config, "easy")
+    before = measured_once(measured, start, "attending",
+                           lambda: evaluate_attending(start, data.eval_attending, staged, args))
     log(f"attending before: {json.dumps(before)}")
     after_each: dict[str, Any] = {}
     summaries: dict[str, dict[str, Any]] = {}
@@ -574,6 +594,18 @@ def entropy_part(config, summaries: dict[str, dict], data: BenchData, args: argp
     return result
 
 
+def seeds_summary(runs: Sequence[dict[str, Any]], data: BenchData) -> dict[str, Any]:
+    """Per part, each metric before and after over the seeds (`seeds.paired_over_seeds`), and held-out accuracy
+    with its Wilson 95% interval per seed."""
+    from seeds import accuracy_interval, paired_over_seeds
+
+    summary: dict[str, Any] = {"n": len(runs), "training_seeds": [TRAINING_SEED + i for i in range(len(runs))]}
+    for part, rows in (("triage", data.eval_triage), ("attending", data.eval_attending)):
+        summary[part] = {**paired_over_seeds([r[part]["before"] for r in runs], [r[part]["after"] for r in runs]),
+                         "accuracy_after": [accuracy_interval(r[part]["after"]["accuracy"], len(rows)) for r in runs]}
+    return summary
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
@@ -590,8 +622,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ermedrag.training.config import resolve_model
 
     work = Path(args.work) / ("smoke" if args.smoke else "full")
-    for stale in ("train", "train-no-bonus"):
-        shutil.rmtree(work / stale, ignore_errors=True)
+    for stale in [*work.glob("train*")]:
+        shutil.rmtree(stale, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     out = work / "mmedagent_learning.json" if args.smoke else Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -609,14 +641,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = bench_config(args, model_path, work / "export", work / "train")
     settings = bench_settings(args, config, data)
     log("settings: " + json.dumps(settings))
-    result: dict[str, Any] = {}
-    result["triage"], triage_summary = triage_part(config, model_path, data, args)
-    result["attending"], summaries = attending_part(config, data, args)
+    measured: dict[tuple[str, str], dict] = {}
+    runs = []
+    for number in range(args.seeds):
+        seeded = dataclasses.replace(config, seed=TRAINING_SEED + number,
+                                     output_dir=str(work / ("train" if number == 0 else f"train-s{number}")))
+        triage, triage_summary = triage_part(seeded, model_path, data, args, measured)
+        attending, summaries = attending_part(seeded, data, args, measured)
+        runs.append({"triage": triage, "attending": attending, "summaries": {"triage": triage_summary, **summaries}})
+    result: dict[str, Any] = {"triage": runs[0]["triage"], "attending": runs[0]["attending"],
+                              "seeds": seeds_summary(runs, data)}
+    summaries = runs[0]["summaries"]
     result["entropy"] = entropy_part(config, summaries, data, args, work / "train-no-bonus")
     log(f"entropy: {json.dumps(result['entropy'])}")
 
     prefix = "mmedagent_smoke_" if args.smoke else "mmedagent_"
-    for name, summary in {"triage": triage_summary, **summaries}.items():  # each stage's own curves
+    for name, summary in summaries.items():  # each stage's own curves (first seed)
         if summary.get("plot_path"):
             shutil.copy(summary["plot_path"], out.parent / f"{prefix}{name}_curves.png")
     entropy = result["entropy"]

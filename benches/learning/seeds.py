@@ -18,18 +18,44 @@ def over_seeds(before: dict[str, float], afters: Sequence[dict[str, float]]) -> 
     seed's value, and in how many seeds it ended higher than before (better for rates and rewards, not for
     lengths)."""
     summary: dict[str, Any] = {"n": len(afters)}
+    before, afters = flat(before), [flat(after) for after in afters]
     for name, value in before.items():
         values = [after[name] for after in afters if isinstance(after.get(name), (int, float))]
         if not isinstance(value, (int, float)) or not values:
             continue
-        summary[name] = {
-            "before": round(value, 4),
-            "after": {"mean": round(statistics.fmean(values), 4),
-                      "sd": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
-                      "values": [round(v, 4) for v in values]},
-            "seeds_higher_after": sum(v > value for v in values),
-        }
+        summary[name] = {"before": round(value, 4), "after": spread(values),
+                         "seeds_higher_after": sum(v > value for v in values)}
     return summary
+
+
+def paired_over_seeds(befores: Sequence[dict[str, float]], afters: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """`over_seeds` for trainings that each start from their own model (a stage after a seed's earlier stage): per
+    metric, before and after as mean ± sd with each seed's value, the gain after − before, and in how many seeds
+    it ended higher than its own before."""
+    summary: dict[str, Any] = {"n": len(afters)}
+    befores, afters = [flat(before) for before in befores], [flat(after) for after in afters]
+    for name, value in befores[0].items():
+        pairs = [(b[name], a[name]) for b, a in zip(befores, afters)
+                 if isinstance(b.get(name), (int, float)) and isinstance(a.get(name), (int, float))]
+        if not isinstance(value, (int, float)) or not pairs:
+            continue
+        summary[name] = {"before": spread([b for b, _ in pairs]), "after": spread([a for _, a in pairs]),
+                         "gain": spread([a - b for b, a in pairs]),
+                         "seeds_higher_after": sum(a > b for b, a in pairs)}
+    return summary
+
+
+def flat(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Nested metric groups (each reward component, how rollouts ended) as `group/name` entries beside the rest."""
+    return {**{k: v for k, v in metrics.items() if not isinstance(v, dict)},
+            **{f"{group}/{k}": v for group, inner in metrics.items() if isinstance(inner, dict) for k, v in inner.items()}}
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Mean ± sd of one metric over seeds, with each seed's value."""
+    return {"mean": round(statistics.fmean(values), 4),
+            "sd": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+            "values": [round(v, 4) for v in values]}
 
 
 def accuracy_interval(accuracy: float, n: int) -> dict[str, Any]:
@@ -43,6 +69,5 @@ def gain(summary: dict[str, Any], metric: str) -> dict[str, float] | None:
     entry = summary.get(metric)
     if not entry:
         return None
-    gains = [v - entry["before"] for v in entry["after"]["values"]]
-    return {"mean": round(statistics.fmean(gains), 4),
-            "sd": round(statistics.stdev(gains), 4) if len(gains) > 1 else 0.0}
+    return {key: value for key, value in spread([v - entry["before"] for v in entry["after"]["values"]]).items()
+            if key != "values"}
