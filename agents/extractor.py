@@ -96,6 +96,32 @@ def parse_triplets(completion: str, snippet_id: str) -> Extraction:
     return Extraction(snippet_id=snippet_id, triplets=triplets, ok=True, strict=strict, error=None)
 
 
+MAX_CLOSE_ATTEMPTS = 16  # object ends tried, from the last, when closing a list cut short
+
+
+def closed_list(completion: str) -> str | None:
+    """A completion whose JSON triplet list was cut short (the token budget), ended after its last complete
+    triplet: the model's own words up to that `}`, then `]`. None when it is a whole list already, or no
+    complete triplet object precedes the cut. Bounded: at most MAX_CLOSE_ATTEMPTS parses of at most
+    MAX_JSON_CHARS each."""
+    text = (completion or "")[:MAX_PARSE_CHARS]
+    if _first_json_triplets(text)[1]:
+        return None
+    start = next((i for i in _json_starts(text) if text[i] == "["), None)
+    if start is None:
+        return None
+    end = min(len(text), start + MAX_JSON_CHARS)
+    for _ in range(MAX_CLOSE_ATTEMPTS):
+        end = text.rfind("}", start, end)
+        if end < 0:
+            return None
+        closed = text[:end + 1] + "]"
+        items, strict = _first_json_triplets(closed[start:])
+        if strict and items and all(_lower_keys(item).keys() & set(FIELDS) for item in items):
+            return closed
+    return None
+
+
 def _first_json_triplets(text: str) -> tuple[list[Any] | None, bool]:
     """The first JSON list (or lone object) in the text whose items look like triplets ([] counts), and
     whether it was a whole list (a lone object is what is left of a list cut short)."""

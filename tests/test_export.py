@@ -99,6 +99,38 @@ def test_dpo_export_replays_recorded_prompts_through_a_real_model(scripted_trace
         assert row["snippet_id"] == event["inputs"]["snippet_id"]
 
 
+class CutShortSampler:
+    """A scripted sampler (graph-wiring stand-in for the model): every alternative runs past the token budget."""
+
+    def batch(self, messages, stop=None):
+        from types import SimpleNamespace
+
+        cut = ('[{"condition": "metformin", "relation": "treats", "conclusion": "type 2 diabetes"}, '
+               '{"condition": "metformin", "relation": "caus')
+        return [SimpleNamespace(text=cut + "e" * i) for i in range(len(messages))]
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_dpo_export_can_close_lists_the_budget_cut(scripted_traces, tmp_path, close):
+    from ermedrag.training.export import DPOExportConfig, _dpo_record
+    from ermedrag.training.extractor_reward import extractor_reward
+
+    store = TraceStore(scripted_traces)
+    event = next(iter(store.events(agent="extractor")))
+    event = {**event, "completion": "I cannot extract anything."}  # the recorded call: unparseable
+    config = DPOExportConfig(traces=scripted_traces, out=str(tmp_path), samples=2, usefulness=False,
+                             close_cut_lists=close)
+    record = _dpo_record(event, store.run(event["run_id"]) or {}, CutShortSampler(), config, extractor_reward)
+    origins = [c["origin"] for c in record["candidates"]]
+    closed = [c for c in record["candidates"] if c["origin"].startswith("closed")]
+    assert len(closed) == (1 if close else 0)  # both samples close to the same list: one candidate
+    if close:
+        assert closed[0]["components"]["structure"] == 1.0 and record["pair"]["chosen"][0]["content"].endswith("}]")
+        assert record["candidates"][0] is closed[0]  # strict JSON, same triplet: ranked first
+    else:
+        assert all(c["components"]["structure"] < 1.0 for c in record["candidates"]), origins
+
+
 def test_killed_dpo_export_resumes_without_loss_or_duplicates(scripted_traces, tmp_path):
     n_events = len(list(TraceStore(scripted_traces).events(agent="extractor")))
     command = [sys.executable, "-m", "ermedrag", "export", "dpo", "--traces", scripted_traces,

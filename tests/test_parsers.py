@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ermedrag.agents import respondent
 from ermedrag.agents.base import fold_case
-from ermedrag.agents.extractor import parse_triplets, render_triplets
+from ermedrag.agents.extractor import closed_list, parse_triplets, render_triplets
 from ermedrag.agents.markup import (CLOSE, INVISIBLE, OPEN, PIPE, PLACEHOLDER_ANSWER, PLACEHOLDER_LETTERS, SLASH, defuse,
                                     live_markup, placeholder_options)
 from ermedrag.agents.respondent import MAX_PARSE_CHARS, MAX_REASONING_CHARS, normalise_answer, parse_answer
@@ -156,6 +156,7 @@ def _parsers() -> dict[str, Callable[[str], object]]:
         "respondent.parse_answer (free text)": lambda text: parse_answer(text, None),
         "respondent.normalise_answer": lambda text: normalise_answer(text, OPTIONS),
         "extractor.parse_triplets": lambda text: parse_triplets(text, "s"),
+        "extractor.closed_list": closed_list,
         "reasoner.parse_step": reasoner.parse_step,
         "reasoner.parse_final": lambda text: reasoner.parse_final(
             [{"kind": "model", "text": text}, {"kind": "document", "text": text}], OPTIONS),
@@ -189,6 +190,25 @@ def test_answer_and_triplets_far_into_a_long_completion_are_read():
     late = parse_triplets("noise " * 8_000 + '[{"condition": "a", "relation": "b", "conclusion": "c"}]', "s")
     assert late["ok"] and late["strict"] and late["triplets"][0]["conclusion"] == "c"
     assert parse_answer("x" * (MAX_PARSE_CHARS + 10) + "<answer>A</answer>", OPTIONS)["error"] == "no <answer> tag"
+
+
+TRIPLET = '{"condition": "metformin", "relation": "treats", "conclusion": "type 2 diabetes"}'
+
+
+@pytest.mark.parametrize("cut, closed", [
+    (f"[{TRIPLET}, {TRIPLET[:30]}", f"[{TRIPLET}]"),  # cut inside the second triplet
+    (f"[{TRIPLET}, {TRIPLET}, ", f"[{TRIPLET}, {TRIPLET}]"),  # cut after a comma
+    (f'Triplets:\n[{TRIPLET[:-1]}, "note": {{"a": 1}}}}, {{"cond', f'Triplets:\n[{TRIPLET[:-1]}, "note": {{"a": 1}}}}]'),
+    (f"[{TRIPLET}]", None),  # a whole list already
+    (f"[{TRIPLET[:40]}", None),  # no complete triplet before the cut
+    ('[{"a": 1}, {"b": 2}, {"cond', None),  # complete objects, but not triplets
+    ("no list at all }", None),
+])
+def test_a_list_cut_short_is_closed_after_its_last_complete_triplet(cut, closed):
+    assert closed_list(cut) == closed
+    if closed is not None:
+        parsed = parse_triplets(closed, "s")
+        assert parsed["strict"] and parsed["triplets"] and closed.startswith(cut[:len(closed) - 1])
 
 
 def test_answer_tags_match_in_any_case_and_unicode_case_folds():

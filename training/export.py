@@ -74,6 +74,9 @@ class DPOExportConfig:
         "help": "score usefulness: does the respondent reach the gold answer from this extraction alone "
                 "(one respondent call per candidate; only for runs with a gold answer)"})
     limit: int | None = field(default=None, metadata={"help": "process at most this many extractor calls"})
+    close_cut_lists: bool = field(default=False, metadata={
+        "help": "also score each candidate whose JSON list the token budget cut, ended after its last complete "
+                "triplet (its own words, then `]`): pairs can then prefer ending the list to running past the budget"})
 
 
 def _usefulness(model: Any, run: dict[str, Any], parsed: extractor.Extraction) -> float | None:
@@ -119,13 +122,17 @@ def _dpo_record(event: dict[str, Any], run: dict[str, Any], model: Any, config: 
     snippet, question = inputs.get("snippet", ""), inputs.get("question", "")
     messages = to_langchain(event["messages"])
     samples = [r.text for r in model.batch([messages] * config.samples, stop=extractor.STOP)] if config.samples else []
-    candidates = [event["completion"], *samples]
+    candidates = dict.fromkeys([event["completion"], *samples], "recorded or sampled")  # identical ones count once
+    if config.close_cut_lists:
+        for text in list(candidates):
+            if (closed := extractor.closed_list(text)) is not None:
+                candidates.setdefault(closed, "closed after its last complete triplet")
     scored = []
-    for text in dict.fromkeys(candidates):  # identical samples are one candidate
+    for text, origin in candidates.items():
         parsed = extractor.parse_triplets(text, snippet_id)
         useful = _usefulness(model, run, parsed) if config.usefulness else None
         components = _as_dict(reward(text, snippet, question=question, usefulness=useful))
-        scored.append({"completion": text, "reward": components["total"], "components": components})
+        scored.append({"completion": text, "reward": components["total"], "components": components, "origin": origin})
     scored.sort(key=lambda c: c["reward"], reverse=True)
     best, worst = scored[0], scored[-1]
     pair = None

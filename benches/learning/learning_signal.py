@@ -152,6 +152,9 @@ def main() -> None:
                              "model leaves the format, a group's rewards are equal and GRPO learns nothing)")
     parser.add_argument("--dpo-steps", type=int, default=20)
     parser.add_argument("--dpo-samples", type=int, default=3)
+    parser.add_argument("--dpo-close-cut", action="store_true",
+                        help="the DPO export also scores each candidate the budget cut, closed after its last complete "
+                             "triplet (DPOExportConfig.close_cut_lists); exported to dpo-train-closed/")
     parser.add_argument("--seeds", type=int, default=1, help="train each agent this many times (seeds 0..N-1)")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
@@ -175,8 +178,11 @@ def main() -> None:
     model = f"hf:{model_path}"
 
     train_db, eval_db = work / "traces-train.sqlite", work / "traces-eval.sqlite"
-    if not (args.reuse and (work / "dpo-train" / "dataset").exists()):
+    if not (args.reuse and (work / "grpo-eval" / "dataset").exists()):
         prepare(args, work, model, train_db, eval_db)
+    dpo_dir = work / ("dpo-train-closed" if args.dpo_close_cut else "dpo-train")
+    if "dpo" in parts and not (args.reuse and (dpo_dir / "dataset").exists()):
+        export_pairs(args, train_db, dpo_dir)
 
     eval_rows = [dict(r) for r in load_from_disk(str(work / "grpo-eval" / "dataset"))]
     eval_prompts = [r["prompt"] for r in eval_rows]
@@ -211,12 +217,13 @@ def main() -> None:
     if "dpo" in parts:
         before = extractor_metrics(generate(model, extract_prompts, args.extract_tokens, extractor.STOP), eval_events)
         log(f"before: extractor {before}")
-        runs = [dpo_run(args, work, model_path, extract_prompts, eval_events, seed) for seed in seeds]
+        runs = [dpo_run(args, dpo_dir, work, model_path, extract_prompts, eval_events, seed) for seed in seeds]
         afters = [run["after"] for run in runs]
         result["dpo_extractor"] = {"before": before, "after": afters[0], "steps": runs[0]["steps"],
                                    "minutes": round(sum(r["minutes"] for r in runs) / len(runs), 1),
-                                   "pairs": len(load_from_disk(str(work / "dpo-train" / "dataset"))),
-                                   "eval_prompts": len(eval_events)}
+                                   "pairs": len(load_from_disk(str(dpo_dir / "dataset"))),
+                                   "eval_prompts": len(eval_events), "samples": args.dpo_samples,
+                                   "close_cut_lists": args.dpo_close_cut}
         summary = over_seeds(before, afters)
         result["seeds"]["dpo_extractor"] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
                                             "strict_json_rate": summary.get("strict_json_rate")}
@@ -244,12 +251,12 @@ def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts
             "zero_variance_steps": grpo.get("zero_variance_steps")}
 
 
-def dpo_run(args: argparse.Namespace, work: Path, model_path: str, extract_prompts: list, eval_events: list[dict],
-            seed: int) -> dict[str, Any]:
+def dpo_run(args: argparse.Namespace, dpo_dir: Path, work: Path, model_path: str, extract_prompts: list,
+            eval_events: list[dict], seed: int) -> dict[str, Any]:
     """Train the extractor with DPO from the base model (one seed) and measure it on the held-out prompts."""
     started = time.time()
     dpo = train_dpo(DPOTrainingConfig(
-        model=model_path, dataset=str(work / "dpo-train" / "dataset"), output_dir=str(work / f"dpo-out-s{seed}"),
+        model=model_path, dataset=str(dpo_dir / "dataset"), output_dir=str(work / f"dpo-out-s{seed}"),
         max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
         save_steps=10_000, seed=seed))
     minutes = (time.time() - started) / 60
@@ -261,7 +268,7 @@ def dpo_run(args: argparse.Namespace, work: Path, model_path: str, extract_promp
 
 
 def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, eval_db: Path) -> None:
-    """Index the abstracts, record graph runs, and export GRPO prompts and DPO pairs from them."""
+    """Index the abstracts, record graph runs, and export GRPO prompts from them."""
     pool = load_questions_file(Path(args.data) / "benchmarks" / "pubmedqa_train.jsonl")
     random.Random(0).shuffle(pool)
     train_q = pool[: args.train_questions]
@@ -274,10 +281,16 @@ def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, ev
     for name, db in (("train", train_db), ("eval", eval_db)):
         counts = export_grpo(GRPOExportConfig(traces=str(db), out=str(work / f"grpo-{name}")), progress=False)
         log(f"grpo export {name}: {counts}")
-    counts = export_dpo(DPOExportConfig(traces=str(train_db), out=str(work / "dpo-train"), samples=args.dpo_samples,
+
+
+def export_pairs(args: argparse.Namespace, train_db: Path, dpo_dir: Path) -> None:
+    """The extractor's DPO pairs from the training traces (sampled alternatives, reward margin)."""
+    shutil.rmtree(dpo_dir, ignore_errors=True)
+    counts = export_dpo(DPOExportConfig(traces=str(train_db), out=str(dpo_dir), samples=args.dpo_samples,
                                         temperature=1.0, max_new_tokens=args.extract_tokens, usefulness=False,
-                                        margin=0.0 if args.smoke else 0.1), progress=False)
-    log(f"dpo export: {counts}")
+                                        margin=0.0 if args.smoke else 0.1, close_cut_lists=args.dpo_close_cut),
+                        progress=False)
+    log(f"dpo export ({dpo_dir.name}): {counts}")
 
 
 def write_result(result: dict[str, Any], out: Path, started: float) -> None:
