@@ -153,21 +153,30 @@ def test_a_build_with_nothing_new_keeps_the_segments(tmp_path: Path) -> None:
     assert json.loads((directory / "manifest.json").read_text())["bm25_segments"] == before
 
 
-def test_an_index_of_one_bm25s_generation_opens_and_converts(tmp_path: Path) -> None:
-    """The layout before segments: the manifest names a bm25s generation folder holding ids.json."""
+def as_one_bm25s_index(directory: Path, generation: str | None) -> list[str]:
+    """Turn a built index into the layout before segments: one bm25s index with ids.json in bm25/<generation>
+    named by the manifest, or (generation None, the oldest layout) in bm25/ itself; returns its BM25 texts."""
     import bm25s
 
-    directory = tmp_path / "index"
-    build_index(_documents(0, 30), directory, precomputed=HashVectors(), progress=False)
     manifest = json.loads((directory / "manifest.json").read_text())
     for segment in manifest.pop("bm25_segments"):
         shutil.rmtree(directory / "bm25" / segment["name"])
     ids, texts = chunk_texts(_client(directory, None).get_collection("chunks"))
     legacy = bm25s.BM25(**BM25_PARAMS)
     legacy.index(bm25_tokenize(texts), show_progress=False)
-    legacy.save(str(directory / "bm25" / "g000004"))
-    (directory / "bm25" / "g000004" / "ids.json").write_text(json.dumps(ids))
-    (directory / "manifest.json").write_text(json.dumps({**manifest, "bm25_generation": "g000004"}))
+    folder = directory / "bm25" / (generation or "")
+    legacy.save(str(folder))
+    (folder / "ids.json").write_text(json.dumps(ids))
+    (directory / "manifest.json").write_text(json.dumps({**manifest, **({"bm25_generation": generation}
+                                                                        if generation else {})}))
+    return texts
+
+
+def test_an_index_of_one_bm25s_generation_opens_and_converts(tmp_path: Path) -> None:
+    """The layout before segments: the manifest names a bm25s generation folder holding ids.json."""
+    directory = tmp_path / "index"
+    build_index(_documents(0, 30), directory, precomputed=HashVectors(), progress=False)
+    texts = as_one_bm25s_index(directory, "g000004")
 
     index = open_index(directory)
     weights = weighted_terms(index.bm25, QUERIES[0])

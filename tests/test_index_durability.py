@@ -17,7 +17,6 @@ import logging
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -408,22 +407,11 @@ def test_a_rerun_keeps_uncommitted_chunks_it_wants(tmp_path: Path) -> None:
 
 def test_an_index_from_before_generations_opens_and_is_converted(tmp_path: Path) -> None:
     """Oldest layout: bm25/ holds the bm25s files and ids.json, the manifest names no generation."""
-    import bm25s
-
-    from ermedrag.tools.bm25 import bm25_tokenize
-    from ermedrag.tools.index import BM25_PARAMS, chunk_texts
+    from tests.test_bm25_segments import as_one_bm25s_index
 
     directory = tmp_path / "index"
     build_index(_docs("a", 4), directory, precomputed=HashVectors(), progress=False)
-    manifest = json.loads((directory / "manifest.json").read_text())
-    for segment in manifest.pop("bm25_segments"):
-        shutil.rmtree(directory / "bm25" / segment["name"])
-    ids, texts = chunk_texts(_client(directory, None).get_collection("chunks"))
-    legacy = bm25s.BM25(**BM25_PARAMS)
-    legacy.index(bm25_tokenize(texts), show_progress=False)
-    legacy.save(str(directory / "bm25"))
-    (directory / "bm25" / "ids.json").write_text(json.dumps(ids))
-    (directory / "manifest.json").write_text(json.dumps(manifest))
+    as_one_bm25s_index(directory, None)
     _add_raw(directory, ["stray#0-5"])
     assert open_index(directory).size == 4  # repaired against the old layout's ids.json
     stats = build_index(_docs("a", 6), directory, precomputed=HashVectors(), progress=False)
