@@ -110,13 +110,13 @@ def closed_list(completion: str) -> str | None:
     start = next((i for i in _json_starts(text) if text[i] == "["), None)
     if start is None:
         return None
-    end = min(len(text), start + MAX_JSON_CHARS)
+    end = min(len(text), start + MAX_JSON_CHARS - 1)  # the closing `]` inside one parse window
     for _ in range(MAX_CLOSE_ATTEMPTS):
         end = text.rfind("}", start, end)
         if end < 0:
             return None
         closed = text[:end + 1] + "]"
-        items, strict = _first_json_triplets(closed[start:])
+        items, strict = _first_json_triplets(closed)  # as the parser will read it, from the start
         if strict and items and all(_lower_keys(item).keys() & set(FIELDS) for item in items):
             return closed
     return None

@@ -153,6 +153,26 @@ def test_a_build_with_nothing_new_keeps_the_segments(tmp_path: Path) -> None:
     assert json.loads((directory / "manifest.json").read_text())["bm25_segments"] == before
 
 
+def test_indexing_the_same_files_again_repairs_a_lost_segment(tmp_path: Path) -> None:
+    from ermedrag.tools.index import IndexUnavailable
+
+    directory = tmp_path / "index"
+    build_index(_documents(0, 40), directory, precomputed=HashVectors(), progress=False)
+    build_index(_documents(0, 50), directory, precomputed=HashVectors(), progress=False)
+    segments = json.loads((directory / "manifest.json").read_text())["bm25_segments"]
+    assert len(segments) == 2
+    shutil.rmtree(directory / "bm25" / segments[-1]["name"])
+    with pytest.raises(IndexUnavailable, match=segments[-1]["name"]):
+        open_index(directory)
+    stats = build_index(_documents(0, 50), directory, precomputed=HashVectors(), progress=False)
+    index = open_index(directory)
+    assert stats["chunks_total"] == len(index.bm25_ids) == len(set(index.bm25_ids)) == index.size
+    text_of = dict(zip(*chunk_texts(index.collection)))
+    weights = weighted_terms(index.bm25, QUERIES[1])
+    np.testing.assert_allclose(index.bm25.scores(weights),
+                               reference_scores([text_of[cid] for cid in index.bm25_ids], weights), rtol=1e-5, atol=1e-5)
+
+
 def as_one_bm25s_index(directory: Path, generation: str | None) -> list[str]:
     """Turn a built index into the layout before segments: one bm25s index with ids.json in bm25/<generation>
     named by the manifest, or (generation None, the oldest layout) in bm25/ itself; returns its BM25 texts."""

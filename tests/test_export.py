@@ -100,14 +100,22 @@ def test_dpo_export_replays_recorded_prompts_through_a_real_model(scripted_trace
 
 
 class CutShortSampler:
-    """A scripted sampler (graph-wiring stand-in for the model): every alternative runs past the token budget."""
+    """A scripted sampler (graph-wiring stand-in for the model): every alternative runs past the token budget, or
+    (finished) ends at the extractor's stop `}]`, which the backend cuts off and reports, as the real ones do."""
+
+    LIST = '[{"condition": "metformin", "relation": "treats", "conclusion": "type 2 diabetes"}'
+
+    def __init__(self, finished: bool = False):
+        self.finished = finished
 
     def batch(self, messages, stop=None):
         from types import SimpleNamespace
 
-        cut = ('[{"condition": "metformin", "relation": "treats", "conclusion": "type 2 diabetes"}, '
-               '{"condition": "metformin", "relation": "caus')
-        return [SimpleNamespace(text=cut + "e" * i) for i in range(len(messages))]
+        if self.finished:
+            return [SimpleNamespace(text=self.LIST[:-1], response_metadata={"stop_sequence": "}]"})] * len(messages)
+        cut = self.LIST + ', {"condition": "metformin", "relation": "caus'
+        return [SimpleNamespace(text=cut + "e" * i, response_metadata={"finish_reason": "length"})
+                for i in range(len(messages))]
 
 
 @pytest.mark.parametrize("close", [False, True])
@@ -129,6 +137,21 @@ def test_dpo_export_can_close_lists_the_budget_cut(scripted_traces, tmp_path, cl
         assert record["candidates"][0] is closed[0]  # strict JSON, same triplet: ranked first
     else:
         assert all(c["components"]["structure"] < 1.0 for c in record["candidates"]), origins
+
+
+def test_dpo_export_scores_a_sample_that_ended_at_its_stop_as_the_whole_list_it_is(scripted_traces, tmp_path):
+    from ermedrag.training.export import DPOExportConfig, _dpo_record
+    from ermedrag.training.extractor_reward import extractor_reward
+
+    store = TraceStore(scripted_traces)
+    event = {**next(iter(store.events(agent="extractor"))), "completion": "I cannot extract anything."}
+    config = DPOExportConfig(traces=scripted_traces, out=str(tmp_path), samples=2, usefulness=False,
+                             close_cut_lists=True)
+    record = _dpo_record(event, store.run(event["run_id"]) or {}, CutShortSampler(finished=True), config,
+                         extractor_reward)
+    best = record["candidates"][0]
+    assert best["completion"] == CutShortSampler.LIST + "]" and best["components"]["structure"] == 1.0
+    assert [c["origin"] for c in record["candidates"]] == ["recorded or sampled"] * 2  # nothing to close
 
 
 def test_killed_dpo_export_resumes_without_loss_or_duplicates(scripted_traces, tmp_path):

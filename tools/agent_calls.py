@@ -16,6 +16,13 @@ from ermedrag.tools.traces import TraceEvent
 Parsed = TypeVar("Parsed")
 
 
+def text_with_stop(reply: Any, stop: list[str] | None) -> str:
+    """A reply's text with the stop string that ended it put back: backends cut it off (OpenAI semantics), and a
+    parser needs the closed tag or list. Backends that do not report it (OpenAI servers) leave it to the parser."""
+    matched = (getattr(reply, "response_metadata", None) or {}).get("stop_sequence")
+    return reply.text + matched if matched and stop and matched in stop else reply.text
+
+
 def call_agent(
     model: BaseChatModel,
     messages: list[BaseMessage],
@@ -38,12 +45,7 @@ def call_agent(
     started = time.perf_counter()
     reply = model.invoke(messages, stop=stop, **continuation_kwargs(model, messages))
     latency = time.perf_counter() - started
-    completion = reply.text
-    # The stop string that ended generation is not part of the reply (OpenAI semantics); put it back so the
-    # parser sees a closed tag. Backends that do not report it (OpenAI servers) leave it to the parser.
-    matched_stop = reply.response_metadata.get("stop_sequence")
-    if matched_stop and stop and matched_stop in stop:
-        completion += matched_stop
+    completion = text_with_stop(reply, stop)
     parsed = parse(completion)
     queue_s, compute_s = call_timing(reply.response_metadata, latency)
     event = TraceEvent(

@@ -148,7 +148,7 @@ class SegmentedBM25:
         self.segments = list(segments)
         self.num_chunks = sum(s.size for s in self.segments)
         lengths = np.concatenate([s.lengths for s in self.segments]) if self.segments else np.zeros(0)
-        mean_length = float(lengths.mean()) if len(lengths) and lengths.any() else 1.0
+        mean_length = float(lengths.mean(dtype=np.float64)) if len(lengths) and lengths.any() else 1.0
         self.offsets = np.cumsum([0] + [s.size for s in self.segments]).tolist()
         # Each chunk's length normalisation k1(1 - b + b·len/avglen), once per opening, as a view per segment.
         norms = (k1 * ((1 - b) + b * lengths / mean_length)).astype(np.float32)

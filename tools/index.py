@@ -323,16 +323,17 @@ def _load_bm25(directory: Path, manifest: dict[str, Any]) -> tuple[SegmentedBM25
     """The committed BM25 and its ids (None: an old index without BM25 ids; see `_committed_ids`).
     Memory-mapped: a query reads only its terms' postings, so serving needs pages for what queries touch. A
     later build writes new segments; an open mapping of a removed one stays valid until it is closed."""
-    ids = _committed_ids(directory, manifest, strict=True)
+    names = _segment_names(manifest)
+    segments = [load_segment(directory / BM25_DIR / name) for name in names or []]
+    ids = [cid for s in segments for cid in s.ids] if names is not None else _committed_ids(directory, manifest,
+                                                                                            strict=True)
     if not ids:
         return None, ids
-    names = _segment_names(manifest)
     if manifest.get("chunks", len(ids)) != len(ids) and (names is not None or manifest.get("bm25_generation")):
         raise IndexUnavailable(f"{directory}: manifest.json commits {manifest['chunks']} chunks but its BM25 "
                                f"segments list {len(ids)}; it was changed by hand: build a new index "
                                "(`ermedrag index PATH --index-dir NEW_DIR`)")
     if names is not None:  # raw term frequencies: scored with today's BM25_PARAMS, whatever they were at build
-        segments = [load_segment(directory / BM25_DIR / name) for name in names]
         return SegmentedBM25(segments, **BM25_PARAMS), ids
     import bm25s
 
@@ -429,11 +430,12 @@ def _reconcile(collection: Any, committed: list[str], wanted: dict[str, str]) ->
 
 
 def _changed_texts(collection: Any, ids: list[str], wanted: dict[str, str]) -> set[str]:
-    """Of uncommitted chunks a build wants, those stored with other text (their document changed since)."""
+    """Of uncommitted chunks a build wants (id -> BM25 text), those stored with another title or text (their
+    document changed since)."""
     changed: set[str] = set()
     for start in range(0, len(ids), PAGE):
-        got = collection.get(ids=ids[start:start + PAGE], include=["documents"])
-        changed.update(cid for cid, text in zip(got["ids"], got["documents"]) if text != wanted[cid])
+        got = collection.get(ids=ids[start:start + PAGE], include=["documents", "metadatas"])
+        changed.update(cid for cid, text in zip(got["ids"], bm25_texts(got)) if text != wanted[cid])
     return changed
 
 
@@ -483,14 +485,19 @@ def build_index(
         collection = _client(directory, chroma_url).get_or_create_collection(
             COLLECTION, embedding_function=SentenceTransformerEmbedding(encoder),
             configuration={"hnsw": {"space": "cosine"}})
-        state = _reconcile_for_build(directory, collection, manifest, {c.id: c.text for c in chunks})
+        committed = _committed_ids(directory, manifest)
+        texts = {c.id: bm25_text(c.title, c.text) for c in chunks}
+        state = _reconcile_for_build(directory, collection, committed, texts)
         new = _unknown(collection, chunks)
         embed_s = _add_chunks(collection, new, encoder, precomputed, progress)
         t0 = time.perf_counter()
-        committed = set(_committed_ids(directory, manifest) or [])
-        added = {c.id: bm25_text(c.title, c.text) for c in chunks if c.id not in committed}
+        # BM25 for this build's chunks that no commit holds; or, when the committed ids cannot be read (a lost
+        # segment), for every chunk in the collection, as rebuild_bm25 repairs it. A new index starts with none.
+        known = set(committed or [])
+        added = None if committed is None else {cid: text for cid, text in texts.items() if cid not in known}
         total = _commit_bm25(directory, collection, {
-            **manifest, "encoder": encoder, "chunk_size": chunk_size, "chunk_overlap": chunk_overlap}, added)
+            **manifest, "encoder": encoder, "chunk_size": chunk_size, "chunk_overlap": chunk_overlap,
+            **({} if manifest else {"bm25_segments": []})}, added)
         bm25_s = time.perf_counter() - t0
     cached_index.cache_clear()
     return {"chunks_seen": len(chunks), "chunks_added": len(new), "chunks_resumed": len(state.resumed),
@@ -518,11 +525,11 @@ def _unique_chunks(chunks: list[Chunk]) -> list[Chunk]:
     return list(unique.values())
 
 
-def _reconcile_for_build(directory: Path, collection: Any, manifest: dict[str, Any],
+def _reconcile_for_build(directory: Path, collection: Any, committed: list[str] | None,
                          wanted: dict[str, str]) -> Reconciled:
-    """Before adding: delete chunks an interrupted build left that this one does not want (it keeps the
-    others, saving their embedding), and refuse when committed chunks are lost and not re-added now."""
-    committed = _committed_ids(directory, manifest)
+    """Before adding: delete chunks an interrupted build left that this one does not want (`wanted`: id -> BM25
+    text; it keeps the others, saving their embedding), and refuse when committed chunks are lost and not
+    re-added now."""
     if committed is None or collection.count() == len(committed):
         return Reconciled(0, [], [])
     state = _reconcile(collection, committed, wanted)
@@ -585,7 +592,7 @@ def rebuild_bm25(directory: str | os.PathLike[str], chroma_url: str | None = Non
         manifest = _manifest(directory)
         _remove_leftovers(directory, manifest)
         collection = _client(directory, chroma_url).get_collection(COLLECTION)
-        _reconcile_for_build(directory, collection, manifest, wanted={})
+        _reconcile_for_build(directory, collection, _committed_ids(directory, manifest), wanted={})
         total = _commit_bm25(directory, collection, manifest, added=None)
     cached_index.cache_clear()
     return total

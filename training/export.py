@@ -28,6 +28,7 @@ from typing import Any
 
 from ermedrag.agents import extractor, respondent
 from ermedrag.agents.base import to_chat, to_langchain
+from ermedrag.tools.agent_calls import text_with_stop
 from ermedrag.tools.jsonl import AppendLog, read_records
 from ermedrag.tools.traces import TraceStore
 from ermedrag.training.med_r3_data import med_r3_row
@@ -121,7 +122,8 @@ def _dpo_record(event: dict[str, Any], run: dict[str, Any], model: Any, config: 
     snippet_id = inputs.get("snippet_id") or (event.get("parsed") or {}).get("snippet_id", "")
     snippet, question = inputs.get("snippet", ""), inputs.get("question", "")
     messages = to_langchain(event["messages"])
-    samples = [r.text for r in model.batch([messages] * config.samples, stop=extractor.STOP)] if config.samples else []
+    samples = [text_with_stop(r, extractor.STOP) for r in model.batch([messages] * config.samples, stop=extractor.STOP)
+               ] if config.samples else []  # a list that ended at its `}]` keeps it: it is whole, not cut
     candidates = dict.fromkeys([event["completion"], *samples], "recorded or sampled")  # identical ones count once
     if config.close_cut_lists:
         for text in list(candidates):

@@ -37,6 +37,7 @@ from datasets import load_from_disk  # noqa: E402
 
 from ermedrag.agents import extractor, respondent  # noqa: E402
 from ermedrag.agents.base import to_chat, to_langchain  # noqa: E402
+from ermedrag.tools.agent_calls import text_with_stop  # noqa: E402
 from ermedrag.tools.benchmarks import Question, load_questions_file  # noqa: E402
 from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
 from ermedrag.tools.chat_models import load_chat_model  # noqa: E402
@@ -80,7 +81,7 @@ def generate(model_spec: str, prompts: list[list[dict[str, str]]], max_new_token
     matched one put back, as `tools.agent_calls.call_agent` does): the same decoding before and after training."""
     model = load_chat_model(model_spec, max_new_tokens=max_new_tokens)
     replies = model.batch([to_langchain(p) for p in prompts], stop=stop)
-    return [reply.text + (reply.response_metadata.get("stop_sequence") or "") for reply in replies]
+    return [text_with_stop(reply, stop) for reply in replies]
 
 
 def answer_parsed_rate(texts: list[str], options: list[dict[str, str] | None]) -> float:
