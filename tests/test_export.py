@@ -154,6 +154,29 @@ def test_dpo_export_scores_a_sample_that_ended_at_its_stop_as_the_whole_list_it_
     assert [c["origin"] for c in record["candidates"]] == ["recorded or sampled"] * 2  # nothing to close
 
 
+def test_pairs_are_reselected_from_an_exports_scored_candidates(scripted_traces, tmp_path):
+    import json
+
+    from ermedrag.training.export import CLOSED, reselect_pairs
+
+    events = list(TraceStore(scripted_traces).events(agent="extractor"))[:2]
+    scores = [[(0.9, CLOSED), (0.6, "recorded or sampled"), (0.2, "recorded or sampled")],
+              [(0.55, CLOSED), (0.5, "recorded or sampled")]]
+    export = tmp_path / "export"
+    export.mkdir()
+    with open(export / "log.jsonl", "w") as log:
+        for event, candidates in zip(events, scores):
+            scored = [{"completion": f"c{r}", "reward": r, "components": {}, "origin": o} for r, o in candidates]
+            log.write(json.dumps({"event_id": event["event_id"], "pair": None, "candidates": scored}) + "\n")
+    assert reselect_pairs(scripted_traces, export, tmp_path / "all", margin=0.1) == {"rows": 1}
+    assert reselect_pairs(scripted_traces, export, tmp_path / "open", margin=0.1, closed=False) == {"rows": 1}
+    assert reselect_pairs(scripted_traces, export, tmp_path / "wide", margin=0.5) == {"rows": 1}
+    chosen = {name: [json.loads(line)["chosen"][0]["content"] for line in (tmp_path / name / "data.jsonl").open()]
+              for name in ("all", "open", "wide")}
+    assert chosen == {"all": ["c0.9"], "open": ["c0.6"], "wide": ["c0.9"]}
+    assert reselect_pairs(scripted_traces, export, tmp_path / "none", margin=0.8) == {"rows": 0}
+
+
 def test_killed_dpo_export_resumes_without_loss_or_duplicates(scripted_traces, tmp_path):
     n_events = len(list(TraceStore(scripted_traces).events(agent="extractor")))
     command = [sys.executable, "-m", "ermedrag", "export", "dpo", "--traces", scripted_traces,

@@ -18,8 +18,8 @@ SMOKE_TIMEOUT_S = 900  # ~40 s on one thread of a busy 2-core machine
 
 def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, tmp_path: Path) -> None:
     env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--seeds", "2", "--data", str(shared_data),
-                           "--work", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--seeds", "2", "--dpo-close-cut", "both",
+                           "--data", str(shared_data), "--work", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=SMOKE_TIMEOUT_S)
     out = tmp_path / "smoke" / "learning.json"
     assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -39,9 +39,12 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     assert len(grpo["zero_variance_share"]) == 2 and all(0 <= s <= 1 for s in grpo["zero_variance_share"])
     assert [z["logged_steps"] for z in result["grpo_respondent"]["zero_variance_steps"]] == [2, 2]
 
-    dpo = seeds["dpo_extractor"]
-    assert set(dpo["mean_reward_gain"]) == {"mean", "sd"}
-    assert len(dpo["strict_json_rate"]["after"]["values"]) == 2
+    for arm in ("dpo_extractor", "dpo_extractor_close_cut"):  # both settings, on the same sampled candidates
+        dpo = seeds[arm]
+        assert set(dpo["mean_reward_gain"]) == {"mean", "sd"}
+        assert len(dpo["strict_json_rate"]["after"]["values"]) == 2
+        assert result[arm]["close_cut_lists"] == arm.endswith("close_cut")
+    assert result["dpo_extractor"]["before"] == result["dpo_extractor_close_cut"]["before"]
 
 
 def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> None:

@@ -34,6 +34,7 @@ from ermedrag.tools.traces import TraceStore
 from ermedrag.training.med_r3_data import med_r3_row
 
 LOG = "log.jsonl"
+CLOSED = "closed after its last complete triplet"  # the origin of a candidate close_cut_lists added
 
 
 def export_resumable(out: Path, items: Sequence[dict[str, Any]], id_key: str, to_record: Callable[[Any], dict],
@@ -116,10 +117,14 @@ def export_dpo(config: DPOExportConfig, progress: bool = True,
                             row_key="pair", limit=config.limit, progress=progress, unit="extractor call")
 
 
+def _snippet_id(event: dict[str, Any]) -> str:
+    return (event.get("inputs") or {}).get("snippet_id") or (event.get("parsed") or {}).get("snippet_id", "")
+
+
 def _dpo_record(event: dict[str, Any], run: dict[str, Any], model: Any, config: DPOExportConfig,
                 reward: Callable[..., Any]) -> dict[str, Any]:
     inputs = event.get("inputs") or {}
-    snippet_id = inputs.get("snippet_id") or (event.get("parsed") or {}).get("snippet_id", "")
+    snippet_id = _snippet_id(event)
     snippet, question = inputs.get("snippet", ""), inputs.get("question", "")
     messages = to_langchain(event["messages"])
     samples = [text_with_stop(r, extractor.STOP) for r in model.batch([messages] * config.samples, stop=extractor.STOP)
@@ -128,7 +133,7 @@ def _dpo_record(event: dict[str, Any], run: dict[str, Any], model: Any, config: 
     if config.close_cut_lists:
         for text in list(candidates):
             if (closed := extractor.closed_list(text)) is not None:
-                candidates.setdefault(closed, "closed after its last complete triplet")
+                candidates.setdefault(closed, CLOSED)
     scored = []
     for text, origin in candidates.items():
         parsed = extractor.parse_triplets(text, snippet_id)
@@ -136,17 +141,36 @@ def _dpo_record(event: dict[str, Any], run: dict[str, Any], model: Any, config: 
         components = _as_dict(reward(text, snippet, question=question, usefulness=useful))
         scored.append({"completion": text, "reward": components["total"], "components": components, "origin": origin})
     scored.sort(key=lambda c: c["reward"], reverse=True)
+    return {"event_id": event["event_id"], "pair": preference_pair(event, scored, config.margin), "candidates": scored}
+
+
+def preference_pair(event: dict[str, Any], scored: Sequence[dict[str, Any]], margin: float) -> dict[str, Any] | None:
+    """The best and the worst of one extractor call's scored candidates (best first), when their rewards differ
+    by at least `margin`."""
+    if len(scored) < 2 or scored[0]["reward"] - scored[-1]["reward"] < margin:
+        return None
     best, worst = scored[0], scored[-1]
-    pair = None
-    if len(scored) > 1 and best["reward"] - worst["reward"] >= config.margin:
-        pair = {
-            "prompt": to_chat(event["messages"]),
-            "chosen": [{"role": "assistant", "content": best["completion"]}],
-            "rejected": [{"role": "assistant", "content": worst["completion"]}],
-            "chosen_reward": best["reward"], "rejected_reward": worst["reward"],
-            "run_id": event["run_id"], "event_id": event["event_id"], "snippet_id": snippet_id,
-        }
-    return {"event_id": event["event_id"], "pair": pair, "candidates": scored}
+    return {
+        "prompt": to_chat(event["messages"]),
+        "chosen": [{"role": "assistant", "content": best["completion"]}],
+        "rejected": [{"role": "assistant", "content": worst["completion"]}],
+        "chosen_reward": best["reward"], "rejected_reward": worst["reward"],
+        "run_id": event["run_id"], "event_id": event["event_id"], "snippet_id": _snippet_id(event),
+    }
+
+
+def reselect_pairs(traces: str, export: Path, out: Path, margin: float, closed: bool = True) -> dict[str, int]:
+    """Pairs chosen again from an earlier DPO export's scored candidates, without sampling or scoring again: with
+    another `margin`, or without the candidates `close_cut_lists` added (`closed` False), so that two settings
+    compare on the same samples. Written to `out` as an export of its own; returns its counts."""
+    events = {e["event_id"]: e for e in TraceStore(traces).events(agent="extractor")}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LOG).unlink(missing_ok=True)
+    with AppendLog(out / LOG) as log:
+        for record in read_records(export / LOG):
+            kept = [c for c in record["candidates"] if closed or c.get("origin") != CLOSED]
+            log.write({**record, "candidates": kept, "pair": preference_pair(events[record["event_id"]], kept, margin)})
+    return _write_dataset(out, "pair")
 
 
 # ----------------------------------------------------------------------------------------------- GRPO

@@ -46,7 +46,8 @@ from ermedrag.tools.index import build_index  # noqa: E402
 from ermedrag.tools.traces import TraceStore  # noqa: E402
 from ermedrag.training.answer_rewards import correctness_reward  # noqa: E402
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
-from ermedrag.training.export import DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo  # noqa: E402
+from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo,  # noqa: E402
+                                      reselect_pairs)
 from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
@@ -153,9 +154,10 @@ def main() -> None:
                              "model leaves the format, a group's rewards are equal and GRPO learns nothing)")
     parser.add_argument("--dpo-steps", type=int, default=20)
     parser.add_argument("--dpo-samples", type=int, default=3)
-    parser.add_argument("--dpo-close-cut", action="store_true",
-                        help="the DPO export also scores each candidate the budget cut, closed after its last complete "
-                             "triplet (DPOExportConfig.close_cut_lists); exported to dpo-train-closed/")
+    parser.add_argument("--dpo-close-cut", choices=("off", "on", "both"), default="off",
+                        help="DPOExportConfig.close_cut_lists: also score each candidate the budget cut, closed after "
+                             "its last complete triplet; `both` trains both settings on the same sampled candidates "
+                             "(seeds.dpo_extractor: off, seeds.dpo_extractor_close_cut: on)")
     parser.add_argument("--seeds", type=int, default=1, help="train each agent this many times (seeds 0..N-1)")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
@@ -181,9 +183,7 @@ def main() -> None:
     train_db, eval_db = work / "traces-train.sqlite", work / "traces-eval.sqlite"
     if not (args.reuse and (work / "grpo-eval" / "dataset").exists()):
         prepare(args, work, model, train_db, eval_db)
-    dpo_dir = work / ("dpo-train-closed" if args.dpo_close_cut else "dpo-train")
-    if "dpo" in parts and not (args.reuse and (dpo_dir / "dataset").exists()):
-        export_pairs(args, train_db, dpo_dir)
+    arms = dpo_arms(args, work, train_db) if "dpo" in parts else {}
 
     eval_rows = [dict(r) for r in load_from_disk(str(work / "grpo-eval" / "dataset"))]
     eval_prompts = [r["prompt"] for r in eval_rows]
@@ -215,21 +215,21 @@ def main() -> None:
         if runs[0].get("plot_path") and not args.smoke:
             shutil.copy(runs[0]["plot_path"], results_dir / "learning_grpo_respondent_curves.png")
 
-    if "dpo" in parts:
+    if arms:
         before = extractor_metrics(generate(model, extract_prompts, args.extract_tokens, extractor.STOP), eval_events)
         log(f"before: extractor {before}")
+    for key, dpo_dir in arms.items():
         runs = [dpo_run(args, dpo_dir, work, model_path, extract_prompts, eval_events, seed) for seed in seeds]
         afters = [run["after"] for run in runs]
-        result["dpo_extractor"] = {"before": before, "after": afters[0], "steps": runs[0]["steps"],
-                                   "minutes": round(sum(r["minutes"] for r in runs) / len(runs), 1),
-                                   "pairs": len(load_from_disk(str(dpo_dir / "dataset"))),
-                                   "eval_prompts": len(eval_events), "samples": args.dpo_samples,
-                                   "close_cut_lists": args.dpo_close_cut}
+        result[key] = {"before": before, "after": afters[0], "steps": runs[0]["steps"],
+                       "minutes": round(sum(r["minutes"] for r in runs) / len(runs), 1),
+                       "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": len(eval_events),
+                       "samples": args.dpo_samples, "close_cut_lists": key.endswith("close_cut")}
         summary = over_seeds(before, afters)
-        result["seeds"]["dpo_extractor"] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
-                                            "strict_json_rate": summary.get("strict_json_rate")}
+        result["seeds"][key] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
+                                "strict_json_rate": summary.get("strict_json_rate")}
         if runs[0].get("plot_path") and not args.smoke:
-            shutil.copy(runs[0]["plot_path"], results_dir / "learning_dpo_extractor_curves.png")
+            shutil.copy(runs[0]["plot_path"], results_dir / f"learning_{key}_curves.png")
 
     result["decoding"] = "greedy, same prompts and token budgets before and after"
     write_result(result, out, started)
@@ -257,11 +257,11 @@ def dpo_run(args: argparse.Namespace, dpo_dir: Path, work: Path, model_path: str
     """Train the extractor with DPO from the base model (one seed) and measure it on the held-out prompts."""
     started = time.time()
     dpo = train_dpo(DPOTrainingConfig(
-        model=model_path, dataset=str(dpo_dir / "dataset"), output_dir=str(work / f"dpo-out-s{seed}"),
+        model=model_path, dataset=str(dpo_dir / "dataset"), output_dir=str(work / f"{dpo_dir.name}-out-s{seed}"),
         max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
         save_steps=10_000, seed=seed))
     minutes = (time.time() - started) / 60
-    merged = merged_model(dpo["model_dir"], model_path, work / f"dpo-merged-s{seed}")
+    merged = merged_model(dpo["model_dir"], model_path, work / f"{dpo_dir.name}-merged-s{seed}")
     after = extractor_metrics(generate(f"hf:{merged}", extract_prompts, args.extract_tokens, extractor.STOP),
                               eval_events)
     log(f"after dpo (seed {seed}): {after} ({minutes:.1f} min)")
@@ -284,14 +284,26 @@ def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, ev
         log(f"grpo export {name}: {counts}")
 
 
-def export_pairs(args: argparse.Namespace, train_db: Path, dpo_dir: Path) -> None:
-    """The extractor's DPO pairs from the training traces (sampled alternatives, reward margin)."""
-    shutil.rmtree(dpo_dir, ignore_errors=True)
-    counts = export_dpo(DPOExportConfig(traces=str(train_db), out=str(dpo_dir), samples=args.dpo_samples,
-                                        temperature=1.0, max_new_tokens=args.extract_tokens, usefulness=False,
-                                        margin=0.0 if args.smoke else 0.1, close_cut_lists=args.dpo_close_cut),
-                        progress=False)
-    log(f"dpo export ({dpo_dir.name}): {counts}")
+def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, Path]:
+    """The DPO settings to train, by result key, with their exported pairs: the extractor's pairs from the
+    training traces (sampled alternatives, reward margin), exported once; with `--dpo-close-cut both` the arm
+    without closed candidates reselects its pairs from the same scored samples."""
+    closing = args.dpo_close_cut != "off"
+    export = work / ("dpo-train-closed" if closing else "dpo-train")
+    margin = 0.0 if args.smoke else 0.1
+    if not (args.reuse and (export / "dataset").exists()):
+        shutil.rmtree(export, ignore_errors=True)
+        counts = export_dpo(DPOExportConfig(traces=str(train_db), out=str(export), samples=args.dpo_samples,
+                                            temperature=1.0, max_new_tokens=args.extract_tokens, usefulness=False,
+                                            margin=margin, close_cut_lists=closing), progress=False)
+        log(f"dpo export ({export.name}): {counts}")
+    if args.dpo_close_cut == "off":
+        return {"dpo_extractor": export}
+    if args.dpo_close_cut == "on":
+        return {"dpo_extractor_close_cut": export}
+    reselected = work / "dpo-train-same-samples"
+    log(f"dpo pairs without closed candidates: {reselect_pairs(str(train_db), export, reselected, margin, closed=False)}")
+    return {"dpo_extractor": reselected, "dpo_extractor_close_cut": export}
 
 
 def write_result(result: dict[str, Any], out: Path, started: float) -> None:
