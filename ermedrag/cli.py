@@ -101,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--temperature", type=float, default=0.9, help="dpo: sampling temperature")
     export.add_argument("--margin", type=float, default=0.1, help="dpo: minimum reward gap of a pair")
     export.add_argument("--no-usefulness", action="store_true", help="dpo: skip the respondent usefulness check")
+    export.add_argument("--close-cut-lists", action="store_true",
+                        help="dpo: also score each candidate the token budget cut, ended after its last complete triplet")
     export.add_argument("--noise", type=float, default=0.25, help="grpo: fraction of distractor triplets")
     export.add_argument("--questions", nargs="*", default=[],
                         help="med-r3: benchmark JSONL files the runs came from (gold evidence for the retrieval "
@@ -454,7 +456,8 @@ def _export(args: argparse.Namespace) -> int:
     if args.kind == "dpo":
         counts = export_dpo(DPOExportConfig(
             traces=traces, out=args.out, model=args.model, base_url=args.base_url, samples=args.samples,
-            temperature=args.temperature, margin=args.margin, usefulness=not args.no_usefulness, limit=args.limit))
+            temperature=args.temperature, margin=args.margin, usefulness=not args.no_usefulness, limit=args.limit,
+            close_cut_lists=args.close_cut_lists))
     elif args.kind == "med-r3":
         counts = export_med_r3(MedR3ExportConfig(traces=traces, out=args.out, questions=args.questions,
                                                  qrels=args.qrels, corpus_dir=args.corpus_dir, limit=args.limit))
