@@ -208,3 +208,15 @@ def test_an_index_of_one_bm25s_generation_opens_and_converts(tmp_path: Path) -> 
     assert {p.name for p in (directory / "bm25").iterdir()} == {".lock", "s000005"}
     assert rebuild_bm25(directory) == stats["chunks_total"]
     assert [s["name"] for s in json.loads((directory / "manifest.json").read_text())["bm25_segments"]] == ["s000006"]
+
+
+@pytest.mark.parametrize("listed", [[{"name": "../../elsewhere", "chunks": 3}], [{"name": "s000001"}], ["s000001"]])
+def test_a_manifest_with_bad_segment_entries_is_refused_naming_the_problem(tmp_path: Path, listed) -> None:
+    from ermedrag.tools.index import IndexUnavailable
+
+    directory = tmp_path / "index"
+    build_index(_documents(0, 5), directory, precomputed=HashVectors(), progress=False)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    (directory / "manifest.json").write_text(json.dumps({**manifest, "bm25_segments": listed}))
+    with pytest.raises(IndexUnavailable, match="manifest.json"):
+        open_index(directory)

@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -70,6 +71,7 @@ MANIFEST = "manifest.json"
 BM25_DIR = "bm25"
 LOCK = ".lock"
 STAGING_PREFIX = ".staging-"
+SEGMENT_NAME = re.compile(r"s\d{6}")
 OPEN_ATTEMPTS = 3  # a build may commit and remove the segments a reader was about to load: read again
 # Test hook: "point:seconds[,point:seconds]" sleeps at named points of a build (after printing the point on
 # stderr), so a test can kill it there. Points: vectors_added, bm25_writing, bm25_staged (each segment written),
@@ -278,10 +280,14 @@ def _segments(manifest: dict[str, Any]) -> dict[str, int] | None:
     if not isinstance(listed, list):
         return None
     try:
-        return {str(entry["name"]): int(entry["chunks"]) for entry in listed}
+        segments = {str(entry["name"]): int(entry["chunks"]) for entry in listed}
     except (TypeError, KeyError, ValueError) as err:
         raise IndexUnavailable(f"manifest.json: bm25_segments is not a list of {{name, chunks}} ({err!r}); "
                                "build a new index (`ermedrag index PATH --index-dir NEW_DIR`)") from err
+    if bad := [name for name in segments if not SEGMENT_NAME.fullmatch(name)]:  # names become paths under bm25/
+        raise IndexUnavailable(f"manifest.json: {bad[0]!r} is not a BM25 segment name (s + 6 digits); "
+                               "build a new index (`ermedrag index PATH --index-dir NEW_DIR`)")
+    return segments
 
 
 def _segment_names(manifest: dict[str, Any]) -> list[str] | None:
