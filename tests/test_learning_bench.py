@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 SCRIPT = REPO / "benches" / "learning" / "learning_signal.py"
@@ -65,3 +67,24 @@ def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> 
     assert summary["rewards/format"]["after"]["mean"] == 0.875 and summary["rewards/format"]["seeds_higher_after"] == 2
     assert summary["ended/budget"]["gain"]["values"] == [-6, -6]
     assert "ended/answer" not in summary  # only in one after: no before to compare with
+
+
+def test_seeds_added_later_extend_the_recorded_ones_against_the_same_before() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from seeds import afters_from_summary, gain, over_seeds
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    before = {"mean_reward": 0.5, "strict_json_rate": 0.1}
+    recorded = over_seeds(before, [{"mean_reward": 0.6, "strict_json_rate": 0.2},
+                                   {"mean_reward": 0.4, "strict_json_rate": 0.1}])
+    recorded = {**recorded, "mean_reward_gain": gain(recorded, "mean_reward")}  # extra keys are not metrics
+    earlier = afters_from_summary(recorded, before, 2)
+    assert earlier == [{"mean_reward": 0.6, "strict_json_rate": 0.2}, {"mean_reward": 0.4, "strict_json_rate": 0.1}]
+    grown = over_seeds(before, [*earlier, {"mean_reward": 0.8, "strict_json_rate": 0.3}])
+    assert grown["n"] == 3 and grown["mean_reward"]["after"]["values"] == [0.6, 0.4, 0.8]
+    assert grown["mean_reward"]["seeds_higher_after"] == 2
+    with pytest.raises(ValueError, match="another before"):
+        afters_from_summary(recorded, {**before, "mean_reward": 0.45}, 2)
+    with pytest.raises(ValueError, match="holds 2 seeds"):
+        afters_from_summary(recorded, before, 3)

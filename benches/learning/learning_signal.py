@@ -52,7 +52,7 @@ from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
-from seeds import accuracy_interval, gain, over_seeds  # noqa: E402
+from seeds import accuracy_interval, afters_from_summary, gain, over_seeds  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -159,8 +159,12 @@ def main() -> None:
                              "its last complete triplet; `both` trains both settings on the same sampled candidates "
                              "(seeds.dpo_extractor: off, seeds.dpo_extractor_close_cut: on)")
     parser.add_argument("--seeds", type=int, default=1, help="train each agent this many times (seeds 0..N-1)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="add seeds first..first+N-1 to the --out file's seeds 0..first-1 (same before, --reuse)")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
+    if args.first_seed and not args.reuse:
+        parser.error("--first-seed adds seeds to a recorded run: pass --reuse (the same traces, prompts and before)")
     parts = set(args.parts.split(","))
     started = time.time()
 
@@ -193,42 +197,53 @@ def main() -> None:
     result = json.loads(out.read_text()) if out.exists() else {}
     results_dir = Path(args.out).parent
 
-    seeds = list(range(max(args.seeds, 1)))
-    result["seeds"] = {**result.get("seeds", {}), "n": len(seeds)}  # --parts grpo keeps the DPO summary
+    seeds = list(range(args.first_seed, args.first_seed + max(args.seeds, 1)))
+    recorded = result.get("seeds", {})
+    result["seeds"] = {**recorded, "n": seeds[-1] + 1}  # --parts grpo keeps the DPO summary
+
+    def recorded_afters(key: str, before: dict[str, float]) -> list[dict[str, float]]:
+        """The seeds recorded before --first-seed (read before training: a different before stops the run)."""
+        return afters_from_summary(recorded.get(key, {}), before, args.first_seed) if args.first_seed else []
+
     if "grpo" in parts:
         before = respondent_metrics(generate(model, eval_prompts, args.respond_tokens, respondent.STOP), eval_rows)
         log(f"before: respondent {before}")
+        prior = recorded_afters("grpo_respondent", before)
         runs = [grpo_run(args, work, model_path, eval_prompts, eval_rows, seed) for seed in seeds]
-        afters = [run["after"] for run in runs]
+        afters = prior + [run["after"] for run in runs]
+        earlier = result.get("grpo_respondent", {}) if args.first_seed else {}
         result["grpo_respondent"] = {
-            "before": before, "after": afters[0], "steps": runs[0]["steps"],
+            "before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
             "minutes": round(sum(r["minutes"] for r in runs) / len(runs), 1),
             "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
             "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
             "num_generations": args.grpo_generations, "temperature": args.grpo_temperature,
-            "zero_variance_steps": [r["zero_variance_steps"] for r in runs]}
+            "zero_variance_steps": earlier.get("zero_variance_steps", []) + [r["zero_variance_steps"] for r in runs]}
         result["seeds"]["grpo_respondent"] = {
             **over_seeds(before, afters),
             "accuracy_before": accuracy_interval(before["accuracy"], len(eval_rows)),
             "accuracy_after": [accuracy_interval(a["accuracy"], len(eval_rows)) for a in afters],
-            "zero_variance_share": [(r["zero_variance_steps"] or {}).get("share") for r in runs]}
-        if runs[0].get("plot_path") and not args.smoke:
+            "zero_variance_share": recorded.get("grpo_respondent", {}).get("zero_variance_share", [])[:args.first_seed]
+            + [(r["zero_variance_steps"] or {}).get("share") for r in runs]}
+        if runs[0].get("plot_path") and not args.smoke and not args.first_seed:
             shutil.copy(runs[0]["plot_path"], results_dir / "learning_grpo_respondent_curves.png")
 
     if arms:
         before = extractor_metrics(generate(model, extract_prompts, args.extract_tokens, extractor.STOP), eval_events)
         log(f"before: extractor {before}")
     for key, dpo_dir in arms.items():
+        prior = recorded_afters(key, before)
         runs = [dpo_run(args, dpo_dir, work, model_path, extract_prompts, eval_events, seed) for seed in seeds]
-        afters = [run["after"] for run in runs]
-        result[key] = {"before": before, "after": afters[0], "steps": runs[0]["steps"],
+        afters = prior + [run["after"] for run in runs]
+        earlier = result.get(key, {}) if args.first_seed else {}
+        result[key] = {"before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
                        "minutes": round(sum(r["minutes"] for r in runs) / len(runs), 1),
                        "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": len(eval_events),
                        "samples": args.dpo_samples, "close_cut_lists": key.endswith("close_cut")}
         summary = over_seeds(before, afters)
         result["seeds"][key] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
                                 "strict_json_rate": summary.get("strict_json_rate")}
-        if runs[0].get("plot_path") and not args.smoke:
+        if runs[0].get("plot_path") and not args.smoke and not args.first_seed:
             shutil.copy(runs[0]["plot_path"], results_dir / f"learning_{key}_curves.png")
 
     result["decoding"] = "greedy, same prompts and token budgets before and after"

@@ -71,3 +71,19 @@ def gain(summary: dict[str, Any], metric: str) -> dict[str, float] | None:
         return None
     return {key: value for key, value in spread([v - entry["before"] for v in entry["after"]["values"]]).items()
             if key != "values"}
+
+
+def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count: int) -> list[dict[str, float]]:
+    """The first `count` seeds' after-metrics read back from an earlier `over_seeds` summary, so that a later run
+    can add seeds to it. Refused (ValueError) when the summary holds fewer seeds or was measured against another
+    before (other prompts or another base model)."""
+    if summary.get("n", 0) < count:
+        raise ValueError(f"the recorded summary holds {summary.get('n', 0)} seeds, not the {count} to add to")
+    entries = {name: entry for name, entry in summary.items()
+               if isinstance(entry, dict) and isinstance(entry.get("after"), dict) and "values" in entry["after"]}
+    flat_before = flat(before)
+    differing = [name for name, entry in entries.items()
+                 if name in flat_before and round(flat_before[name], 4) != entry["before"]]
+    if differing:
+        raise ValueError(f"the recorded seeds were measured against another before ({', '.join(differing)} differ)")
+    return [{name: entry["after"]["values"][i] for name, entry in entries.items()} for i in range(count)]
