@@ -46,6 +46,9 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
         assert set(dpo["mean_reward_gain"]) == {"mean", "sd"}
         assert len(dpo["strict_json_rate"]["after"]["values"]) == 2
         assert result[arm]["close_cut_lists"] == arm.endswith("close_cut")
+        for metric in ("reward/structure", "reward/faithfulness", "reward/conciseness", "mean_triplets",
+                       "mean_completion_chars"):  # every component of the extractor reward, and the lengths
+            assert len(dpo[metric]["after"]["values"]) == 2, metric
     assert result["dpo_extractor"]["before"] == result["dpo_extractor_close_cut"]["before"]
 
 

@@ -115,10 +115,16 @@ def extractor_metrics(completions: list[str], events: list[dict[str, Any]]) -> d
     parsed = [extractor.parse_triplets(c, "s") for c in completions]
     scored = [extractor_reward(c, e["inputs"]["snippet"], question=e["inputs"]["question"])
               for c, e in zip(completions, events)]
+    with_claims = [s for s, p in zip(scored, parsed) if p["triplets"]]  # faithfulness and conciseness judge claims
     return {
         "parseable_rate": sum(p["ok"] for p in parsed) / len(parsed),
         "strict_json_rate": sum(p["ok"] and p["strict"] for p in parsed) / len(parsed),
         "mean_reward": sum(s.total for s in scored) / len(scored),
+        "reward/structure": sum(s.structure for s in scored) / len(scored),
+        "reward/faithfulness": sum(s.faithfulness for s in with_claims) / max(len(with_claims), 1),
+        "reward/conciseness": sum(s.conciseness for s in with_claims) / max(len(with_claims), 1),
+        "mean_triplets": sum(len(p["triplets"]) for p in parsed) / len(parsed),
+        "mean_completion_chars": sum(len(c) for c in completions) / len(completions),
     }
 
 
