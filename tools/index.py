@@ -46,6 +46,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
@@ -635,7 +636,7 @@ def _commit_bm25(directory: Path, collection: Any, manifest: dict[str, Any], add
         ids, texts = list(added), list(added.values())
     if ids:
         name = _next_name(manifest)
-        _stage_segment(directory, name, lambda folder: write_segment(folder, ids, texts))
+        _stage_segment(directory, name, partial(write_segment, ids=ids, texts=texts))
         segments = {**segments, name: len(ids)}
     del texts
     segments = _merge_newest(directory, segments)
@@ -655,7 +656,7 @@ def _merge_newest(directory: Path, segments: dict[str, int]) -> dict[str, int]:
         return segments
     merged = f"s{int(names[-1][1:]) + 1:06d}"
     parts = [load_segment(directory / BM25_DIR / name) for name in names[-count:]]
-    _stage_segment(directory, merged, lambda folder: merge_segments(folder, parts))
+    _stage_segment(directory, merged, partial(merge_segments, segments=parts))
     return {**{name: segments[name] for name in names[:-count]}, merged: sum(p.size for p in parts)}
 
 
