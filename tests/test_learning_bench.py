@@ -55,7 +55,7 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
 def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> None:
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        from seeds import paired_over_seeds
+        from seeds import paired_over_seeds, part_over_seeds
     finally:
         sys.path.remove(str(SCRIPT.parent))
     befores = [{"accuracy": 0.25, "rewards": {"format": 0.5}, "ended": {"budget": 10}},
@@ -70,6 +70,10 @@ def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> 
     assert summary["rewards/format"]["after"]["mean"] == 0.875 and summary["rewards/format"]["seeds_higher_after"] == 2
     assert summary["ended/budget"]["gain"]["values"] == [-6, -6]
     assert "ended/answer" not in summary  # only in one after: no before to compare with
+    runs = [{"stage1": {"before": b, "after": a}} for b, a in zip(befores, afters)]
+    part = part_over_seeds(runs, "stage1", eval_prompts=4)  # what each multi-stage bench records per part
+    assert {k: v for k, v in part.items() if k != "accuracy_after"} == summary
+    assert [a["accuracy"] for a in part["accuracy_after"]] == [0.5, 0.25] and part["accuracy_after"][0]["n"] == 4
 
 
 def test_seeds_added_later_extend_the_recorded_ones_against_the_same_before() -> None:

@@ -2,8 +2,8 @@
 
 A segment stores raw term frequencies (postings by term) and each chunk's length, not precomputed scores, so a
 query scores with the statistics of every committed segment together (chunk count, document frequency, mean
-length): the same scores as one BM25 over all chunks (Lucene's variant, as bm25s computes it; tested against
-bm25s), however the chunks were split into commits. Adding 10k chunks to a million therefore tokenizes 10k
+length): the same scores as one BM25 over all chunks (Lucene's variant, rounded where bm25s rounds; tested
+equal to bm25s's bit for bit), however the chunks were split into commits. Adding 10k chunks to a million therefore tokenizes 10k
 texts, where a single bm25s index had to re-index the million.
 
 The newest segments are merged (postings concatenated; no text is tokenized again) while the newest is at least
@@ -150,8 +150,9 @@ class SegmentedBM25:
         lengths = np.concatenate([s.lengths for s in self.segments]) if self.segments else np.zeros(0)
         mean_length = float(lengths.mean(dtype=np.float64)) if len(lengths) and lengths.any() else 1.0
         self.offsets = np.cumsum([0] + [s.size for s in self.segments]).tolist()
-        # Each chunk's length normalisation k1(1 - b + b·len/avglen), once per opening, as a view per segment.
-        norms = (k1 * ((1 - b) + b * lengths / mean_length)).astype(np.float32)
+        # Each chunk's length normalisation k1(1 - b + b·len/avglen), once per opening, as a view per segment. It
+        # stays float64, like bm25s's, so that every score rounds to the same float32 as one bm25s index.
+        norms = k1 * ((1 - b) + b * lengths.astype(np.float64) / mean_length)
         self.norms = [norms[start:start + s.size] for start, s in zip(self.offsets, self.segments)]
 
     def __contains__(self, term: str) -> bool:
@@ -166,12 +167,14 @@ class SegmentedBM25:
             df = sum(end - start for _, start, end in spans)
             if not df:
                 continue
-            factor = np.float32(weight * math.log(1 + (self.num_chunks - df + 0.5) / (df + 0.5)))
+            # Rounded where bm25s rounds: idf to float32, then idf·tf-part (float64) to the float32 it stores.
+            idf = np.float64(np.float32(math.log(1 + (self.num_chunks - df + 0.5) / (df + 0.5))))
             for i, start, end in spans:
                 segment, offset = self.segments[i], self.offsets[i]
-                chunks, tf = segment.chunks[start:end], segment.tf[start:end]
+                chunks, tf = segment.chunks[start:end], segment.tf[start:end].astype(np.float64)
+                posting_scores = (idf * (tf / (self.norms[i][chunks] + tf))).astype(np.float32)
                 view = scores[offset:offset + segment.size]
-                view[chunks] += factor * (tf / (self.norms[i][chunks] + tf))  # a chunk appears once per term
+                view[chunks] += np.float32(weight) * posting_scores  # a chunk appears once per term
         return scores
 
 

@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 from learning_signal import abstracts_as_documents, answer_parsed_rate, log, write_result  # noqa: E402
-from seeds import accuracy_interval, paired_over_seeds  # noqa: E402
+from seeds import part_over_seeds  # noqa: E402
 
 from ermedrag.tools.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.index import build_index, open_index  # noqa: E402
@@ -157,10 +157,7 @@ def main() -> None:
     chains = [run_stages(replace(config, seed=seed, output_dir=str(work / f"train-s{seed}")), eval_rows, search, args,
                          measured) for seed in range(max(args.seeds, 1))]
     result: dict[str, Any] = dict(chains[0])  # the first seed's stages, as one run reports them
-    result["seeds"] = {"n": len(chains), **{name: {
-        **paired_over_seeds([c[name]["before"] for c in chains], [c[name]["after"] for c in chains]),
-        "accuracy_after": [accuracy_interval(c[name]["after"]["accuracy"], len(eval_rows)) for c in chains]}
-        for name in chains[0]}}
+    result["seeds"] = {"n": len(chains), **{name: part_over_seeds(chains, name, len(eval_rows)) for name in chains[0]}}
     if not args.smoke:
         for stage in STAGES:
             if chains[0][f"stage{stage}"].get("plot_path"):

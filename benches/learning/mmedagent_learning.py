@@ -597,12 +597,11 @@ def entropy_part(config, summaries: dict[str, dict], data: BenchData, args: argp
 def seeds_summary(runs: Sequence[dict[str, Any]], data: BenchData) -> dict[str, Any]:
     """Per part, each metric before and after over the seeds (`seeds.paired_over_seeds`), and held-out accuracy
     with its Wilson 95% interval per seed."""
-    from seeds import accuracy_interval, paired_over_seeds
+    from seeds import part_over_seeds
 
     summary: dict[str, Any] = {"n": len(runs), "training_seeds": [TRAINING_SEED + i for i in range(len(runs))]}
     for part, rows in (("triage", data.eval_triage), ("attending", data.eval_attending)):
-        summary[part] = {**paired_over_seeds([r[part]["before"] for r in runs], [r[part]["after"] for r in runs]),
-                         "accuracy_after": [accuracy_interval(r[part]["after"]["accuracy"], len(rows)) for r in runs]}
+        summary[part] = part_over_seeds(runs, part, len(rows))
     return summary
 
 

@@ -45,6 +45,13 @@ def paired_over_seeds(befores: Sequence[dict[str, float]], afters: Sequence[dict
     return summary
 
 
+def part_over_seeds(runs: Sequence[dict[str, Any]], part: str, eval_prompts: int) -> dict[str, Any]:
+    """One trained part (a stage, an agent) over the seeds' runs: `paired_over_seeds` of its before and after,
+    and its held-out accuracy after training with a Wilson 95% interval per seed."""
+    return {**paired_over_seeds([run[part]["before"] for run in runs], [run[part]["after"] for run in runs]),
+            "accuracy_after": [accuracy_interval(run[part]["after"]["accuracy"], eval_prompts) for run in runs]}
+
+
 def flat(metrics: dict[str, Any]) -> dict[str, Any]:
     """Nested metric groups (each reward component, how rollouts ended) as `group/name` entries beside the rest."""
     return {**{k: v for k, v in metrics.items() if not isinstance(v, dict)},
