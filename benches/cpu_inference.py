@@ -9,6 +9,9 @@ another on the same machine, so the figures are side by side:
 - `before`: the offline model as it ran before this bench's levers, in float32 (`ERMEDRAG_DTYPE=float32`);
 - `after`: the defaults (`tools.precision`: bfloat16 where the CPU has AVX512-BF16/AMX, as this one does);
 - `after-prefix_sharing`: `after` with the batch's shared prompt prefix computed per row again (fan-out only);
+- `after+int8_output_layer`: `after` with the output layer from int8 weights (`ERMEDRAG_OUTPUT_LAYER=int8`,
+  opt-in); with `after` it also decodes the agreement prompts, and the summary counts how many greedy outputs
+  came out the same;
 - levers on top of `after`, tokens/s only: eager attention instead of SDPA, a static KV cache, and that cache
   with `torch.compile` (its compilation time is `warm_up_s`).
 
@@ -21,6 +24,10 @@ Per configuration:
   base, whose top snippet is the first of the four), median over the questions; the design goal is ≤ 1.3×,
   the issue's target ≤ 1.5×.
 - `demo_s`: wall time of `python -m ermedrag demo` (model load, index open, the answer), once.
+- agreement (`after` and `after+int8_output_layer`): greedy decoding, single-stream, of 64 tokens after each of
+  24 extractor prompts (the starter knowledge base's first 24 passages, each with one of the three questions in
+  turn); the summary's `greedy_agreement` counts outputs identical to `after`'s and the mean share of each
+  output's tokens before the first difference.
 """
 
 from __future__ import annotations
@@ -51,8 +58,9 @@ QUESTIONS = [
 # name: (environment, what the child measures)
 CONFIGURATIONS = {
     "before": ({"ERMEDRAG_DTYPE": "float32"}, ("tokens", "fanout", "demo")),
-    "after": ({}, ("tokens", "fanout", "demo")),
+    "after": ({}, ("tokens", "fanout", "demo", "agreement")),
     "after-prefix_sharing": ({"ERMEDRAG_HF_SHARE_PREFIX": "0"}, ("fanout",)),
+    "after+int8_output_layer": ({"ERMEDRAG_OUTPUT_LAYER": "int8"}, ("tokens", "fanout", "demo", "agreement")),
     "after+eager_attention": ({"BENCH_ATTENTION": "eager"}, ("tokens",)),
     "after+static_cache": ({"BENCH_CACHE": "static"}, ("tokens",)),
     "after+static_cache+compile": ({"BENCH_CACHE": "static", "BENCH_COMPILE": "1"}, ("tokens",)),
@@ -101,6 +109,8 @@ def child(parts: list[str], quick: bool) -> dict:
         out.update(prompt_tokens=int(ids.shape[1]), new_tokens=new_tokens, prefill_s=round(prefill, 3),
                    generate_s=round(total, 3), tokens_per_s=round(new_tokens / total, 2),
                    decode_tokens_per_s=round((new_tokens - 1) / max(total - prefill, 1e-9), 2))
+    if "agreement" in parts:
+        out["greedy_ids"] = greedy_outputs(tokenizer, model, 16 if quick else 64, 3 if quick else 24)
     if "fanout" in parts:
         from ermedrag.graphs.registry import load_graph
         from ermedrag.tools.starter_kb import starter_index_dir
@@ -135,6 +145,37 @@ def child(parts: list[str], quick: bool) -> dict:
     return out
 
 
+def greedy_outputs(tokenizer, model, new_tokens: int, count: int) -> list[list[int]]:
+    """Greedy token ids after each agreement prompt, one prompt at a time (see the module's docstring)."""
+    import torch
+
+    from ermedrag.agents import extractor
+    from ermedrag.tools.starter_kb import PASSAGES
+
+    passages = [json.loads(line) for line in PASSAGES.read_text().splitlines() if line.strip()][:count]
+    outputs = []
+    for number, passage in enumerate(passages):
+        question, _ = QUESTIONS[number % len(QUESTIONS)]
+        ids = tokenizer.apply_chat_template(extractor.build_messages(question, passage["text"]),
+                                            add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        with torch.inference_mode():
+            new = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        outputs.append(new[0, ids.shape[1]:].tolist())
+    return outputs
+
+
+def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """How many outputs are identical, and the mean share of each reference output kept before the first
+    differing token."""
+    def kept(a: list[int], b: list[int]) -> float:
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return 1.0 if a == b else same / max(len(a), 1)
+
+    return {"identical": sum(a == b for a, b in zip(reference, other)), "prompts": len(reference),
+            "mean_share_before_first_difference": round(statistics.fmean(map(kept, reference, other)), 3)}
+
+
 def run_child(name: str, environment: dict[str, str], parts: tuple[str, ...], quick: bool) -> dict:
     env = {**os.environ, **OFFLINE_ENV, **environment}
     command = [sys.executable, __file__, "--child", ",".join(p for p in parts if p != "demo")]
@@ -152,7 +193,7 @@ def run_child(name: str, environment: dict[str, str], parts: tuple[str, ...], qu
                               text=True, timeout=3600)
         result["demo_s"] = round(time.perf_counter() - started, 1)
         result["demo_exit_code"] = proc.returncode
-    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'fanout_runs'})}", flush=True)
+    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k not in ('fanout_runs', 'greedy_ids')})}", flush=True)
     return result
 
 
@@ -170,6 +211,7 @@ def main() -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     names = args.only.split(",") if args.only else list(CONFIGURATIONS)
     results = {name: run_child(name, *CONFIGURATIONS[name], args.quick) for name in names}
+    greedy = {name: result.pop("greedy_ids") for name, result in results.items() if "greedy_ids" in result}
     record: dict = {"configurations": results}
     if {"before", "after"} <= results.keys():
         before, after = results["before"], results["after"]
@@ -181,6 +223,16 @@ def main() -> None:
             "extract_s_k4": {"before": before.get("extract_s_k4"), "after": after.get("extract_s_k4")},
             "demo_s": {"before": before.get("demo_s"), "after": after.get("demo_s")},
         }
+    if {"after", "after+int8_output_layer"} <= results.keys():
+        int8 = results["after+int8_output_layer"]
+        record.setdefault("summary", {})["int8_output_layer"] = {
+            "tokens_per_s": int8.get("tokens_per_s"),
+            "speedup_over_after": round(int8["tokens_per_s"] / results["after"]["tokens_per_s"], 2),
+            "speedup_over_before": (round(int8["tokens_per_s"] / results["before"]["tokens_per_s"], 2)
+                                    if "before" in results else None),
+            "extract_fanout_ratio": int8.get("extract_fanout_ratio"), "extract_s_k4": int8.get("extract_s_k4"),
+            "demo_s": int8.get("demo_s"),
+            "greedy_agreement": greedy_agreement(greedy["after"], greedy["after+int8_output_layer"])}
     record.update(command="python benches/cpu_inference.py" + (" --quick" if args.quick else ""),
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   machine=f"{platform.machine()}, {os.cpu_count()} cores, load average {load} at start",

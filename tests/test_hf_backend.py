@@ -268,6 +268,36 @@ def test_loading_says_what_it_loads_once_without_progress_bars(tmp_path, capfd):
     assert "Loading weights" not in err and "it/s" not in err
 
 
+def test_an_int8_output_layer_is_opt_in_and_equals_its_dequantized_weights(tmp_path, monkeypatch, capfd):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_causal_lm(tmp_path / "model")
+    monkeypatch.delenv("ERMEDRAG_OUTPUT_LAYER", raising=False)
+    _, default = load_hf_model(build_tiny_causal_lm(tmp_path / "default"), "cpu")
+    assert type(default.get_output_embeddings()) is torch.nn.Linear  # the stored precision unless asked
+
+    monkeypatch.setenv("ERMEDRAG_OUTPUT_LAYER", "int8")
+    capfd.readouterr()
+    _, model = load_hf_model(path, "cpu")
+    assert "(float32, int8 output layer," in capfd.readouterr().err
+    head = model.get_output_embeddings()
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    weight = reference.get_output_embeddings().weight.detach()
+    dequantized = head.qweight.float() * head.scales.float()[:, None]
+    assert head.qweight.dtype == torch.int8 and head.qweight.shape == weight.shape
+    assert bool(((dequantized - weight).abs() <= head.scales.float()[:, None] / 2 + 1e-7).all())  # round to nearest
+    ids = torch.tensor([[5, 17, 42, 9, 3]])
+    with torch.inference_mode():
+        hidden = reference(ids, output_hidden_states=True).hidden_states[-1]  # what the output layer reads
+        logits = model(ids).logits
+    torch.testing.assert_close(logits, hidden @ dequantized.T, rtol=1e-4, atol=1e-4)
+
+    monkeypatch.setenv("ERMEDRAG_OUTPUT_LAYER", "int4")
+    with pytest.raises(ValueError, match="ERMEDRAG_OUTPUT_LAYER='int4': expected one of same, int8"):
+        load_hf_model(build_tiny_causal_lm(tmp_path / "other"), "cpu")
+
+
 def _threads() -> int:
     import torch
 

@@ -74,3 +74,59 @@ def checkpoint_dtype(source: str) -> str | None:
         if stored is not None:
             return str(stored).removeprefix("torch.")
     return None
+
+
+
+OUTPUT_LAYER_CHOICES = ("same", "int8")
+
+
+def output_layer_choice() -> str:
+    """`ERMEDRAG_OUTPUT_LAYER`: `same` (default: the output layer computes in the model's dtype) or `int8`."""
+    choice = os.environ.get("ERMEDRAG_OUTPUT_LAYER", "same").strip().lower() or "same"
+    if choice not in OUTPUT_LAYER_CHOICES:
+        raise ValueError(f"ERMEDRAG_OUTPUT_LAYER={choice!r}: expected one of {', '.join(OUTPUT_LAYER_CHOICES)}")
+    return choice
+
+
+def quantize_output_layer(model: Any) -> bool:
+    """With `ERMEDRAG_OUTPUT_LAYER=int8`, a CPU model's output layer computes from int8 weights (one scale per
+    vocabulary row) instead of its own. For Gemma 3 270M that layer is 168M of the 268M weights (a 262k
+    vocabulary), read in full at every decoded token: reading half the bytes speeds up single-stream decoding
+    (benches/cpu_inference.py). Opt-in, since greedy decoding can turn its small logit differences into other
+    tokens (the bench counts how often). True when the layer was replaced."""
+    if output_layer_choice() != "int8":
+        return False
+    import torch
+
+    head = model.get_output_embeddings()
+    if (not isinstance(head, torch.nn.Linear) or head.bias is not None or head.weight.device.type != "cpu"
+            or head.weight.dtype not in (torch.bfloat16, torch.float32)):
+        raise ValueError("ERMEDRAG_OUTPUT_LAYER=int8 needs a model on the CPU (bfloat16 or float32) whose output "
+                         "layer is a linear layer without bias")
+    model.set_output_embeddings(int8_output_layer_class()(head.weight))
+    return True
+
+
+@lru_cache(maxsize=1)
+def int8_output_layer_class() -> type:
+    """The int8 output layer's module class (defined on first use: this module does not import torch)."""
+    import torch
+
+    class Int8OutputLayer(torch.nn.Module):
+        """logits = x · Wᵀ with W stored as int8 rows and a scale per row (symmetric, round to nearest), through
+        torch's weight-only int8 kernel in the activations' dtype."""
+
+        def __init__(self, weight: torch.Tensor):
+            super().__init__()
+            with torch.no_grad():
+                rows = weight.detach().float()
+                scales = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
+                self.register_buffer("qweight", torch.round(rows / scales[:, None]).clamp(-127, 127).to(torch.int8))
+                self.register_buffer("scales", scales.to(weight.dtype))
+            self.out_features, self.in_features = weight.shape
+
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            rows = hidden.reshape(-1, self.in_features).to(self.scales.dtype)
+            return torch._weight_int8pack_mm(rows, self.qweight, self.scales).reshape(*hidden.shape[:-1], -1)
+
+    return Int8OutputLayer
