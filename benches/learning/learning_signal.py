@@ -205,7 +205,7 @@ def main() -> None:
 
     seeds = list(range(args.first_seed, args.first_seed + max(args.seeds, 1)))
     recorded = result.get("seeds", {})
-    result["seeds"] = {**recorded, "n": seeds[-1] + 1}  # --parts grpo keeps the DPO summary
+    result["seeds"] = dict(recorded)  # --parts grpo keeps the DPO summary
 
     def recorded_afters(key: str, before: dict[str, float]) -> list[dict[str, float]]:
         """The seeds recorded before --first-seed (read before training: a different before stops the run)."""
@@ -252,6 +252,8 @@ def main() -> None:
         if runs[0].get("plot_path") and not args.smoke and not args.first_seed:
             shutil.copy(runs[0]["plot_path"], results_dir / f"learning_{key}_curves.png")
 
+    # The seeds every recorded part has (parts may be recorded in different runs, with different counts).
+    result["seeds"]["n"] = min(part["n"] for part in result["seeds"].values() if isinstance(part, dict))
     result["decoding"] = "greedy, same prompts and token budgets before and after"
     write_result(result, out, started)
 
