@@ -52,7 +52,7 @@ from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
-from seeds import accuracy_interval, afters_from_summary, gain, over_seeds  # noqa: E402
+from seeds import accuracy_interval, afters_from_summary, gain, over_seeds, trained_earlier  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -220,8 +220,7 @@ def main() -> None:
         earlier = result.get("grpo_respondent", {}) if args.first_seed else {}
         result["grpo_respondent"] = {
             "before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
-            "minutes": round(sum(r["minutes"] for r in runs) / len(runs), 1),
-            "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
+            "minutes": mean_minutes(runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
             "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
             "num_generations": args.grpo_generations, "temperature": args.grpo_temperature,
             "zero_variance_steps": earlier.get("zero_variance_steps", []) + [r["zero_variance_steps"] for r in runs]}
@@ -243,7 +242,7 @@ def main() -> None:
         afters = prior + [run["after"] for run in runs]
         earlier = result.get(key, {}) if args.first_seed else {}
         result[key] = {"before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
-                       "minutes": round(sum(r["minutes"] for r in runs) / len(runs), 1),
+                       "minutes": mean_minutes(runs),
                        "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": len(eval_events),
                        "samples": args.dpo_samples, "close_cut_lists": key.endswith("close_cut")}
         summary = over_seeds(before, afters)
@@ -261,34 +260,45 @@ def main() -> None:
 def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts: list, eval_rows: list[dict],
              seed: int) -> dict[str, Any]:
     """Train the respondent with GRPO from the base model (one seed) and measure it on the held-out prompts."""
-    started = time.time()
-    grpo = train_grpo(GRPOTrainingConfig(  # rewards unset: the respondent's defaults
+    config = GRPOTrainingConfig(  # rewards unset: the respondent's defaults
         model=model_path, dataset=str(work / "grpo-train" / "dataset"), output_dir=str(work / f"grpo-out-s{seed}"),
         max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=args.grpo_generations,
         per_device_train_batch_size=args.grpo_generations, max_completion_length=args.respond_tokens,
-        temperature=args.grpo_temperature, save_steps=10_000, seed=seed))
-    minutes = (time.time() - started) / 60
-    merged = merged_model(grpo["model_dir"], model_path, work / f"grpo-merged-s{seed}")
-    after = respondent_metrics(generate(f"hf:{merged}", eval_prompts, args.respond_tokens, respondent.STOP), eval_rows)
-    log(f"after grpo (seed {seed}): {after} ({minutes:.1f} min; {grpo.get('zero_variance_steps')})")
-    return {"after": after, "steps": grpo["steps"], "minutes": minutes, "plot_path": grpo.get("plot_path"),
-            "zero_variance_steps": grpo.get("zero_variance_steps")}
+        temperature=args.grpo_temperature, save_steps=10_000, seed=seed)
+    run = trained(args, config, work / f"grpo-merged-s{seed}", train_grpo)
+    after = respondent_metrics(generate(f"hf:{run['merged']}", eval_prompts, args.respond_tokens, respondent.STOP),
+                               eval_rows)
+    log(f"after grpo (seed {seed}): {after} ({run['minutes']} min; {run.get('zero_variance_steps')})")
+    return {"after": after, **run}
 
 
 def dpo_run(args: argparse.Namespace, dpo_dir: Path, work: Path, model_path: str, extract_prompts: list,
             eval_events: list[dict], seed: int) -> dict[str, Any]:
     """Train the extractor with DPO from the base model (one seed) and measure it on the held-out prompts."""
-    started = time.time()
-    dpo = train_dpo(DPOTrainingConfig(
+    config = DPOTrainingConfig(
         model=model_path, dataset=str(dpo_dir / "dataset"), output_dir=str(work / f"{dpo_dir.name}-out-s{seed}"),
         max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
-        save_steps=10_000, seed=seed))
-    minutes = (time.time() - started) / 60
-    merged = merged_model(dpo["model_dir"], model_path, work / f"{dpo_dir.name}-merged-s{seed}")
-    after = extractor_metrics(generate(f"hf:{merged}", extract_prompts, args.extract_tokens, extractor.STOP),
+        save_steps=10_000, seed=seed)
+    run = trained(args, config, work / f"{dpo_dir.name}-merged-s{seed}", train_dpo)
+    after = extractor_metrics(generate(f"hf:{run['merged']}", extract_prompts, args.extract_tokens, extractor.STOP),
                               eval_events)
-    log(f"after dpo (seed {seed}): {after} ({minutes:.1f} min)")
-    return {"after": after, "steps": dpo["steps"], "minutes": minutes, "plot_path": dpo.get("plot_path")}
+    log(f"after dpo (seed {seed}): {after} ({run['minutes']} min)")
+    return {"after": after, **run}
+
+
+def trained(args: argparse.Namespace, config: Any, merged: Path, train: Any) -> dict[str, Any]:
+    """Train one seed from the base model and merge its adapter; with `--reuse`, a seed an earlier run trained
+    with this very config is measured again instead (`minutes` None, `reused` True)."""
+    earlier = trained_earlier(config, merged) if args.reuse else None
+    if earlier:
+        log(f"reusing {merged.name}: trained earlier with this config ({earlier['steps']} steps)")
+        return {**earlier, "minutes": None, "reused": True, "merged": str(merged), "plot_path": None}
+    started = time.time()
+    summary = train(config)
+    minutes = round((time.time() - started) / 60, 1)
+    merged_model(summary["model_dir"], config.model, merged)
+    return {"steps": summary["steps"], "minutes": minutes, "reused": False, "merged": str(merged),
+            "plot_path": summary.get("plot_path"), "zero_variance_steps": summary.get("zero_variance_steps")}
 
 
 def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, eval_db: Path) -> None:
@@ -327,6 +337,12 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
     reselected = work / "dpo-train-same-samples"
     log(f"dpo pairs without closed candidates: {reselect_pairs(str(train_db), export, reselected, margin, closed=False)}")
     return {"dpo_extractor": reselected, "dpo_extractor_close_cut": export}
+
+
+def mean_minutes(runs: list[dict[str, Any]]) -> float | None:
+    """Training minutes per seed, over the seeds this run trained (reused ones were timed by their own run)."""
+    timed = [run["minutes"] for run in runs if run["minutes"] is not None]
+    return round(sum(timed) / len(timed), 1) if timed else None
 
 
 def write_result(result: dict[str, Any], out: Path, started: float) -> None:

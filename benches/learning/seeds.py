@@ -6,8 +6,11 @@ the spread over seeds is the training's own (LoRA initialisation, data order, sa
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ermedrag.evals.metrics import wilson_interval
@@ -94,3 +97,20 @@ def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count
     if differing:
         raise ValueError(f"the recorded seeds were measured against another before ({', '.join(differing)} differ)")
     return [{name: entry["after"]["values"][i] for name, entry in entries.items()} for i in range(count)]
+
+
+def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
+    """A seed trained by an earlier run with this very training config (`--reuse`): the steps it ran, read from
+    its output folder; None when the config differs, the run did not finish, or its merged model is missing.
+    A trainer writes its config after its last metrics, and the model is merged after that: a run interrupted
+    since then leaves metrics newer than the config (or a model older than it) and is not reused."""
+    metrics, saved = Path(config.output_dir) / "metrics.jsonl", Path(config.output_dir) / "training_config.json"
+    weights = merged / "model.safetensors"
+    if not all(f.exists() for f in (metrics, saved, weights, merged / "config.json")):
+        return None
+    if not metrics.stat().st_mtime <= saved.stat().st_mtime <= weights.stat().st_mtime:
+        return None
+    if json.loads(saved.read_text()) != json.loads(json.dumps(dataclasses.asdict(config), default=str)):
+        return None
+    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+    return {"steps": max(steps, default=0)}
