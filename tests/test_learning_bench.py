@@ -133,7 +133,7 @@ def test_a_seed_is_reused_only_when_its_run_finished_with_the_same_config(tmp_pa
     for number, (name, path) in enumerate(files.items()):  # written in the order a finished run writes them
         path.write_text(texts[name])
         os.utime(path, (1000 + number, 1000 + number))
-    assert trained_earlier(config, merged) == {"steps": 3}
+    assert trained_earlier(config, merged) == {"steps": 3, "zero_variance_steps": None}  # not a GRPO run
     assert trained_earlier(dataclasses.replace(config, seed=1), merged) is None  # another config
     os.utime(files["metrics"], (2000, 2000))  # an interrupted later run rewrote the metrics
     assert trained_earlier(config, merged) is None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ermedrag.evals.metrics import wilson_interval
+from ermedrag.training.metrics import zero_variance_steps
 
 
 def over_seeds(before: dict[str, float], afters: Sequence[dict[str, float]]) -> dict[str, Any]:
@@ -100,8 +101,8 @@ def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count
 
 
 def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
-    """A seed trained by an earlier run with this very training config (`--reuse`): the steps it ran, read from
-    its output folder; None when the config differs, the run did not finish, or its merged model is missing.
+    """A seed trained by an earlier run with this very training config (`--reuse`): the steps it ran and its
+    zero-variance steps (GRPO), read from its output folder; None when the config differs, the run did not finish, or its merged model is missing.
     A trainer writes its config after its last metrics, and the model is merged after that: a run interrupted
     since then leaves metrics newer than the config (or a model older than it) and is not reused."""
     metrics, saved = Path(config.output_dir) / "metrics.jsonl", Path(config.output_dir) / "training_config.json"
@@ -112,5 +113,6 @@ def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
         return None
     if json.loads(saved.read_text()) != json.loads(json.dumps(dataclasses.asdict(config), default=str)):
         return None
-    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
-    return {"steps": max(steps, default=0)}
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = [r for r in records if "loss" in r]  # what the trainer's own summary reads
+    return {"steps": max((r.get("step", 0) for r in steps), default=0), "zero_variance_steps": zero_variance_steps(steps)}
