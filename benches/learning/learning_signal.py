@@ -160,6 +160,9 @@ def main() -> None:
                              "model leaves the format, a group's rewards are equal and GRPO learns nothing)")
     parser.add_argument("--dpo-steps", type=int, default=20)
     parser.add_argument("--dpo-samples", type=int, default=3)
+    parser.add_argument("--dpo-temperature", type=float, default=1.0,
+                        help="temperature the DPO export samples alternatives at (other than 1: its own export "
+                             "folder and result keys, e.g. dpo_extractor_close_cut_t0.7)")
     parser.add_argument("--dpo-close-cut", choices=("off", "on", "both"), default="off",
                         help="DPOExportConfig.close_cut_lists: also score each candidate the budget cut, closed after "
                              "its last complete triplet; `both` trains both settings on the same sampled candidates "
@@ -244,7 +247,8 @@ def main() -> None:
         result[key] = {"before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
                        "minutes": mean_minutes(runs),
                        "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": len(eval_events),
-                       "samples": args.dpo_samples, "close_cut_lists": key.endswith("close_cut")}
+                       "samples": args.dpo_samples, "sampling_temperature": args.dpo_temperature,
+                       "close_cut_lists": "close_cut" in key}
         summary = over_seeds(before, afters)
         result["seeds"][key] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
                                 "strict_json_rate": summary.get("strict_json_rate")}
@@ -322,21 +326,23 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
     training traces (sampled alternatives, reward margin), exported once; with `--dpo-close-cut both` the arm
     without closed candidates reselects its pairs from the same scored samples."""
     closing = args.dpo_close_cut != "off"
-    export = work / ("dpo-train-closed" if closing else "dpo-train")
+    # Another sampling temperature is another export, and its arms are recorded under their own keys.
+    suffix = "" if args.dpo_temperature == 1.0 else f"_t{args.dpo_temperature:g}"
+    export = work / (("dpo-train-closed" if closing else "dpo-train") + suffix.replace("_", "-"))
     margin = 0.0 if args.smoke else 0.1
     if not (args.reuse and (export / "dataset").exists()):
         shutil.rmtree(export, ignore_errors=True)
         counts = export_dpo(DPOExportConfig(traces=str(train_db), out=str(export), samples=args.dpo_samples,
-                                            temperature=1.0, max_new_tokens=args.extract_tokens, usefulness=False,
+                                            temperature=args.dpo_temperature, max_new_tokens=args.extract_tokens, usefulness=False,
                                             margin=margin, close_cut_lists=closing), progress=False)
         log(f"dpo export ({export.name}): {counts}")
     if args.dpo_close_cut == "off":
-        return {"dpo_extractor": export}
+        return {"dpo_extractor" + suffix: export}
     if args.dpo_close_cut == "on":
-        return {"dpo_extractor_close_cut": export}
-    reselected = work / "dpo-train-same-samples"
+        return {"dpo_extractor_close_cut" + suffix: export}
+    reselected = work / ("dpo-train-same-samples" + suffix.replace("_", "-"))
     log(f"dpo pairs without closed candidates: {reselect_pairs(str(train_db), export, reselected, margin, closed=False)}")
-    return {"dpo_extractor": reselected, "dpo_extractor_close_cut": export}
+    return {"dpo_extractor" + suffix: reselected, "dpo_extractor_close_cut" + suffix: export}
 
 
 def mean_minutes(runs: list[dict[str, Any]]) -> float | None:
