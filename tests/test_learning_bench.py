@@ -51,8 +51,8 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
             assert len(dpo[metric]["after"]["values"]) == 2, metric
     assert result["dpo_extractor"]["before"] == result["dpo_extractor_close_cut"]["before"]
 
-    # --reuse with a third seed: the two trained seeds are measured again from their saved models, not retrained.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--reuse", "--parts", "dpo", "--seeds", "3",
+    # --reuse-trained with a third seed: the two trained seeds are measured again from their merged models.
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--reuse", "--reuse-trained", "--parts", "dpo", "--seeds", "3",
                            "--dpo-close-cut", "both", "--data", str(shared_data), "--work", str(tmp_path)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -62,6 +62,7 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     for arm in ("dpo_extractor", "dpo_extractor_close_cut"):
         values = grown["seeds"][arm]["mean_reward"]["after"]["values"]
         assert len(values) == 3 and values[:2] == seeds[arm]["mean_reward"]["after"]["values"]
+        assert grown[arm]["reused_seeds"] == [0, 1]
 
 
 def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> None:
@@ -109,12 +110,12 @@ def test_seeds_added_later_extend_the_recorded_ones_against_the_same_before() ->
         afters_from_summary(recorded, before, 3)
 
 
-def test_a_seed_is_reused_only_when_its_run_finished_with_the_same_config(tmp_path: Path) -> None:
+def test_a_seed_is_reused_only_when_its_merge_finished_with_the_same_config(tmp_path: Path) -> None:
     import dataclasses
 
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        from seeds import trained_earlier
+        from seeds import RUN_FILE, record_trained, trained_earlier
     finally:
         sys.path.remove(str(SCRIPT.parent))
 
@@ -125,18 +126,11 @@ def test_a_seed_is_reused_only_when_its_run_finished_with_the_same_config(tmp_pa
         seed: int = 0
 
     config, merged = Config(str(tmp_path / "out")), tmp_path / "merged"
-    (tmp_path / "out").mkdir(), merged.mkdir()
-    files = {"metrics": tmp_path / "out" / "metrics.jsonl", "config": tmp_path / "out" / "training_config.json",
-             "model_config": merged / "config.json", "weights": merged / "model.safetensors"}
-    texts = {"metrics": "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2, 3)),
-             "config": json.dumps(dataclasses.asdict(config)), "model_config": "{}", "weights": "w"}
-    for number, (name, path) in enumerate(files.items()):  # written in the order a finished run writes them
-        path.write_text(texts[name])
-        os.utime(path, (1000 + number, 1000 + number))
-    assert trained_earlier(config, merged) == {"steps": 3, "zero_variance_steps": None}  # not a GRPO run
+    merged.mkdir()
+    assert trained_earlier(config, merged) is None  # never merged
+    run = {"steps": 3, "minutes": 1.5, "zero_variance_steps": {"share": 0.25}}
+    record_trained(merged, config, run)
+    assert trained_earlier(config, merged) == run
     assert trained_earlier(dataclasses.replace(config, seed=1), merged) is None  # another config
-    os.utime(files["metrics"], (2000, 2000))  # an interrupted later run rewrote the metrics
-    assert trained_earlier(config, merged) is None
-    os.utime(files["metrics"], (1000, 1000))
-    files["weights"].unlink()  # the merge never finished
+    (merged / RUN_FILE).unlink()  # what a new training of the seed does first
     assert trained_earlier(config, merged) is None

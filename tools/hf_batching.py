@@ -232,8 +232,9 @@ class BatchingGenerator:
         gen = generation_kwargs(params, stats, self.tokenizer, pad)
         with torch.inference_mode():
             if shared:  # one prompt pass for what every row starts with, its cache copied to every row
+                # Only the cache is wanted: logits_to_keep=1 spares a [prefix, vocabulary] product (262k for Gemma).
                 cache = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device),
-                                   use_cache=True).cache
+                                   use_cache=True, logits_to_keep=1).cache
                 cache.batch_repeat_interleave(len(batch))
                 gen["cache"] = cache
             sequences = self.model.generate(input_ids=torch.tensor(rows_ids, device=self.device),

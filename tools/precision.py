@@ -76,12 +76,12 @@ def checkpoint_dtype(source: str) -> str | None:
     return None
 
 
-
 OUTPUT_LAYER_CHOICES = ("same", "int8")
 
 
 def output_layer_choice() -> str:
-    """`ERMEDRAG_OUTPUT_LAYER`: `same` (default: the output layer computes in the model's dtype) or `int8`."""
+    """`ERMEDRAG_OUTPUT_LAYER`: `same` (default: the output layer computes in the model's dtype) or `int8`
+    (bfloat16 models on a CPU)."""
     choice = os.environ.get("ERMEDRAG_OUTPUT_LAYER", "same").strip().lower() or "same"
     if choice not in OUTPUT_LAYER_CHOICES:
         raise ValueError(f"ERMEDRAG_OUTPUT_LAYER={choice!r}: expected one of {', '.join(OUTPUT_LAYER_CHOICES)}")
@@ -93,17 +93,22 @@ def quantize_output_layer(model: Any) -> bool:
     vocabulary row) instead of its own. For Gemma 3 270M that layer is 168M of the 268M weights (a 262k
     vocabulary), read in full at every decoded token: reading half the bytes speeds up single-stream decoding
     (benches/cpu_inference.py). Opt-in, since greedy decoding can turn its small logit differences into other
-    tokens (the bench counts how often). True when the layer was replaced."""
+    tokens (the bench counts how often). Memory grows by the int8 copy (168 MB for Gemma 270M) where the
+    bfloat16 weights stay as the input embedding they are tied to. Only bfloat16: torch's int8 kernel is vectorised for
+    bfloat16 activations. True when the layer was replaced."""
     if output_layer_choice() != "int8":
         return False
     import torch
 
     head = model.get_output_embeddings()
-    if (not isinstance(head, torch.nn.Linear) or head.bias is not None or head.weight.device.type != "cpu"
-            or head.weight.dtype not in (torch.bfloat16, torch.float32)):
-        raise ValueError("ERMEDRAG_OUTPUT_LAYER=int8 needs a model on the CPU (bfloat16 or float32) whose output "
-                         "layer is a linear layer without bias")
-    model.set_output_embeddings(int8_output_layer_class()(head.weight))
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or weight.device.type != "cpu" \
+            or weight.dtype != torch.bfloat16:
+        found = (f"a {type(head).__name__}" + (f" in {weight.dtype} on {weight.device}" if weight is not None else "")
+                 + (" with a bias" if getattr(head, "bias", None) is not None else ""))
+        raise ValueError("ERMEDRAG_OUTPUT_LAYER=int8 needs a bfloat16 model on the CPU whose output layer is a linear "
+                         f"layer without bias; this output layer is {found}")
+    model.set_output_embeddings(int8_output_layer_class()(weight))
     return True
 
 
@@ -116,17 +121,25 @@ def int8_output_layer_class() -> type:
         """logits = x · Wᵀ with W stored as int8 rows and a scale per row (symmetric, round to nearest), through
         torch's weight-only int8 kernel in the activations' dtype."""
 
-        def __init__(self, weight: torch.Tensor):
+        def __init__(self, weight: torch.Tensor, rows_per_chunk: int = 16384):
             super().__init__()
-            with torch.no_grad():
-                rows = weight.detach().float()
-                scales = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
-                self.register_buffer("qweight", torch.round(rows / scales[:, None]).clamp(-127, 127).to(torch.int8))
-                self.register_buffer("scales", scales.to(weight.dtype))
             self.out_features, self.in_features = weight.shape
+            qweight = torch.empty(weight.shape, dtype=torch.int8)
+            scales = torch.empty(self.out_features, dtype=weight.dtype)
+            with torch.no_grad():  # in chunks: a float32 copy of Gemma's whole head would be 0.7 GB
+                for start in range(0, self.out_features, rows_per_chunk):
+                    rows = weight[start:start + rows_per_chunk].float()
+                    # The scale is rounded to the dtype it is stored in first, so that rows round to nearest
+                    # against the very scale the kernel multiplies by.
+                    scale = (rows.abs().amax(dim=1).clamp(min=1e-12) / 127).to(weight.dtype)
+                    scales[start:start + rows_per_chunk] = scale
+                    qweight[start:start + rows_per_chunk] = rows.div_(scale.float()[:, None]).round_().clamp_(-127, 127)
+            self.register_buffer("qweight", qweight)
+            self.register_buffer("scales", scales)
 
         def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-            rows = hidden.reshape(-1, self.in_features).to(self.scales.dtype)
+            # generate() passes the last position of a batch: a strided view; older kernels want it contiguous.
+            rows = hidden.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
             return torch._weight_int8pack_mm(rows, self.qweight, self.scales).reshape(*hidden.shape[:-1], -1)
 
     return Int8OutputLayer

@@ -12,11 +12,14 @@ Writes benches/results/learning.json (and the curves of both trainings next to i
     .venv/bin/python benches/learning/learning_signal.py --smoke         # tiny random model, ~2 minutes
     .venv/bin/python benches/learning/learning_signal.py --reuse --parts grpo   # rerun one training only
     .venv/bin/python benches/learning/learning_signal.py --seeds 3       # each training 3 times (seeds 0, 1, 2)
+    .venv/bin/python benches/learning/learning_signal.py --reuse --reuse-trained --seeds 3   # train seed 2 only
 
 With `--seeds N` every training runs N times from the same start (seeds 0..N-1: LoRA initialisation, data order,
 sampled rollouts) against one before, measured once on the same held-out prompts; `seeds.over_seeds` reports
 each metric's mean ± sd after, per-seed values and how many seeds improved it. Held-out prompts: the
 `--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them).
+`--reuse-trained` measures again each seed whose merged model an earlier run finished with the same training
+config (`seeds.RUN_FILE` marks it), so that adding a seed, or a metric, costs no retraining of the others.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,7 +55,8 @@ from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
-from seeds import accuracy_interval, afters_from_summary, gain, over_seeds, trained_earlier  # noqa: E402
+from seeds import (RUN_FILE, accuracy_interval, afters_from_summary, gain, over_seeds, record_trained,  # noqa: E402
+                   trained_earlier)
 
 
 def log(message: str) -> None:
@@ -147,6 +151,9 @@ def main() -> None:
     parser.add_argument("--parts", default="grpo,dpo", help="which trainings to run: grpo, dpo or both")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the work folder's index, traces and exports from an earlier run (same sizes)")
+    parser.add_argument("--reuse-trained", action="store_true",
+                        help="with --reuse, also measure again (not train again) each seed an earlier run trained and "
+                             "merged with the very same training config; only while the training code is unchanged")
     parser.add_argument("--train-questions", type=int, default=32)
     parser.add_argument("--eval-questions", type=int, default=48)
     parser.add_argument("--snippets", type=int, default=2)
@@ -174,7 +181,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.first_seed and not args.reuse:
         parser.error("--first-seed adds seeds to a recorded run: pass --reuse (the same traces, prompts and before)")
+    if args.reuse_trained and not args.reuse:
+        parser.error("--reuse-trained measures seeds trained in the work folder: pass --reuse as well")
     parts = set(args.parts.split(","))
+    if not parts or parts - {"grpo", "dpo"}:
+        parser.error(f"--parts {args.parts!r}: expected grpo, dpo or grpo,dpo")
     started = time.time()
 
     work = Path(args.work) / ("smoke" if args.smoke else "full")
@@ -226,7 +237,9 @@ def main() -> None:
             "minutes": mean_minutes(runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
             "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
             "num_generations": args.grpo_generations, "temperature": args.grpo_temperature,
-            "zero_variance_steps": earlier.get("zero_variance_steps", []) + [r["zero_variance_steps"] for r in runs]}
+            "zero_variance_steps": earlier.get("zero_variance_steps", [])[:args.first_seed]
+            + [r["zero_variance_steps"] for r in runs],
+            "reused_seeds": [seed for seed, r in zip(seeds, runs) if r["reused"]]}
         result["seeds"]["grpo_respondent"] = {
             **over_seeds(before, afters),
             "accuracy_before": accuracy_interval(before["accuracy"], len(eval_rows)),
@@ -248,7 +261,8 @@ def main() -> None:
                        "minutes": mean_minutes(runs),
                        "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": len(eval_events),
                        "samples": args.dpo_samples, "sampling_temperature": args.dpo_temperature,
-                       "close_cut_lists": "close_cut" in key}
+                       "close_cut_lists": "close_cut" in key,
+                       "reused_seeds": [seed for seed, r in zip(seeds, runs) if r["reused"]]}
         summary = over_seeds(before, afters)
         result["seeds"][key] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
                                 "strict_json_rate": summary.get("strict_json_rate")}
@@ -290,19 +304,22 @@ def dpo_run(args: argparse.Namespace, dpo_dir: Path, work: Path, model_path: str
     return {"after": after, **run}
 
 
-def trained(args: argparse.Namespace, config: Any, merged: Path, train: Any) -> dict[str, Any]:
-    """Train one seed from the base model and merge its adapter; with `--reuse`, a seed an earlier run trained
-    with this very config is measured again instead (`minutes` None, `reused` True)."""
-    earlier = trained_earlier(config, merged) if args.reuse else None
+def trained(args: argparse.Namespace, config: Any, merged: Path,
+            train: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """Train one seed from the base model and merge its adapter; with `--reuse-trained`, a seed an earlier run
+    trained and merged with this very config is measured again instead (`reused` True)."""
+    earlier = trained_earlier(config, merged) if args.reuse_trained else None
     if earlier:
         log(f"reusing {merged.name}: trained earlier with this config ({earlier['steps']} steps)")
-        return {**earlier, "minutes": None, "reused": True, "merged": str(merged), "plot_path": None}
+        return {**earlier, "reused": True, "merged": str(merged), "plot_path": None}
+    (merged / RUN_FILE).unlink(missing_ok=True)  # no longer complete once training starts again
     started = time.time()
     summary = train(config)
-    minutes = round((time.time() - started) / 60, 1)
+    run = {"steps": summary["steps"], "minutes": round((time.time() - started) / 60, 1),
+           "zero_variance_steps": summary.get("zero_variance_steps")}
     merged_model(summary["model_dir"], config.model, merged)
-    return {"steps": summary["steps"], "minutes": minutes, "reused": False, "merged": str(merged),
-            "plot_path": summary.get("plot_path"), "zero_variance_steps": summary.get("zero_variance_steps")}
+    record_trained(merged, config, run)
+    return {**run, "reused": False, "merged": str(merged), "plot_path": summary.get("plot_path")}
 
 
 def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, eval_db: Path) -> None:
@@ -346,8 +363,8 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
 
 
 def mean_minutes(runs: list[dict[str, Any]]) -> float | None:
-    """Training minutes per seed, over the seeds this run trained (reused ones were timed by their own run)."""
-    timed = [run["minutes"] for run in runs if run["minutes"] is not None]
+    """Training minutes per seed (a reused seed's as its own run timed them)."""
+    timed = [run["minutes"] for run in runs if run.get("minutes") is not None]
     return round(sum(timed) / len(timed), 1) if timed else None
 
 

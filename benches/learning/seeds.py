@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from ermedrag.evals.metrics import wilson_interval
-from ermedrag.training.metrics import zero_variance_steps
 
 
 def over_seeds(before: dict[str, float], afters: Sequence[dict[str, float]]) -> dict[str, Any]:
@@ -100,19 +99,24 @@ def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count
     return [{name: entry["after"]["values"][i] for name, entry in entries.items()} for i in range(count)]
 
 
+
+RUN_FILE = "bench_run.json"  # written into a merged model's folder once the merge is complete
+
+
+def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:
+    """Mark a seed's merged model complete, with the training config and what the run reported."""
+    (merged / RUN_FILE).write_text(json.dumps({"training_config": _as_json(config), **run}, indent=2))
+
+
 def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
-    """A seed trained by an earlier run with this very training config (`--reuse`): the steps it ran and its
-    zero-variance steps (GRPO), read from its output folder; None when the config differs, the run did not finish, or its merged model is missing.
-    A trainer writes its config after its last metrics, and the model is merged after that: a run interrupted
-    since then leaves metrics newer than the config (or a model older than it) and is not reused."""
-    metrics, saved = Path(config.output_dir) / "metrics.jsonl", Path(config.output_dir) / "training_config.json"
-    weights = merged / "model.safetensors"
-    if not all(f.exists() for f in (metrics, saved, weights, merged / "config.json")):
+    """What an earlier run recorded for a seed trained with this very config (`--reuse-trained`): steps, minutes,
+    zero-variance steps; None when the config differs or the run never finished its merge."""
+    marker = merged / RUN_FILE
+    if not marker.exists():
         return None
-    if not metrics.stat().st_mtime <= saved.stat().st_mtime <= weights.stat().st_mtime:
-        return None
-    if json.loads(saved.read_text()) != json.loads(json.dumps(dataclasses.asdict(config), default=str)):
-        return None
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    steps = [r for r in records if "loss" in r]  # what the trainer's own summary reads
-    return {"steps": max((r.get("step", 0) for r in steps), default=0), "zero_variance_steps": zero_variance_steps(steps)}
+    run = json.loads(marker.read_text())
+    return run if run.pop("training_config", None) == _as_json(config) else None
+
+
+def _as_json(config: Any) -> Any:
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
