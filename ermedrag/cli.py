@@ -101,8 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--temperature", type=float, default=0.9, help="dpo: sampling temperature")
     export.add_argument("--margin", type=float, default=0.1, help="dpo: minimum reward gap of a pair")
     export.add_argument("--no-usefulness", action="store_true", help="dpo: skip the respondent usefulness check")
-    export.add_argument("--close-cut-lists", action="store_true",
-                        help="dpo: also score each candidate the token budget cut, ended after its last complete triplet")
+    export.add_argument("--close-cut-lists", action=argparse.BooleanOptionalAction, default=True,
+                        help="dpo: also score each candidate the token budget cut, ended after its last complete "
+                             "triplet (default: on)")
     export.add_argument("--noise", type=float, default=0.25, help="grpo: fraction of distractor triplets")
     export.add_argument("--questions", nargs="*", default=[],
                         help="med-r3: benchmark JSONL files the runs came from (gold evidence for the retrieval "

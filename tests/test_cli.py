@@ -196,3 +196,11 @@ def test_console_script_is_installed() -> None:
     if not script.exists():
         pytest.skip("no ermedrag console script beside this interpreter (not installed into this environment)")
     assert shutil.which(str(script))
+
+
+def test_dpo_export_closes_cut_lists_unless_told_not_to() -> None:
+    from ermedrag.cli import _parser
+
+    base = ["export", "dpo", "--traces", "t.sqlite", "--out", "out"]
+    assert _parser().parse_args(base).close_cut_lists is True  # the default the 3-seed DPO bench chose
+    assert _parser().parse_args([*base, "--no-close-cut-lists"]).close_cut_lists is False

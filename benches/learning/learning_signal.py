@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--dpo-temperature", type=float, default=1.0,
                         help="temperature the DPO export samples alternatives at (other than 1: its own export "
                              "folder and result keys, e.g. dpo_extractor_close_cut_t0.7)")
-    parser.add_argument("--dpo-close-cut", choices=("off", "on", "both"), default="off",
+    parser.add_argument("--dpo-close-cut", choices=("off", "on", "both"), default="on",
                         help="DPOExportConfig.close_cut_lists: also score each candidate the budget cut, closed after "
                              "its last complete triplet; `both` trains both settings on the same sampled candidates "
                              "(seeds.dpo_extractor: off, seeds.dpo_extractor_close_cut: on)")
