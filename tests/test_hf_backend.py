@@ -268,45 +268,6 @@ def test_loading_says_what_it_loads_once_without_progress_bars(tmp_path, capfd):
     assert "Loading weights" not in err and "it/s" not in err
 
 
-def test_an_int8_output_layer_is_opt_in_and_equals_its_dequantized_weights(tmp_path, monkeypatch, capfd):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    monkeypatch.delenv("ERMEDRAG_OUTPUT_LAYER", raising=False)
-    monkeypatch.setenv("ERMEDRAG_DTYPE", "bfloat16")  # the tiny model is stored in float32
-    _, default = load_hf_model(build_tiny_causal_lm(tmp_path / "default"), "cpu")
-    assert type(default.get_output_embeddings()) is torch.nn.Linear  # the stored precision unless asked
-
-    monkeypatch.setenv("ERMEDRAG_OUTPUT_LAYER", "int8")
-    path = build_tiny_causal_lm(tmp_path / "model")
-    capfd.readouterr()
-    tokenizer, model = load_hf_model(path, "cpu")
-    assert "(bfloat16, int8 output layer," in capfd.readouterr().err
-    head = model.get_output_embeddings()
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    weight = reference.get_output_embeddings().weight.detach().float()
-    scales = head.scales.float()[:, None]
-    dequantized = head.qweight.float() * scales
-    assert head.qweight.dtype == torch.int8 and head.scales.dtype == torch.bfloat16
-    assert bool(((dequantized - weight).abs() <= scales / 2 * (1 + 1e-6)).all())  # nearest, against the stored scale
-    ids = torch.tensor([[5, 17, 42, 9, 3], [8, 8, 21, 2, 30]])
-    with torch.inference_mode():
-        hidden = reference(ids, output_hidden_states=True).hidden_states[-1]  # what the output layer reads
-        logits = model(ids).logits
-        expected = hidden.float() @ dequantized.T
-        torch.testing.assert_close(logits.float(), expected, rtol=0.02, atol=0.02 * float(expected.abs().max()))
-        sequences = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                                   pad_token_id=tokenizer.pad_token_id)  # a batch: strided last positions
-    assert sequences.shape == (2, 8)
-
-    monkeypatch.setenv("ERMEDRAG_DTYPE", "float32")
-    with pytest.raises(ValueError, match="needs a bfloat16 model on the CPU .* is a Linear in torch.float32 on cpu"):
-        load_hf_model(build_tiny_causal_lm(tmp_path / "float32"), "cpu")
-    monkeypatch.setenv("ERMEDRAG_OUTPUT_LAYER", "int4")
-    with pytest.raises(ValueError, match="ERMEDRAG_OUTPUT_LAYER='int4': expected one of same, int8"):
-        load_hf_model(build_tiny_causal_lm(tmp_path / "other"), "cpu")
-
-
 def _threads() -> int:
     import torch
 

@@ -59,7 +59,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from ermedrag.agents.base import block_image_url, image_block, message_images, to_chat
 from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.env import env_flag
-from ermedrag.tools.precision import checkpoint_dtype, inference_dtype, output_layer_choice, quantize_output_layer
+from ermedrag.tools.precision import checkpoint_dtype, inference_dtype
 from ermedrag.tools.hf_batching import (BatchingGenerator, GenerationParams, Generated, StepStatistics,
                                         generation_kwargs, trimmed_completion)
 from ermedrag.tools.images import as_pil, as_url, images_in, is_url
@@ -632,7 +632,6 @@ def load_hf_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
         # The model first: the tokenizer's load then fits in what the model's load freed (-250 MB peak for Gemma).
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    quantize_output_layer(model)
     _give_pad_token(tokenizer)
     return tokenizer, model
 
@@ -650,8 +649,7 @@ def _prepare_loading(kind: str, model_path: str, device: str, stored_dtype: str 
     label = _model_label(model_path)
     where = f" ({model_path})" if label != f"hf:{model_path}" else ""
     threads_used = torch.get_num_threads()
-    output_layer = ", int8 output layer" if kind == "model" and output_layer_choice() == "int8" else ""
-    print(f"loading {kind} {label}{where} on {device} ({str(dtype).removeprefix('torch.')}{output_layer}, "
+    print(f"loading {kind} {label}{where} on {device} ({str(dtype).removeprefix('torch.')}, "
           f"{threads_used} torch thread{'s' if threads_used != 1 else ''}) …", file=sys.stderr, flush=True)
     return_large_blocks_to_the_os()
     return dtype
