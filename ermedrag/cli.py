@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--model", default=None, help="dpo: model that samples alternatives (default: recorded)")
     export.add_argument("--base-url", default=None)
     export.add_argument("--samples", type=int, default=4, help="dpo: alternatives per recorded call")
-    export.add_argument("--temperature", type=float, default=0.9, help="dpo: sampling temperature")
+    export.add_argument("--temperature", type=float, default=0.7, help="dpo: sampling temperature (default 0.7)")
     export.add_argument("--margin", type=float, default=0.1, help="dpo: minimum reward gap of a pair")
     export.add_argument("--no-usefulness", action="store_true", help="dpo: skip the respondent usefulness check")
     export.add_argument("--close-cut-lists", action=argparse.BooleanOptionalAction, default=True,

@@ -198,9 +198,10 @@ def test_console_script_is_installed() -> None:
     assert shutil.which(str(script))
 
 
-def test_dpo_export_closes_cut_lists_unless_told_not_to() -> None:
+def test_dpo_export_defaults_are_the_ones_the_dpo_bench_chose() -> None:
     from ermedrag.cli import _parser
 
     base = ["export", "dpo", "--traces", "t.sqlite", "--out", "out"]
     assert _parser().parse_args(base).close_cut_lists is True  # the default the 3-seed DPO bench chose
+    assert _parser().parse_args(base).temperature == 0.7  # likewise: plausible rejected samples
     assert _parser().parse_args([*base, "--no-close-cut-lists"]).close_cut_lists is False

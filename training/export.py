@@ -69,7 +69,9 @@ class DPOExportConfig:
         "help": "chat model that samples alternatives; default: the model recorded for each call"})
     base_url: str | None = field(default=None, metadata={"help": "server for openai: models"})
     samples: int = field(default=4, metadata={"help": "alternative extractions sampled per recorded call"})
-    temperature: float = field(default=0.9, metadata={"help": "sampling temperature for the alternatives"})
+    temperature: float = field(default=0.7, metadata={
+        "help": "sampling temperature for the alternatives (0.7: plausible rejected extractions; at 1.0 the "
+                "offline model's samples are mostly broken and DPO learned little, benches/README.md)"})
     max_new_tokens: int = field(default=96, metadata={"help": "generation budget of one extraction"})
     margin: float = field(default=0.1, metadata={"help": "minimum reward gap between chosen and rejected"})
     usefulness: bool = field(default=True, metadata={
