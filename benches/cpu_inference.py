@@ -164,7 +164,8 @@ def int8_output_layer(weight, rows_per_chunk: int = 16384):
                     rows = weight[start:start + rows_per_chunk].float()
                     scale = (rows.abs().amax(dim=1).clamp(min=1e-12) / 127).to(weight.dtype)
                     self.scales[start:start + rows_per_chunk] = scale
-                    self.qweight[start:start + rows_per_chunk] = rows.div_(scale.float()[:, None]).round_().clamp_(-127, 127)
+                    quantized = rows.div_(scale.float()[:, None]).round_().clamp_(-127, 127)
+                    self.qweight[start:start + rows_per_chunk] = quantized
 
         def forward(self, hidden):
             rows = hidden.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
@@ -221,7 +222,8 @@ def run_child(name: str, environment: dict[str, str], parts: tuple[str, ...], qu
                               text=True, timeout=3600)
         result["demo_s"] = round(time.perf_counter() - started, 1)
         result["demo_exit_code"] = proc.returncode
-    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k not in ('fanout_runs', 'greedy_ids')})}", flush=True)
+    shown = {k: v for k, v in result.items() if k not in ("fanout_runs", "greedy_ids")}
+    print(f"{name}: {json.dumps(shown)}", flush=True)
     return result
 
 

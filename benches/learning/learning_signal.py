@@ -350,8 +350,9 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
     if not (args.reuse and (export / "dataset").exists()):
         shutil.rmtree(export, ignore_errors=True)
         counts = export_dpo(DPOExportConfig(traces=str(train_db), out=str(export), samples=args.dpo_samples,
-                                            temperature=args.dpo_temperature, max_new_tokens=args.extract_tokens, usefulness=False,
-                                            margin=margin, close_cut_lists=closing), progress=False)
+                                            temperature=args.dpo_temperature, max_new_tokens=args.extract_tokens,
+                                            usefulness=False, margin=margin, close_cut_lists=closing),
+                            progress=False)
         log(f"dpo export ({export.name}): {counts}")
     if args.dpo_close_cut == "off":
         return {"dpo_extractor" + suffix: export}
