@@ -52,8 +52,8 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     assert result["dpo_extractor"]["before"] == result["dpo_extractor_close_cut"]["before"]
 
     # --reuse-trained with a third seed: the two trained seeds are measured again from their merged models.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--reuse", "--reuse-trained", "--parts", "dpo", "--seeds", "3",
-                           "--dpo-close-cut", "both", "--data", str(shared_data), "--work", str(tmp_path)], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--reuse", "--reuse-trained", "--parts", "dpo",
+                           "--seeds", "3", "--dpo-close-cut", "both", "--data", str(shared_data), "--work", str(tmp_path)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.count("reusing dpo-") + proc.stdout.count("reusing dpo-") == 4  # 2 arms x seeds 0 and 1

@@ -3,8 +3,8 @@
 A segment stores raw term frequencies (postings by term) and each chunk's length, not precomputed scores, so a
 query scores with the statistics of every committed segment together (chunk count, document frequency, mean
 length): the same scores as one BM25 over all chunks (Lucene's variant, rounded where bm25s rounds; tested
-equal to bm25s's bit for bit), however the chunks were split into commits. Adding 10k chunks to a million therefore tokenizes 10k
-texts, where a single bm25s index had to re-index the million.
+equal to bm25s's bit for bit), however the chunks were split into commits. Adding 10k chunks to a million
+therefore tokenizes 10k texts, where a single bm25s index had to re-index the million.
 
 The newest segments are merged (postings concatenated; no text is tokenized again) while the newest is at least
 as large as the one before it, so sizes fall geometrically and N chunks never need more than log2(N) segments.

@@ -234,12 +234,11 @@ def main() -> None:
         earlier = result.get("grpo_respondent", {}) if args.first_seed else {}
         result["grpo_respondent"] = {
             "before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
-            "minutes": mean_minutes(runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
+            **training_time(seeds, runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
             "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
             "num_generations": args.grpo_generations, "temperature": args.grpo_temperature,
             "zero_variance_steps": earlier.get("zero_variance_steps", [])[:args.first_seed]
-            + [r["zero_variance_steps"] for r in runs],
-            "reused_seeds": [seed for seed, r in zip(seeds, runs) if r["reused"]]}
+            + [r["zero_variance_steps"] for r in runs]}
         result["seeds"]["grpo_respondent"] = {
             **over_seeds(before, afters),
             "accuracy_before": accuracy_interval(before["accuracy"], len(eval_rows)),
@@ -258,11 +257,10 @@ def main() -> None:
         afters = prior + [run["after"] for run in runs]
         earlier = result.get(key, {}) if args.first_seed else {}
         result[key] = {"before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
-                       "minutes": mean_minutes(runs),
+                       **training_time(seeds, runs),
                        "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": len(eval_events),
                        "samples": args.dpo_samples, "sampling_temperature": args.dpo_temperature,
-                       "close_cut_lists": "close_cut" in key,
-                       "reused_seeds": [seed for seed, r in zip(seeds, runs) if r["reused"]]}
+                       "close_cut_lists": "close_cut" in key}
         summary = over_seeds(before, afters)
         result["seeds"][key] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
                                 "strict_json_rate": summary.get("strict_json_rate")}
@@ -345,7 +343,8 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
     closing = args.dpo_close_cut != "off"
     # Another sampling temperature is another export, and its arms are recorded under their own keys.
     suffix = "" if args.dpo_temperature == 1.0 else f"_t{args.dpo_temperature:g}"
-    export = work / (("dpo-train-closed" if closing else "dpo-train") + suffix.replace("_", "-"))
+    folder_suffix = suffix.replace("_", "-")
+    export = work / (("dpo-train-closed" if closing else "dpo-train") + folder_suffix)
     margin = 0.0 if args.smoke else 0.1
     if not (args.reuse and (export / "dataset").exists()):
         shutil.rmtree(export, ignore_errors=True)
@@ -358,15 +357,16 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
         return {"dpo_extractor" + suffix: export}
     if args.dpo_close_cut == "on":
         return {"dpo_extractor_close_cut" + suffix: export}
-    reselected = work / ("dpo-train-same-samples" + suffix.replace("_", "-"))
+    reselected = work / ("dpo-train-same-samples" + folder_suffix)
     log(f"dpo pairs without closed candidates: {reselect_pairs(str(train_db), export, reselected, margin, closed=False)}")
     return {"dpo_extractor" + suffix: reselected, "dpo_extractor_close_cut" + suffix: export}
 
 
-def mean_minutes(runs: list[dict[str, Any]]) -> float | None:
-    """Training minutes per seed (a reused seed's as its own run timed them)."""
+def training_time(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Training minutes per seed (a reused seed's as its own run timed them) and which seeds were reused."""
     timed = [run["minutes"] for run in runs if run.get("minutes") is not None]
-    return round(sum(timed) / len(timed), 1) if timed else None
+    return {"minutes": round(sum(timed) / len(timed), 1) if timed else None,
+            "reused_seeds": [seed for seed, run in zip(seeds, runs) if run["reused"]]}
 
 
 def write_result(result: dict[str, Any], out: Path, started: float) -> None:

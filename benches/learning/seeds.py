@@ -99,7 +99,6 @@ def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count
     return [{name: entry["after"]["values"][i] for name, entry in entries.items()} for i in range(count)]
 
 
-
 RUN_FILE = "bench_run.json"  # written into a merged model's folder once the merge is complete
 
 
