@@ -132,5 +132,7 @@ def test_a_seed_is_reused_only_when_its_merge_finished_with_the_same_config(tmp_
     record_trained(merged, config, run)
     assert trained_earlier(config, merged) == run
     assert trained_earlier(dataclasses.replace(config, seed=1), merged) is None  # another config
+    (merged / RUN_FILE).write_text((merged / RUN_FILE).read_text()[:20])  # a kill while the marker was written
+    assert trained_earlier(config, merged) is None
     (merged / RUN_FILE).unlink()  # what a new training of the seed does first
     assert trained_earlier(config, merged) is None

@@ -109,12 +109,12 @@ def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:
 
 def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
     """What an earlier run recorded for a seed trained with this very config (`--reuse-trained`): steps, minutes,
-    zero-variance steps; None when the config differs or the run never finished its merge."""
-    marker = merged / RUN_FILE
-    if not marker.exists():
+    zero-variance steps; None when the config differs or the run never finished its merge (or its marker)."""
+    try:
+        run = json.loads((merged / RUN_FILE).read_text())
+    except (OSError, ValueError):  # missing, or cut short by a kill while it was written
         return None
-    run = json.loads(marker.read_text())
-    return run if run.pop("training_config", None) == _as_json(config) else None
+    return run if isinstance(run, dict) and run.pop("training_config", None) == _as_json(config) else None
 
 
 def _as_json(config: Any) -> Any:
