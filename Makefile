@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 # The lock: the exact versions of every dependency that the tests pass with. `make lock` refreshes it.
 LOCK := constraints.txt
 EXTRAS := offline,dev,eval,bench
+# Extras built from source (minutes on 2 cores): `make test` installs them, the lock pins them.
+SOURCE_EXTRAS := llamacpp
 # The CPU build of torch, which lies on this machine's disk; installed first, else a plain `torch`
 # requirement pulls a multi-GB CUDA build. `make lock` keeps it.
 TORCH := torch==2.13.0
@@ -17,7 +19,13 @@ export RAGAS_DO_NOT_TRACK ?= true
 export LANGGRAPH_CLI_NO_ANALYTICS ?= 1
 export LANGGRAPH_NO_VERSION_CHECK ?= 1
 
-.PHONY: install demo test test-fast studio lock clean
+# llama.cpp for the llamacpp: backend, built for this CPU. Without ggml's AMX kernels: on this project's Xeons (AMX) they crash on the offline model's Q4_K matrices.
+LLAMACPP_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16,)
+LLAMACPP_BUILD := CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_BUILD_TOOLS=OFF" CFLAGS="$(LLAMACPP_CFLAGS)" CXXFLAGS="$(LLAMACPP_CFLAGS)" \
+	CMAKE_BUILD_PARALLEL_LEVEL=$(shell nproc)
+
+.PHONY: install llamacpp demo test test-fast studio lock clean
 
 # Re-runs when pyproject.toml or the lock changes: pip then moves every locked package to its pinned version.
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -29,13 +37,19 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 
 install: $(VENV)/.installed
 
+$(VENV)/.llamacpp: $(VENV)/.installed
+	$(LLAMACPP_BUILD) $(PY) -m pip install -q -c $(LOCK) -e '.[$(EXTRAS),$(SOURCE_EXTRAS)]'
+	touch $@
+
+llamacpp: $(VENV)/.llamacpp
+
 demo: install
 	$(VENV)/bin/ermedrag demo
 
-test: install
+test: install llamacpp
 	$(VENV)/bin/pytest -q
 
-test-fast: install
+test-fast: install llamacpp
 	$(VENV)/bin/pytest -q -m "not slow"
 
 studio: install
@@ -50,9 +64,9 @@ lock:
 	# Only what our extras require gets pinned: drop the venv's own setuptools (torch requires one: it comes back).
 	$(LOCK_VENV)/bin/python -m pip uninstall -q -y setuptools
 	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH)
-	$(LOCK_VENV)/bin/python -m pip install -q -e '.[$(EXTRAS)]'
+	$(LLAMACPP_BUILD) $(LOCK_VENV)/bin/python -m pip install -q -e '.[$(EXTRAS),$(SOURCE_EXTRAS)]'
 	{ printf '%s\n' \
-	  '# The lock: every dependency of ermedrag[$(EXTRAS)] at the exact version that the tests pass with' \
+	  '# The lock: every dependency of ermedrag[$(EXTRAS),$(SOURCE_EXTRAS)] at the exact version that the tests pass with' \
 	  '# (CPython 3.11, Linux x86_64). `make install` installs with `pip install -c $(LOCK)`, $(TORCH) (the CPU' \
 	  '# build, from the wheels on disk) first. Written by `make lock`: a throwaway venv resolved afresh by pip, then' \
 	  '# `pip freeze --all --exclude-editable` less pip. Refresh: `make lock && make test`; commit it if green.'; \

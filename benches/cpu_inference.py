@@ -14,7 +14,10 @@ another on the same machine, so the figures are side by side:
   weights, read at every token. With `after` it also decodes the agreement prompts, and the summary counts how
   many greedy outputs came out the same. Not kept (benches/README.md): it lives only here;
 - levers on top of `after`, tokens/s only: eager attention instead of SDPA, a static KV cache, and that cache
-  with `torch.compile` (its compilation time is `warm_up_s`).
+  with `torch.compile` (its compilation time is `warm_up_s`);
+- `llamacpp`: another runtime, `ERMEDRAG_MODEL=llamacpp:gemma3-270m` (tools.llamacpp: the packaged GGUF's Q4_K_M
+  weights through llama.cpp, the hf tokenizer and per-token statistics, one call at a time with the previous
+  call's prefix kept). Every measurement, with the agreement against `after`.
 
 Per configuration:
 - `tokens_per_s`: greedy decoding of 64 tokens (forced: `min_new_tokens`) after a real extractor prompt through
@@ -65,16 +68,47 @@ CONFIGURATIONS = {
     "after+eager_attention": ({"BENCH_ATTENTION": "eager"}, ("tokens",)),
     "after+static_cache": ({"BENCH_CACHE": "static"}, ("tokens",)),
     "after+static_cache+compile": ({"BENCH_CACHE": "static", "BENCH_COMPILE": "1"}, ("tokens",)),
+    "llamacpp": ({"ERMEDRAG_MODEL": "llamacpp:gemma3-270m"}, ("tokens", "fanout", "demo", "agreement")),
 }
+# Configurations summarised against `before` and `after`, with their greedy agreement with `after`.
+COMPARED = ("after+int8_output_layer", "llamacpp")
 
 
 def child(parts: list[str], quick: bool) -> dict:
-    """Runs in the fresh process: the measurements `parts` names, on the default offline model."""
-    import tempfile
+    """Runs in the fresh process: the measurements `parts` names, on the default offline model (or, with
+    ERMEDRAG_MODEL=llamacpp:..., on the offline GGUF through llama.cpp)."""
+    if os.environ.get("ERMEDRAG_MODEL", "").startswith("llamacpp:"):
+        out = llamacpp_measurements(parts, quick)
+    else:
+        out = hf_measurements(parts, quick)
+    if "fanout" in parts:
+        out.update(extract_fanout(quick))
+    return out
 
+
+def speed_prompt(tokenizer) -> list[int]:
+    """The single-stream prompt: a real extractor prompt (instructions, question, a 3-sentence snippet)."""
+    from ermedrag.agents import extractor
+
+    question, _ = QUESTIONS[0]
+    snippet = ("Metformin is the usual first drug for type 2 diabetes with normal kidney function; it lowers "
+               "hepatic glucose output, rarely causes hypoglycaemia and is weight neutral. ") * 3
+    return list(tokenizer.apply_chat_template(extractor.build_messages(question, snippet), add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+
+
+def speed(timed, new_tokens: int) -> dict:
+    """Single-stream figures from `timed(n)`: the seconds one greedy call takes to write exactly n tokens."""
+    prefill = statistics.median(timed(1) for _ in range(3))
+    total = statistics.median(timed(new_tokens) for _ in range(3))
+    return dict(new_tokens=new_tokens, prefill_s=round(prefill, 3), generate_s=round(total, 3),
+                tokens_per_s=round(new_tokens / total, 2),
+                decode_tokens_per_s=round((new_tokens - 1) / max(total - prefill, 1e-9), 2))
+
+
+def hf_measurements(parts: list[str], quick: bool) -> dict:
     import torch
 
-    from ermedrag.agents import extractor
     from ermedrag.tools.chat_models import load_hf_model
     from ermedrag.tools.offline_model import offline_model_dir
 
@@ -86,13 +120,7 @@ def child(parts: list[str], quick: bool) -> dict:
     if "tokens" in parts:
         if os.environ.get("BENCH_ATTENTION"):
             model.set_attn_implementation(os.environ["BENCH_ATTENTION"])
-        question, _ = QUESTIONS[0]
-        snippet = ("Metformin is the usual first drug for type 2 diabetes with normal kidney function; it lowers "
-                   "hepatic glucose output, rarely causes hypoglycaemia and is weight neutral. ") * 3
-        messages = extractor.build_messages(question, snippet)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
-        new_tokens = 16 if quick else 64
+        ids = torch.tensor([speed_prompt(tokenizer)])
         extra = {"cache_implementation": os.environ["BENCH_CACHE"]} if os.environ.get("BENCH_CACHE") else {}
 
         def timed(tokens: int) -> float:
@@ -107,45 +135,81 @@ def child(parts: list[str], quick: bool) -> dict:
         compile_started = time.perf_counter()
         timed(4)  # warm-up (and, with torch.compile, the compilation)
         out["warm_up_s"] = round(time.perf_counter() - compile_started, 1)
-        prefill = statistics.median(timed(1) for _ in range(3))
-        total = statistics.median(timed(new_tokens) for _ in range(3))
-        out.update(prompt_tokens=int(ids.shape[1]), new_tokens=new_tokens, prefill_s=round(prefill, 3),
-                   generate_s=round(total, 3), tokens_per_s=round(new_tokens / total, 2),
-                   decode_tokens_per_s=round((new_tokens - 1) / max(total - prefill, 1e-9), 2))
+        out.update(prompt_tokens=int(ids.shape[1]), **speed(timed, 16 if quick else 64))
     if "agreement" in parts:
-        out["greedy_ids"] = greedy_outputs(tokenizer, model, 16 if quick else 64, 3 if quick else 24)
-    if "fanout" in parts:
-        from ermedrag.graphs.registry import load_graph
-        from ermedrag.tools.starter_kb import starter_index_dir
-
-        starter_index_dir(progress=False)
-        graph = load_graph("er_medrag")
-        runs = []
-        with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp:
-            context = {"trace_db": str(Path(tmp) / "traces.sqlite")}
-            graph.invoke({"question": "What treats anaphylaxis?", "options": None},
-                         context={**context, "snippets_k": 1})  # warm-up: index, encoder, first batch
-            for question, options in QUESTIONS[:1] if quick else QUESTIONS:
-                row = {"question": question[:60]}
-                for k in (1, 4):
-                    started = time.perf_counter()
-                    state = graph.invoke({"question": question, "options": options}, context={**context, "snippets_k": k})
-                    row[f"k{k}"] = {"extract_s": round(state["timings"]["extract_s"], 2),
-                                    "total_s": round(time.perf_counter() - started, 2),
-                                    "snippets": [s["id"] for s in state["snippets"]]}
-                row["same_first_snippet"] = row["k1"]["snippets"][:1] == row["k4"]["snippets"][:1]
-                # The stage is timed on the wall clock (it lives in the graph's state, across processes): a clock
-                # step while it ran makes it longer than the whole call, measured on the monotonic clock.
-                row["clock_step"] = any(row[f"k{k}"]["extract_s"] > row[f"k{k}"]["total_s"] for k in (1, 4))
-                row["ratio"] = round(row["k4"]["extract_s"] / max(row["k1"]["extract_s"], 1e-9), 2)
-                runs.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
-        out["fanout_runs"] = runs
-        runs = [r for r in runs if not r["clock_step"]] or runs
-        out["extract_fanout_ratio"] = round(statistics.median(r["ratio"] for r in runs), 2)
-        out["extract_s_k1"] = round(statistics.median(r["k1"]["extract_s"] for r in runs), 2)
-        out["extract_s_k4"] = round(statistics.median(r["k4"]["extract_s"] for r in runs), 2)
+        out["greedy_ids"] = greedy_outputs(tokenizer, hf_greedy(tokenizer, model), 16 if quick else 64,
+                                           3 if quick else 24)
     return out
+
+
+def llamacpp_measurements(parts: list[str], quick: bool) -> dict:
+    """The same figures through the llamacpp: backend's own call (`LlamaCppGenerator.generate`: llama.cpp's
+    forward passes plus this backend's per-token statistics), its kept prefix emptied before every timed call."""
+    from ermedrag.tools.hf_batching import GenerationParams
+    from ermedrag.tools.llamacpp import cpu_threads, llamacpp_generator
+
+    generator = llamacpp_generator(os.environ["ERMEDRAG_MODEL"].removeprefix("llamacpp:"))
+    out: dict = {"llamacpp_threads": cpu_threads(), "weights": "GGUF Q4_K_M"}
+    eos_ids = generator.eos_ids
+    if "tokens" in parts:
+        ids = speed_prompt(generator.tokenizer)
+
+        def timed(tokens: int) -> float:
+            generator._cached = []  # the whole prompt evaluated, as the hf configurations do
+            generator.eos_ids = set()  # exactly `tokens` tokens, as min_new_tokens does for hf
+            started = time.perf_counter()
+            generator.generate(ids, GenerationParams(max_new_tokens=tokens))
+            elapsed = time.perf_counter() - started
+            generator.eos_ids = eos_ids
+            return elapsed
+
+        warm_up_started = time.perf_counter()
+        timed(4)
+        out["warm_up_s"] = round(time.perf_counter() - warm_up_started, 1)
+        out.update(prompt_tokens=len(ids), **speed(timed, 16 if quick else 64))
+    if "agreement" in parts:
+        def greedy(ids: list[int], new_tokens: int) -> list[int]:
+            generator._cached = []
+            return generator.generate(ids, GenerationParams(max_new_tokens=new_tokens)).token_ids
+
+        out["greedy_ids"] = greedy_outputs(generator.tokenizer, greedy, 16 if quick else 64, 3 if quick else 24)
+    return out
+
+
+def extract_fanout(quick: bool) -> dict:
+    """The graph's extract stage with 4 snippets over 1, per question, through the default model settings
+    (ERMEDRAG_MODEL picks the backend)."""
+    import tempfile
+
+    from ermedrag.graphs.registry import load_graph
+    from ermedrag.tools.starter_kb import starter_index_dir
+
+    starter_index_dir(progress=False)
+    graph = load_graph("er_medrag")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp:
+        context = {"trace_db": str(Path(tmp) / "traces.sqlite")}
+        graph.invoke({"question": "What treats anaphylaxis?", "options": None},
+                     context={**context, "snippets_k": 1})  # warm-up: index, encoder, first batch
+        for question, options in QUESTIONS[:1] if quick else QUESTIONS:
+            row = {"question": question[:60]}
+            for k in (1, 4):
+                started = time.perf_counter()
+                state = graph.invoke({"question": question, "options": options}, context={**context, "snippets_k": k})
+                row[f"k{k}"] = {"extract_s": round(state["timings"]["extract_s"], 2),
+                                "total_s": round(time.perf_counter() - started, 2),
+                                "snippets": [s["id"] for s in state["snippets"]]}
+            row["same_first_snippet"] = row["k1"]["snippets"][:1] == row["k4"]["snippets"][:1]
+            # The stage is timed on the wall clock (it lives in the graph's state, across processes): a clock
+            # step while it ran makes it longer than the whole call, measured on the monotonic clock.
+            row["clock_step"] = any(row[f"k{k}"]["extract_s"] > row[f"k{k}"]["total_s"] for k in (1, 4))
+            row["ratio"] = round(row["k4"]["extract_s"] / max(row["k1"]["extract_s"], 1e-9), 2)
+            runs.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    kept = [r for r in runs if not r["clock_step"]] or runs
+    return {"fanout_runs": runs, "extract_fanout_ratio": round(statistics.median(r["ratio"] for r in kept), 2),
+            "extract_s_k1": round(statistics.median(r["k1"]["extract_s"] for r in kept), 2),
+            "extract_s_k4": round(statistics.median(r["k4"]["extract_s"] for r in kept), 2)}
 
 
 def int8_output_layer(weight, rows_per_chunk: int = 16384):
@@ -174,10 +238,21 @@ def int8_output_layer(weight, rows_per_chunk: int = 16384):
     return Int8OutputLayer()
 
 
-def greedy_outputs(tokenizer, model, new_tokens: int, count: int) -> list[list[int]]:
-    """Greedy token ids after each agreement prompt, one prompt at a time (see the module's docstring)."""
+def hf_greedy(tokenizer, model):
+    """Greedy token ids of one prompt through `model.generate`, single-stream."""
     import torch
 
+    def greedy(ids: list[int], new_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            new = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        return new[0, len(ids):].tolist()
+
+    return greedy
+
+
+def greedy_outputs(tokenizer, greedy, new_tokens: int, count: int) -> list[list[int]]:
+    """`greedy(ids, new_tokens)` after each agreement prompt, one prompt at a time (see the module's docstring)."""
     from ermedrag.agents import extractor
     from ermedrag.tools.starter_kb import PASSAGES
 
@@ -186,11 +261,8 @@ def greedy_outputs(tokenizer, model, new_tokens: int, count: int) -> list[list[i
     for number, passage in enumerate(passages):
         question, _ = QUESTIONS[number % len(QUESTIONS)]
         ids = tokenizer.apply_chat_template(extractor.build_messages(question, passage["text"]),
-                                            add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
-        with torch.inference_mode():
-            new = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        outputs.append(new[0, ids.shape[1]:].tolist())
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        outputs.append(greedy(list(ids), new_tokens))
     return outputs
 
 
@@ -203,6 +275,21 @@ def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> dict
 
     return {"identical": sum(a == b for a, b in zip(reference, other)), "prompts": len(reference),
             "mean_share_before_first_difference": round(statistics.fmean(map(kept, reference, other)), 3)}
+
+
+def compared(results: dict, greedy: dict, name: str) -> dict:
+    """A configuration's figures beside `after` (and `before`, when measured)."""
+    this, after, before = results[name], results["after"], results.get("before")
+    summary = {"tokens_per_s": this.get("tokens_per_s"),
+               "speedup_over_after": round(this["tokens_per_s"] / after["tokens_per_s"], 2),
+               "speedup_over_before": round(this["tokens_per_s"] / before["tokens_per_s"], 2) if before else None,
+               "extract_fanout_ratio": this.get("extract_fanout_ratio"), "extract_s_k4": this.get("extract_s_k4"),
+               "extract_s_k4_over_after": (round(this["extract_s_k4"] / after["extract_s_k4"], 2)
+                                           if "extract_s_k4" in this and "extract_s_k4" in after else None),
+               "demo_s": this.get("demo_s")}
+    if name in greedy and "after" in greedy:
+        summary["greedy_agreement"] = greedy_agreement(greedy["after"], greedy[name])
+    return summary
 
 
 def run_child(name: str, environment: dict[str, str], parts: tuple[str, ...], quick: bool) -> dict:
@@ -253,15 +340,9 @@ def main() -> None:
             "extract_s_k4": {"before": before.get("extract_s_k4"), "after": after.get("extract_s_k4")},
             "demo_s": {"before": before.get("demo_s"), "after": after.get("demo_s")},
         }
-    if {"after", "after+int8_output_layer"} <= results.keys():
-        int8 = results["after+int8_output_layer"]
-        record.setdefault("summary", {})["int8_output_layer"] = {
-            "tokens_per_s": int8.get("tokens_per_s"),
-            "speedup_over_after": round(int8["tokens_per_s"] / results["after"]["tokens_per_s"], 2),
-            "speedup_over_before": (round(int8["tokens_per_s"] / results["before"]["tokens_per_s"], 2)
-                                    if "before" in results else None),
-            "extract_fanout_ratio": int8.get("extract_fanout_ratio"), "extract_s_k4": int8.get("extract_s_k4"),
-            "greedy_agreement": greedy_agreement(greedy["after"], greedy["after+int8_output_layer"])}
+    for name in COMPARED:
+        if {"after", name} <= results.keys():
+            record.setdefault("summary", {})[name] = compared(results, greedy, name)
     record.update(command="python benches/cpu_inference.py" + (" --quick" if args.quick else ""),
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   machine=f"{platform.machine()}, {os.cpu_count()} cores, load average {load} at start",

@@ -71,9 +71,15 @@ def _run(cmd: list[str | Path], what: str, timeout: float = STEP_TIMEOUT_S, **kw
 # --- the lock -------------------------------------------------------------------------------------------------
 
 def _locked_extras() -> list[str]:
-    match = re.search(r"^EXTRAS\s*:?=\s*(\S+)\s*$", (REPO / "Makefile").read_text(), re.MULTILINE)
-    assert match, "the Makefile names no EXTRAS: the extras that `make install` and `make lock` use"
-    return match.group(1).split(",")
+    """EXTRAS (what `make install` installs) and SOURCE_EXTRAS (built from source for `make test`): `make lock`
+    pins both."""
+    makefile = (REPO / "Makefile").read_text()
+    extras = []
+    for variable in ("EXTRAS", "SOURCE_EXTRAS"):
+        match = re.search(rf"^{variable}\s*:?=\s*(\S+)\s*$", makefile, re.MULTILINE)
+        assert match, f"the Makefile names no {variable}: the extras that `make test` and `make lock` install"
+        extras += match.group(1).split(",")
+    return extras
 
 
 def _pins() -> dict[str, str]:

@@ -2,6 +2,8 @@
 
     load_chat_model("hf:google/gemma-3-270m")            transformers in-process (hub id, folder, or file.gguf)
     load_chat_model("offline:gemma3-270m")               the packaged offline default (hf backend)
+    load_chat_model("llamacpp:gemma3-270m")              llama.cpp in-process on CPU (an offline model or file.gguf;
+                                                          the `llamacpp` extra; see tools.llamacpp)
     load_chat_model("openai:Qwen/Qwen3-8B", base_url=…)  any OpenAI-compatible server (vllm serve, llama.cpp, ...)
                                                           (timeout_s, connect_timeout_s, max_retries, retry_backoff_s)
     load_chat_model("vllm:Qwen/Qwen3-8B")                in-process vLLM on a GPU
@@ -50,7 +52,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, Iterator, Sequence, TypeVar
 
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
@@ -64,7 +66,7 @@ from ermedrag.tools.hf_batching import (BatchingGenerator, GenerationParams, Gen
                                         generation_kwargs, trimmed_completion)
 from ermedrag.tools.images import as_pil, as_url, images_in, is_url
 
-PROVIDERS = ("hf", "offline", "openai", "vllm", "scripted")
+PROVIDERS = ("hf", "offline", "llamacpp", "openai", "vllm", "scripted")
 DEFAULT_MODEL = "offline:gemma3-270m"
 # Model-server calls (openai:). A hung server costs at most (retries + 1) × read timeout + the backoffs.
 DEFAULT_REQUEST_TIMEOUT_S = 60.0  # read (and write) timeout of one request
@@ -113,6 +115,8 @@ def load_chat_model(
         return HFChatModel(model_path=str(offline_model_dir(name)), spec=spec, **sampling)
     if provider == "hf":
         return HFChatModel(model_path=name, spec=spec, **sampling)
+    if provider == "llamacpp":
+        return LlamaCppChatModel(model_path=name, spec=spec, **sampling)
     if provider == "openai":
         policy = ServerPolicy(timeout_s, connect_timeout_s, max_retries, retry_backoff_s)
         return _openai_chat_model(name, base_url, logprobs, policy, **sampling)
@@ -182,6 +186,8 @@ def image_support_problem(spec: str, images: Sequence[str] = ()) -> str | None:
     provider, name = parse_model_spec(spec)
     if provider == "offline":
         return "it is a text-only model (the packaged Gemma 3 270M)"
+    if provider == "llamacpp":
+        return "the llamacpp: backend takes text only"
     if provider == "vllm":
         return ("the in-process vllm: backend takes text only (serve the model with `vllm serve` and use "
                 f"openai:{name} with --base-url)")
@@ -766,6 +772,8 @@ class HFChatModel(BaseChatModel):
     top_p: float = 1.0
     seed: int | None = None
 
+    provider: ClassVar[str] = "hf"
+
     @property
     def _llm_type(self) -> str:
         return "ermedrag-hf"
@@ -780,12 +788,12 @@ class HFChatModel(BaseChatModel):
         )
         images = images_in(messages)
         # Before any weights load: a text-only model refuses images (its config says so), never drops them.
-        require_image_support(self.spec or f"hf:{self.model_path}", images)
+        require_image_support(self.spec or f"{self.provider}:{self.model_path}", images)
         if images or self._is_vision_model():
             generator_v = hf_vision_generator(self.model_path, self.device)
             out, seen = generator_v.generate(_processor_conversation(messages), continuation(messages), params)
             return self._result(out, seen["prompt_tokens"], generator_v.tokenizer, stop, {"vision_inputs": seen})
-        generator = hf_generator(self.model_path, self.device)
+        generator = self._text_generator()
         prompt_ids = generator.tokenizer.apply_chat_template(
             to_chat(messages), tokenize=True, return_dict=False, **continuation(messages))
         out = generator.generate(list(prompt_ids), params)
@@ -796,7 +804,11 @@ class HFChatModel(BaseChatModel):
         if self._is_vision_model():
             hf_vision_generator(self.model_path, self.device)
         else:
-            hf_generator(self.model_path, self.device)
+            self._text_generator()
+
+    def _text_generator(self) -> Any:
+        """What generates text-only calls: `generate(prompt_ids, params) -> Generated` and its `tokenizer`."""
+        return hf_generator(self.model_path, self.device)
 
     def _is_vision_model(self) -> bool:
         """A vision-language model answers even text-only calls through its processor; a config that cannot be
@@ -824,6 +836,25 @@ class HFChatModel(BaseChatModel):
         usage = {"input_tokens": n_prompt, "output_tokens": n_new, "total_tokens": n_prompt + n_new}
         message = AIMessage(content=text, usage_metadata=usage, response_metadata=metadata)
         return ChatResult(generations=[ChatGeneration(message=message)])
+
+
+class LlamaCppChatModel(HFChatModel):
+    """A GGUF model run by llama.cpp in-process (tools.llamacpp), text only, with the hf backend's tokenizer,
+    per-token statistics and metadata; `model_path` is an offline model's name or a .gguf file."""
+
+    provider: ClassVar[str] = "llamacpp"
+
+    @property
+    def _llm_type(self) -> str:
+        return "ermedrag-llamacpp"
+
+    def _is_vision_model(self) -> bool:
+        return False
+
+    def _text_generator(self) -> Any:
+        from ermedrag.tools.llamacpp import llamacpp_generator
+
+        return llamacpp_generator(self.model_path)
 
 
 # ------------------------------------------------------------------------------------------------ vllm

