@@ -103,7 +103,7 @@ def speed(timed, new_tokens: int) -> dict:
     total = statistics.median(timed(new_tokens) for _ in range(3))
     return dict(new_tokens=new_tokens, prefill_s=round(prefill, 3), generate_s=round(total, 3),
                 tokens_per_s=round(new_tokens / total, 2),
-                decode_tokens_per_s=round((new_tokens - 1) / max(total - prefill, 1e-9), 2))
+                decode_tokens_per_s=round((new_tokens - 1) / (total - prefill), 2) if total > prefill else None)
 
 
 def hf_measurements(parts: list[str], quick: bool) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 
 import pytest
@@ -111,8 +112,10 @@ def test_offline_model_batches_concurrent_calls():
 
 
 @pytest.mark.slow
-def test_whole_graph_on_the_real_offline_model(tmp_path):
-    context = {"extractor_model": OFFLINE, "respondent_model": OFFLINE, "trace_db": str(tmp_path / "t.sqlite"),
+@pytest.mark.parametrize("model", [OFFLINE, pytest.param("llamacpp:gemma3-270m", marks=pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed (make llamacpp)"))])
+def test_whole_graph_on_the_real_offline_model(tmp_path, model):
+    context = {"extractor_model": model, "respondent_model": model, "trace_db": str(tmp_path / "t.sqlite"),
                "snippets_k": 2, "extractor_max_new_tokens": 48, "respondent_max_new_tokens": 48}
     state = graph.invoke({"question": "Which drug is first-line for type 2 diabetes?",
                           "options": {"A": "Metformin", "B": "Insulin"}, "gold": "A"}, context=context)
@@ -121,5 +124,5 @@ def test_whole_graph_on_the_real_offline_model(tmp_path):
     events = list(TraceStore(context["trace_db"]).events(run_id=state["run_id"]))
     assert [e["agent"] for e in events].count("extractor") == 2 and events[-1]["agent"] == "respondent"
     for event in events:
-        assert event["model"] == OFFLINE and event["usage"]["output_tokens"] <= 48
+        assert event["model"] == model and event["usage"]["output_tokens"] <= 48
         assert len(event["logprobs"]) == event["usage"]["output_tokens"]

@@ -241,10 +241,15 @@ class BatchingGenerator:
                                             attention_mask=torch.tensor(rows_mask, device=self.device), **gen)
             new = sequences[:, width:]
             chosen, entropy = stats.finish(new)
-        self.batch_sizes.append(len(batch))
         rows = [self._row(new[b].tolist(), chosen[b], entropy[b]) for b in range(len(batch))]
+        return self._timed(batch, rows, started, stats.first_step_at)
+
+    def _timed(self, batch: list[_Request], rows: list[Generated], started: float,
+               prefill_end: float | None) -> list[Generated]:
+        """The batch's rows with each request's queue wait and compute share (`apportion_compute`)."""
         finished = time.perf_counter()
-        prefill_end = stats.first_step_at or finished
+        prefill_end = prefill_end or finished
+        self.batch_sizes.append(len(batch))
         shares = apportion_compute(prefill_end - started, finished - prefill_end,
                                    [len(r.prompt_ids) for r in batch], [len(row.token_ids) for row in rows])
         for request, row, share in zip(batch, rows, shares):

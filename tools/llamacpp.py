@@ -14,30 +14,39 @@ What stays the hf backend's, so that traces and training data look alike whichev
 - stops: the end-of-turn tokens of the model's generation config (and llama.cpp's end-of-generation tokens),
   the caller's stop strings, the token budget.
 
-One context serves one call at a time (a lock). A call keeps the KV cache of the longest prefix it shares with
-the previous call, so an extractor fan-out reads its instructions and question once; the sliding-window
-layers (Gemma 3) keep a full-size cache so that a prefix can be kept at all. The same prompt with the same seed
-gives the same tokens whatever the previous call was; after a kept prefix the log-probabilities may differ in
-the last digits (llama.cpp rounds a batched pass differently from single-token ones).
+Concurrent calls batch as on the hf backend (tools.hf_batching: calls arriving within a few milliseconds with
+the same sampling settings): a batch's prompts are llama.cpp sequences of one context decoded together, the
+prefix they share (an extractor fan-out's instructions and question) read once and stored once, a finished
+sequence leaving the batch at its end. The first sequence keeps what it shares with the previous batch's first
+prompt. A lone prompt with a seed repeats its tokens whatever came before; its log-probabilities may differ in
+the last digits after a kept prefix, and a prompt's tokens may differ with the batch it shares (llama.cpp rounds
+a batched pass differently), as on the hf backend. The sliding-window layers (Gemma 3) keep a full-size cache, so
+that a prefix can be kept at all.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import sys
-import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ermedrag.tools.cache import shared_resource
-from ermedrag.tools.hf_batching import GenerationParams, Generated, trimmed_completion
+from ermedrag.tools.hf_batching import (BatchingGenerator, GenerationParams, Generated, _Request, shared_prefix_length,
+                                        trimmed_completion)
 
 THREADS_ENV = "ERMEDRAG_LLAMACPP_THREADS"
 CONTEXT_ENV = "ERMEDRAG_LLAMACPP_CTX"
-DEFAULT_CONTEXT_TOKENS = 8192
+DEFAULT_CONTEXT_TOKENS = 8192  # shared by the sequences of a batch
+MAX_BATCH_ENV = "ERMEDRAG_LLAMACPP_MAX_BATCH"
+DEFAULT_MAX_BATCH = 8
+PREFILL_CHUNK = 256  # tokens per llama.cpp pass while reading prompts (its compute buffer grows with it)
 TOP_P_CANDIDATES = 2048  # nucleus sampling sorts only the likeliest tokens, unless they hold less than top_p
 INSTALL_HINT = "pip install 'ermedrag[llamacpp]' (builds llama.cpp from source: a C++ compiler and cmake)"
 
@@ -95,66 +104,161 @@ def cpu_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-class LlamaCppGenerator:
-    """One llama.cpp context and its tokenizer; `generate` has the hf batching generator's signature."""
+class LlamaCppEngine:
+    """A GGUF model in llama.cpp and one context of `max_batch` sequences over one KV cache (unified: a prefix
+    copied to several sequences is stored once), driven through llama.cpp's C API."""
 
-    def __init__(self, llama: Any, tokenizer: Any, eos_ids: set[int]):
-        self.llama, self.tokenizer, self.eos_ids = llama, tokenizer, eos_ids
-        self.n_vocab = llama.n_vocab()
-        self._cached: list[int] = []  # the tokens whose keys and values the context holds
-        self._lock = threading.Lock()
-
-    def generate(self, prompt_ids: list[int], params: GenerationParams) -> Generated:
-        submitted = time.perf_counter()
-        budget = self.llama.n_ctx()
-        if len(prompt_ids) + params.max_new_tokens > budget:
-            raise ContextTooSmallError(
-                f"prompt of {len(prompt_ids)} tokens + {params.max_new_tokens} new tokens exceeds the llama.cpp "
-                f"context of {budget} tokens: set {CONTEXT_ENV} higher, or shorten the prompt")
-        with self._lock:
-            started = time.perf_counter()
-            ids, logprobs, entropies = self._decode(list(prompt_ids), params)
-            finished = time.perf_counter()
-        generated = trimmed_completion(ids, logprobs, entropies, self.tokenizer, list(self.eos_ids))
-        generated.queue_s, generated.compute_s = started - submitted, finished - started
-        return generated
-
-    def _decode(self, prompt: list[int], params: GenerationParams) -> tuple[list[int], list[float], list[float]]:
-        kept = common_prefix_length(self._cached, prompt)
-        self.llama.n_tokens = kept  # `eval` drops the cache past n_tokens before it evaluates
-        self._cached = prompt[:kept]
-        # The last prompt token alone: its logits then come from the same single-token pass whether or not the rest
-        # was kept from the previous call (a batched pass rounds differently), so a seed repeats its sample.
-        if len(prompt) - 1 > kept:
-            self._eval(prompt[kept:-1])
-        self._eval(prompt[-1:])
-        rng = np.random.default_rng(params.seed)
-        longest_stop = max((len(s) for s in params.stop), default=0)
-        ids: list[int] = []
-        logprobs: list[float] = []
-        entropies: list[float] = []
-        while len(ids) < params.max_new_tokens:
-            logits = self._last_logits()
-            log_normaliser, entropy = step_statistics(logits)
-            token = choose_token(logits, params.temperature, params.top_p, rng)
-            ids.append(token)
-            logprobs.append(float(logits[token]) - log_normaliser)
-            entropies.append(entropy)
-            if token in self.eos_ids or self._stopped(ids, params.stop, longest_stop):
-                break
-            if len(ids) < params.max_new_tokens:
-                self._eval([token])
-        return ids, logprobs, entropies
-
-    def _eval(self, tokens: list[int]) -> None:
-        self.llama.eval(tokens)
-        self._cached.extend(tokens)
-
-    def _last_logits(self) -> np.ndarray:
+    def __init__(self, gguf: Path, threads: int, context_tokens: int, max_batch: int):
         import llama_cpp
 
-        pointer = llama_cpp.llama_get_logits_ith(self.llama.ctx, -1)
-        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+        llama_cpp.llama_backend_init()
+        model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
+        if not model:
+            raise ValueError(f"llama.cpp could not load {gguf} (not a GGUF model it supports?)")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = context_tokens, max_batch
+        params.n_batch = params.n_ubatch = PREFILL_CHUNK
+        params.n_threads = params.n_threads_batch = threads
+        params.kv_unified, params.swa_full = True, True  # shared prefixes; sliding-window layers keep them too
+        context = llama_cpp.llama_init_from_model(model, params)
+        if not context:
+            llama_cpp.llama_model_free(model)
+            raise ValueError(f"llama.cpp could not make a context of {context_tokens} tokens for {gguf}")
+        batch = llama_cpp.llama_batch_init(PREFILL_CHUNK, 0, 1)
+        self._freed = weakref.finalize(self, _free, model, context, batch)
+        self.context, self.batch, self.max_batch = context, batch, max_batch
+        self.context_tokens = llama_cpp.llama_n_ctx(context)
+        self.memory = llama_cpp.llama_get_memory(context)
+        self.vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+
+    def evaluate(self, entries: list[tuple[int, int, int]], logits: bool = False) -> list[np.ndarray]:
+        """Put (token, position, sequence) entries through the model, in chunks; with `logits`, the next-token
+        logits after each entry (views into llama.cpp's buffer, valid until the next call)."""
+        import llama_cpp
+
+        if logits and len(entries) > PREFILL_CHUNK:
+            raise ValueError(f"logits for {len(entries)} entries at once: at most {PREFILL_CHUNK}")
+        for start in range(0, len(entries), PREFILL_CHUNK):
+            chunk = entries[start:start + PREFILL_CHUNK]
+            for i, (token, position, sequence) in enumerate(chunk):
+                self.batch.token[i], self.batch.pos[i] = token, position
+                self.batch.n_seq_id[i], self.batch.seq_id[i][0], self.batch.logits[i] = 1, sequence, logits
+            self.batch.n_tokens = len(chunk)
+            status = llama_cpp.llama_decode(self.context, self.batch)
+            if status != 0:
+                raise RuntimeError(f"llama.cpp could not evaluate {len(chunk)} tokens (llama_decode returned {status}"
+                                   f"{': the KV cache is full' if status == 1 else ''})")
+        if not logits:
+            return []
+        return [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.context, i), shape=(self.n_vocab,))
+                for i in range(len(entries))]
+
+    def keep(self, sequence: int, length: int) -> None:
+        """Drop `sequence`'s cache past its first `length` positions (all of it with 0)."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_rm(self.memory, sequence, length, -1)
+
+    def share(self, source: int, target: int) -> None:
+        """Give `target` the cache of `source` (the same cells: nothing is copied)."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_cp(self.memory, source, target, -1, -1)
+
+
+def _free(model: Any, context: Any, batch: Any) -> None:
+    import llama_cpp
+
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(context)
+    llama_cpp.llama_model_free(model)
+
+
+class LlamaCppGenerator(BatchingGenerator):
+    """The hf backend's batching generator (concurrent calls gathered into batches, each call's queue wait and
+    compute share) over a llama.cpp engine: a batch's rows are llama.cpp sequences decoded together, their shared
+    prompt prefix evaluated once and stored once, a finished row leaving the batch at once."""
+
+    def __init__(self, engine: LlamaCppEngine, tokenizer: Any, eos_ids: set[int]):
+        self.engine, self.eos_ids = engine, eos_ids
+        self._cached: list[int] = []  # the tokens whose keys and values sequence 0 holds
+        super().__init__(tokenizer, model=engine, device="cpu", max_batch=engine.max_batch)
+
+    def generate_many(self, prompts: list[list[int]], params: GenerationParams) -> list[Generated]:
+        for prompt in prompts:  # before queueing: the caller gets the error, not its batch
+            if len(prompt) + params.max_new_tokens > self.engine.context_tokens:
+                raise ContextTooSmallError(
+                    f"prompt of {len(prompt)} tokens + {params.max_new_tokens} new tokens exceeds the llama.cpp "
+                    f"context of {self.engine.context_tokens} tokens: set {CONTEXT_ENV} higher, or shorten the prompt")
+        return super().generate_many(prompts, params)
+
+    def _generate_batch(self, batch: list[_Request]) -> list[Generated]:
+        rows: list[Generated] = []
+        for group in self._fitting_groups(batch):
+            started = time.perf_counter()
+            decoded, prefill_end = self._decode([r.prompt_ids for r in group], group[0].params)
+            generated = [trimmed_completion(*row, self.tokenizer, list(self.eos_ids)) for row in decoded]
+            rows += self._timed(group, generated, started, prefill_end)
+        return rows
+
+    def _fitting_groups(self, batch: list[_Request]) -> list[list[_Request]]:
+        """The batch in groups whose prompts and token budgets fit the context together (in order)."""
+        groups: list[list[_Request]] = [[]]
+        used = 0
+        for request in batch:
+            need = len(request.prompt_ids) + request.params.max_new_tokens
+            if groups[-1] and used + need > self.engine.context_tokens:
+                groups.append([])
+                used = 0
+            groups[-1].append(request)
+            used += need
+        return groups
+
+    def _decode(self, prompts: list[list[int]], params: GenerationParams
+                ) -> tuple[list[tuple[list[int], list[float], list[float]]], float]:
+        """Each prompt's new tokens with their log-probabilities and entropies, and when the prompts were read.
+
+        Sequence 0 keeps what it shares with the previous batch's first prompt; the prefix every prompt shares is
+        evaluated on it and shared with the others; each prompt's rest follows on its own sequence. Every prompt's
+        last token goes in the first decoding step, so a lone prompt's first logits come from the same
+        single-token pass whatever was kept (a batched pass rounds differently): a seed repeats its sample."""
+        engine = self.engine
+        shared = shared_prefix_length(prompts) if len(prompts) > 1 else len(prompts[0]) - 1
+        kept = min(common_prefix_length(self._cached, prompts[0]), shared)
+        for sequence in range(1, engine.max_batch):
+            engine.keep(sequence, 0)
+        engine.keep(0, kept)
+        engine.evaluate([(prompts[0][position], position, 0) for position in range(kept, shared)])
+        for sequence in range(1, len(prompts)):
+            engine.share(0, sequence)
+        engine.evaluate([(prompt[position], position, sequence) for sequence, prompt in enumerate(prompts)
+                         for position in range(shared, len(prompt) - 1)])
+        self._cached = prompts[0][:-1]
+        rng = np.random.default_rng(params.seed)
+        longest_stop = max((len(s) for s in params.stop), default=0)
+        rows: list[tuple[list[int], list[float], list[float]]] = [([], [], []) for _ in prompts]
+        steps = [(prompt[-1], len(prompt) - 1, sequence) for sequence, prompt in enumerate(prompts)]
+        prefill_end = None
+        while steps:
+            logits_rows = engine.evaluate(steps, logits=True)
+            prefill_end = prefill_end or time.perf_counter()
+            next_steps = []
+            for (_, position, sequence), logits in zip(steps, logits_rows):
+                ids, logprobs, entropies = rows[sequence]
+                log_normaliser, entropy = step_statistics(logits)
+                token = choose_token(logits, params.temperature, params.top_p, rng)
+                ids.append(token)
+                logprobs.append(float(logits[token]) - log_normaliser)
+                entropies.append(entropy)
+                done = (token in self.eos_ids or len(ids) >= params.max_new_tokens
+                        or self._stopped(ids, params.stop, longest_stop))
+                if not done:
+                    next_steps.append((token, position + 1, sequence))
+            if steps[0][2] == 0:  # sequence 0 took its step: its cache holds that token
+                self._cached.append(steps[0][0])
+            steps = next_steps
+        return rows, prefill_end or time.perf_counter()
 
     def _stopped(self, ids: list[int], stop: tuple[str, ...], longest_stop: int) -> bool:
         """Whether a stop string ends the text so far. Only the tail is decoded (a token is at least one
@@ -164,7 +268,6 @@ class LlamaCppGenerator:
             return False
         tail = self.tokenizer.decode(ids[-(longest_stop + 4):], skip_special_tokens=True)
         return any(s and s in tail for s in stop)
-
 
 def gguf_and_tokenizer_source(name: str) -> tuple[Path, str, dict[str, Any]]:
     """The GGUF file of `name` (a packaged offline model or a .gguf path) and where its transformers tokenizer
@@ -183,35 +286,35 @@ def gguf_and_tokenizer_source(name: str) -> tuple[Path, str, dict[str, Any]]:
 
 @shared_resource(maxsize=2)
 def llamacpp_generator(name: str) -> LlamaCppGenerator:
-    """Load the GGUF model `name` into one llama.cpp context (once per process), with its tokenizer."""
+    """Load the GGUF model `name` into llama.cpp (once per process), with its transformers tokenizer."""
     gguf, tokenizer_source, tokenizer_kwargs = gguf_and_tokenizer_source(name)  # a wrong name fails first
-    try:
-        from llama_cpp import Llama
-    except ImportError as err:
-        raise ImportError(f"the llamacpp: backend needs llama-cpp-python: {INSTALL_HINT}") from err
-    from transformers import AutoTokenizer, GenerationConfig
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise ImportError(f"the llamacpp: backend needs llama-cpp-python: {INSTALL_HINT}")
+    from transformers import AutoTokenizer
 
-    threads = cpu_threads()
-    context = int(os.environ.get(CONTEXT_ENV, DEFAULT_CONTEXT_TOKENS))
-    print(f"loading model llamacpp:{name} ({gguf}) on cpu ({threads} llama.cpp threads, context {context}) …",
-          file=sys.stderr, flush=True)
-    llama = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                  swa_full=True, logits_all=False, verbose=False)
+    # llama.cpp's OpenMP threads spin between steps by default; beside other busy threads (another process, the
+    # encoder) that made decoding 4x slower here. Read once, when llama.cpp's OpenMP library loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load log, through its logger
+    threads, context = cpu_threads(), int(os.environ.get(CONTEXT_ENV, DEFAULT_CONTEXT_TOKENS))
+    max_batch = int(os.environ.get(MAX_BATCH_ENV, DEFAULT_MAX_BATCH))
+    print(f"loading model llamacpp:{name} ({gguf}) on cpu ({threads} llama.cpp threads, context {context}, "
+          f"batches of {max_batch}) …", file=sys.stderr, flush=True)
+    engine = LlamaCppEngine(gguf, threads, context, max_batch)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **tokenizer_kwargs)
-    return LlamaCppGenerator(llama, tokenizer, end_of_generation_ids(llama, tokenizer_source, tokenizer_kwargs,
-                                                                     GenerationConfig))
+    return LlamaCppGenerator(engine, tokenizer, end_of_generation_ids(engine, tokenizer_source, tokenizer_kwargs))
 
 
-def end_of_generation_ids(llama: Any, source: str, tokenizer_kwargs: dict[str, Any], generation_config: Any) -> set[int]:
+def end_of_generation_ids(engine: LlamaCppEngine, source: str, tokenizer_kwargs: dict[str, Any]) -> set[int]:
     """The tokens that end a reply: the generation config's end-of-sequence ids (<end_of_turn> for the offline
-    model) and the ones llama.cpp's vocabulary marks as end of generation."""
+    model) and the vocabulary's end-of-sequence and end-of-turn tokens."""
     import llama_cpp
+    from transformers import GenerationConfig
 
     try:
-        configured = generation_config.from_pretrained(source, **tokenizer_kwargs).eos_token_id
+        configured = GenerationConfig.from_pretrained(source, **tokenizer_kwargs).eos_token_id
     except (OSError, ValueError):  # a GGUF or folder without a generation config
         configured = None
     ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    vocab = llama_cpp.llama_model_get_vocab(llama.model)
-    ids.update(t for t in (llama_cpp.llama_vocab_eos(vocab), llama_cpp.llama_vocab_eot(vocab)) if t >= 0)
+    ids.update(t for t in (llama_cpp.llama_vocab_eos(engine.vocab), llama_cpp.llama_vocab_eot(engine.vocab)) if t >= 0)
     return ids
