@@ -51,7 +51,9 @@ class Generated:
 
 
 @dataclass
-class _Request:
+class Request:
+    """One call waiting for (or in) a batch; its caller waits on `future`."""
+
     prompt_ids: list[int]
     params: GenerationParams
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -176,7 +178,7 @@ class BatchingGenerator:
                  share_prefix: bool = True):
         self.tokenizer, self.model, self.device = tokenizer, model, device
         self.max_batch, self.gather_s, self.share_prefix = max_batch, gather_s, share_prefix
-        self._pending: list[_Request] = []
+        self._pending: list[Request] = []
         self._cond = threading.Condition()
         self.batch_sizes: list[int] = []  # observable: how many requests each generate() served
         threading.Thread(target=self._serve, name="hf-batcher", daemon=True).start()
@@ -186,7 +188,7 @@ class BatchingGenerator:
 
     def generate_many(self, prompts: list[list[int]], params: GenerationParams) -> list[Generated]:
         """Submit several prompts at once: up to `max_batch` of them share one batch (when nothing else waits)."""
-        requests = [_Request(list(ids), params) for ids in prompts]
+        requests = [Request(list(ids), params) for ids in prompts]
         with self._cond:
             self._pending.extend(requests)
             self._cond.notify_all()
@@ -204,7 +206,7 @@ class BatchingGenerator:
             for request, result in zip(batch, results):
                 request.future.set_result(result)
 
-    def _next_batch(self) -> list[_Request]:
+    def _next_batch(self) -> list[Request]:
         with self._cond:
             while not self._pending:
                 self._cond.wait()
@@ -216,7 +218,7 @@ class BatchingGenerator:
             self._pending = [r for r in self._pending if r not in batch]
         return batch
 
-    def _generate_batch(self, batch: list[_Request]) -> list[Generated]:
+    def _generate_batch(self, batch: list[Request]) -> list[Generated]:
         import torch
 
         started = time.perf_counter()
@@ -244,7 +246,7 @@ class BatchingGenerator:
         rows = [self._row(new[b].tolist(), chosen[b], entropy[b]) for b in range(len(batch))]
         return self._timed(batch, rows, started, stats.first_step_at)
 
-    def _timed(self, batch: list[_Request], rows: list[Generated], started: float,
+    def _timed(self, batch: list[Request], rows: list[Generated], started: float,
                prefill_end: float | None) -> list[Generated]:
         """The batch's rows with each request's queue wait and compute share (`apportion_compute`)."""
         finished = time.perf_counter()

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ermedrag.tools.cache import shared_resource
-from ermedrag.tools.hf_batching import (BatchingGenerator, GenerationParams, Generated, _Request, shared_prefix_length,
+from ermedrag.tools.hf_batching import (BatchingGenerator, GenerationParams, Generated, Request, shared_prefix_length,
                                         trimmed_completion)
 
 THREADS_ENV = "ERMEDRAG_LLAMACPP_THREADS"
@@ -193,7 +193,7 @@ class LlamaCppGenerator(BatchingGenerator):
                     f"context of {self.engine.context_tokens} tokens: set {CONTEXT_ENV} higher, or shorten the prompt")
         return super().generate_many(prompts, params)
 
-    def _generate_batch(self, batch: list[_Request]) -> list[Generated]:
+    def _generate_batch(self, batch: list[Request]) -> list[Generated]:
         rows: list[Generated] = []
         for group in self._fitting_groups(batch):
             started = time.perf_counter()
@@ -202,9 +202,9 @@ class LlamaCppGenerator(BatchingGenerator):
             rows += self._timed(group, generated, started, prefill_end)
         return rows
 
-    def _fitting_groups(self, batch: list[_Request]) -> list[list[_Request]]:
+    def _fitting_groups(self, batch: list[Request]) -> list[list[Request]]:
         """The batch in groups whose prompts and token budgets fit the context together (in order)."""
-        groups: list[list[_Request]] = [[]]
+        groups: list[list[Request]] = [[]]
         used = 0
         for request in batch:
             need = len(request.prompt_ids) + request.params.max_new_tokens
