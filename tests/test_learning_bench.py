@@ -46,6 +46,9 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
         assert set(dpo["mean_reward_gain"]) == {"mean", "sd"}
         assert len(dpo["strict_json_rate"]["after"]["values"]) == 2
         assert result[arm]["close_cut_lists"] == arm.endswith("close_cut")
+        composition = result[arm]["pair_composition"]  # what the pairs teach: each side's reward components
+        assert set(composition) == ({"chosen", "rejected"} if result[arm]["pairs"] else set())
+        assert all(composition[side]["total"] <= composition["chosen"]["total"] for side in composition)
         for metric in ("reward/structure", "reward/faithfulness", "reward/conciseness", "mean_triplets",
                        "mean_completion_chars"):  # every component of the extractor reward, and the lengths
             assert len(dpo[metric]["after"]["values"]) == 2, metric

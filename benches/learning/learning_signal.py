@@ -259,6 +259,7 @@ def main() -> None:
         result[key] = {"before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
                        **training_time(seeds, runs),
                        "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": len(eval_events),
+                       "pair_composition": pair_composition(dpo_dir / "log.jsonl"),
                        "samples": args.dpo_samples, "sampling_temperature": args.dpo_temperature,
                        "close_cut_lists": "close_cut" in key}
         summary = over_seeds(before, afters)
@@ -360,6 +361,25 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
     reselected = work / ("dpo-train-same-samples" + folder_suffix)
     log(f"dpo pairs without closed candidates: {reselect_pairs(str(train_db), export, reselected, margin, closed=False)}")
     return {"dpo_extractor" + suffix: reselected, "dpo_extractor_close_cut" + suffix: export}
+
+
+def pair_composition(export_log: Path) -> dict[str, dict[str, float]]:
+    """What the DPO pairs teach: the mean reward components of their chosen and of their rejected sides, read
+    from the export's log (each pair beside its scored candidates)."""
+    sides: dict[str, list[dict[str, float]]] = {"chosen": [], "rejected": []}
+    for line in export_log.read_text().splitlines():
+        record = json.loads(line)
+        pair = record.get("pair")
+        if not pair:  # a prompt whose candidates made no pair
+            continue
+        scored = {c["completion"]: c["components"] for c in record["candidates"]}
+        for side in sides:
+            components = scored.get(pair[side][0]["content"])
+            if components:
+                sides[side].append(components)
+    return {side: {name: round(sum(c[name] for c in rows) / len(rows), 3)
+                   for name in ("total", "structure", "faithfulness", "conciseness")}
+            for side, rows in sides.items() if rows}
 
 
 def training_time(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
