@@ -19,7 +19,8 @@ export RAGAS_DO_NOT_TRACK ?= true
 export LANGGRAPH_CLI_NO_ANALYTICS ?= 1
 export LANGGRAPH_NO_VERSION_CHECK ?= 1
 
-# llama.cpp for the llamacpp: backend, built for this CPU. Without ggml's AMX kernels: on this project's Xeons (AMX) they crash on the offline model's Q4_K matrices.
+# llama.cpp for the llamacpp: backend, built for this CPU. Without ggml's AMX kernels: on this project's Xeons
+# (AMX) they crash on the offline model's Q4_K matrices.
 LLAMACPP_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16,)
 LLAMACPP_BUILD := CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAMA_BUILD_TOOLS=OFF" CFLAGS="$(LLAMACPP_CFLAGS)" CXXFLAGS="$(LLAMACPP_CFLAGS)" \
@@ -66,8 +67,8 @@ lock:
 	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH)
 	$(LLAMACPP_BUILD) $(LOCK_VENV)/bin/python -m pip install -q -e '.[$(EXTRAS),$(SOURCE_EXTRAS)]'
 	{ printf '%s\n' \
-	  '# The lock: every dependency of ermedrag[$(EXTRAS),$(SOURCE_EXTRAS)] at the exact version that the tests pass with' \
-	  '# (CPython 3.11, Linux x86_64). `make install` installs with `pip install -c $(LOCK)`, $(TORCH) (the CPU' \
+	  '# The lock: every dependency of ermedrag[$(EXTRAS),$(SOURCE_EXTRAS)] at the exact version that the tests pass' \
+	  '# with (CPython 3.11, Linux x86_64). `make install` installs with `pip install -c $(LOCK)`, $(TORCH) (the CPU' \
 	  '# build, from the wheels on disk) first. Written by `make lock`: a throwaway venv resolved afresh by pip, then' \
 	  '# `pip freeze --all --exclude-editable` less pip. Refresh: `make lock && make test`; commit it if green.'; \
 	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -v '^pip=='; } > $(LOCK_VENV)/lock.txt
