@@ -245,8 +245,7 @@ def main() -> None:
             "accuracy_after": [accuracy_interval(a["accuracy"], len(eval_rows)) for a in afters],
             "zero_variance_share": recorded.get("grpo_respondent", {}).get("zero_variance_share", [])[:args.first_seed]
             + [(r["zero_variance_steps"] or {}).get("share") for r in runs]}
-        if runs[0].get("plot_path") and not args.smoke and not args.first_seed:
-            shutil.copy(runs[0]["plot_path"], results_dir / "learning_grpo_respondent_curves.png")
+        copy_curves(runs, args, results_dir / "learning_grpo_respondent_curves.png")
 
     if arms:
         before = extractor_metrics(generate(model, extract_prompts, args.extract_tokens, extractor.STOP), eval_events)
@@ -265,8 +264,7 @@ def main() -> None:
         summary = over_seeds(before, afters)
         result["seeds"][key] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
                                 "strict_json_rate": summary.get("strict_json_rate")}
-        if runs[0].get("plot_path") and not args.smoke and not args.first_seed:
-            shutil.copy(runs[0]["plot_path"], results_dir / f"learning_{key}_curves.png")
+        copy_curves(runs, args, results_dir / f"learning_{key}_curves.png")
 
     # The seeds every recorded part has (parts may be recorded in different runs, with different counts).
     result["seeds"]["n"] = min(part["n"] for part in result["seeds"].values() if isinstance(part, dict))
@@ -361,6 +359,13 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
     reselected = work / ("dpo-train-same-samples" + folder_suffix)
     log(f"dpo pairs without closed candidates: {reselect_pairs(str(train_db), export, reselected, margin, closed=False)}")
     return {"dpo_extractor" + suffix: reselected, "dpo_extractor_close_cut" + suffix: export}
+
+
+def copy_curves(runs: list[dict[str, Any]], args: argparse.Namespace, target: Path) -> None:
+    """The training curves of the first seed this run trained (a reused seed's are those of its own run)."""
+    plotted = [run["plot_path"] for run in runs if run.get("plot_path")]
+    if plotted and not args.smoke and not args.first_seed:
+        shutil.copy(plotted[0], target)
 
 
 def pair_composition(export_log: Path) -> dict[str, dict[str, float]]:
