@@ -21,10 +21,14 @@ export LANGGRAPH_NO_VERSION_CHECK ?= 1
 
 # llama.cpp for the llamacpp: backend, built for this CPU. Without ggml's AMX kernels: on this project's Xeons
 # (AMX) they crash on the offline model's Q4_K matrices.
-LLAMACPP_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16,)
+# (The flags only where the compiler knows them: x86 compilers recent enough to build AMX code at all.) Built
+# without pip's wheel cache, which keys a build by the sdist alone and would hand back one built with other flags.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMACPP_CFLAGS := $(shell $(CC) $(NO_AMX) -E -x c /dev/null >/dev/null 2>&1 && echo "$(NO_AMX)")
 LLAMACPP_BUILD := CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-	-DLLAMA_BUILD_TOOLS=OFF" CFLAGS="$(LLAMACPP_CFLAGS)" CXXFLAGS="$(LLAMACPP_CFLAGS)" \
-	CMAKE_BUILD_PARALLEL_LEVEL=$(shell nproc)
+	-DLLAMA_BUILD_TOOLS=OFF" CFLAGS="$(LLAMACPP_CFLAGS) $(CFLAGS)" CXXFLAGS="$(LLAMACPP_CFLAGS) $(CXXFLAGS)" \
+	CMAKE_BUILD_PARALLEL_LEVEL=$(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
+	PIP_NO_CACHE_DIR=1
 
 .PHONY: install llamacpp demo test test-fast studio lock clean
 

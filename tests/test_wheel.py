@@ -127,7 +127,8 @@ def test_lock_pins_exactly_the_dependencies_of_our_extras_at_the_installed_versi
         assert extra in project["optional-dependencies"], f"Makefile EXTRAS names an unknown extra {extra!r}"
         requirements += project["optional-dependencies"][extra]
     closure, missing = _required_closure(requirements)
-    assert not missing, f"not installed: {missing}: run `make install` (or `make lock` for a new dependency)"
+    assert not missing, (f"not installed: {missing}: run `make test` (or `make install` and `make llamacpp`; "
+                         "`make lock` for a new dependency)")
     closure.pop("ermedrag", None)
     pins = _pins()
     assert "ermedrag" not in pins, f"{LOCK.name} pins the project itself"

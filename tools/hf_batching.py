@@ -50,7 +50,7 @@ class Generated:
     batch_size: int = 1
 
 
-@dataclass
+@dataclass(eq=False)  # one call is one request: `in` compares identity, not prompt lists
 class Request:
     """One call waiting for (or in) a batch; its caller waits on `future`."""
 

@@ -1,8 +1,10 @@
 """In-process llama.cpp for GGUF models (llama-cpp-python): `llamacpp:gemma3-270m` or `llamacpp:PATH.gguf`.
 
 Why a second CPU backend: llama.cpp runs the GGUF's quantised weights with its own kernels, where transformers
-de-quantises them to bfloat16 matrices; on the offline model single-stream decoding is several times faster
-(benches/results/cpu_inference.json). It is an extra (`pip install 'ermedrag[llamacpp]'`, built from source).
+de-quantises them to bfloat16 matrices; on the offline model it decodes 2.7x faster and writes 2.1x the tokens per
+second of float32 transformers, 1.9x bfloat16's, with a slower prompt pass (benches/results/cpu_inference.json).
+It is an extra built from source (`make llamacpp`). Attention models only (Gemma, Llama, Qwen, ...): recurrent and
+hybrid ones cannot keep part of a sequence's state, which the kept prefix needs.
 
 What stays the hf backend's, so that traces and training data look alike whichever backend recorded them:
 - token ids: prompts are tokenised, chat-templated and decoded by the model's transformers tokenizer (for the
@@ -18,9 +20,10 @@ Concurrent calls batch as on the hf backend (tools.hf_batching: calls arriving w
 the same sampling settings): a batch's prompts are llama.cpp sequences of one context decoded together, the
 prefix they share (an extractor fan-out's instructions and question) read once and stored once, a finished
 sequence leaving the batch at its end. The first sequence keeps what it shares with the previous batch's first
-prompt. A lone prompt with a seed repeats its tokens whatever came before; its log-probabilities may differ in
-the last digits after a kept prefix, and a prompt's tokens may differ with the batch it shares (llama.cpp rounds
-a batched pass differently), as on the hf backend. The sliding-window layers (Gemma 3) keep a full-size cache, so
+prompt. llama.cpp rounds a pass of many tokens differently from a pass of one, so a kept prefix moves the
+log-probabilities that follow it (by up to ~0.15 nats on the offline model) and a near-tie may then flip, and a
+prompt's tokens may differ with the batch it shares, as on the hf backend; the same lone prompt with the same seed
+right after itself repeats its tokens. The sliding-window layers (Gemma 3) keep a full-size cache, so
 that a prefix can be kept at all.
 """
 
@@ -48,7 +51,8 @@ MAX_BATCH_ENV = "ERMEDRAG_LLAMACPP_MAX_BATCH"
 DEFAULT_MAX_BATCH = 8
 PREFILL_CHUNK = 256  # tokens per llama.cpp pass while reading prompts (its compute buffer grows with it)
 TOP_P_CANDIDATES = 2048  # nucleus sampling sorts only the likeliest tokens, unless they hold less than top_p
-INSTALL_HINT = "pip install 'ermedrag[llamacpp]' (builds llama.cpp from source: a C++ compiler and cmake)"
+INSTALL_HINT = ("make llamacpp (builds llama-cpp-python from source for this CPU: a C++ compiler and cmake; a plain "
+                "pip install 'ermedrag[llamacpp]' may build llama.cpp's AMX kernels, which crashed on AMX Xeons)")
 
 
 class ContextTooSmallError(ValueError):
@@ -72,7 +76,8 @@ def choose_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.r
     if temperature <= 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / temperature
-    probabilities = np.exp(scaled - np.logaddexp.reduce(scaled))
+    probabilities = np.exp(scaled - scaled.max())
+    probabilities /= probabilities.sum()
     if top_p >= 1.0:
         return int(rng.choice(probabilities.size, p=probabilities / probabilities.sum()))
     order = np.argpartition(-probabilities, TOP_P_CANDIDATES)[:TOP_P_CANDIDATES] \
@@ -95,13 +100,25 @@ def common_prefix_length(cached: list[int], prompt: list[int]) -> int:
     return length
 
 
+def setting(name: str, default: int, low: int, high: int) -> int:
+    """An integer environment setting within [low, high], or an error naming it."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise ValueError(f"{name}={text!r}: expected a whole number from {low} to {high}")
+    return value
+
+
 def cpu_threads() -> int:
     """llama.cpp's thread count: ERMEDRAG_LLAMACPP_THREADS, else every core this process may use
     (llama-cpp-python's own default is half of them)."""
-    configured = os.environ.get(THREADS_ENV)
-    if configured:
-        return int(configured)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return setting(THREADS_ENV, cores, 1, 4096)
 
 
 class LlamaCppEngine:
@@ -115,6 +132,10 @@ class LlamaCppEngine:
         model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
         if not model:
             raise ValueError(f"llama.cpp could not load {gguf} (not a GGUF model it supports?)")
+        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+            llama_cpp.llama_model_free(model)
+            raise ValueError(f"{gguf} is a recurrent or hybrid model: the llamacpp: backend runs attention models only "
+                             "(serve it with llama.cpp's server and use openai: instead)")
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_seq_max = context_tokens, max_batch
         params.n_batch = params.n_ubatch = PREFILL_CHUNK
@@ -125,7 +146,9 @@ class LlamaCppEngine:
             llama_cpp.llama_model_free(model)
             raise ValueError(f"llama.cpp could not make a context of {context_tokens} tokens for {gguf}")
         batch = llama_cpp.llama_batch_init(PREFILL_CHUNK, 0, 1)
+        # Freed with the engine; never at exit, where the batching thread may still be inside a decode.
         self._freed = weakref.finalize(self, _free, model, context, batch)
+        self._freed.atexit = False
         self.context, self.batch, self.max_batch = context, batch, max_batch
         self.context_tokens = llama_cpp.llama_n_ctx(context)
         self.memory = llama_cpp.llama_get_memory(context)
@@ -154,11 +177,12 @@ class LlamaCppEngine:
         return [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.context, i), shape=(self.n_vocab,))
                 for i in range(len(entries))]
 
-    def keep(self, sequence: int, length: int) -> None:
-        """Drop `sequence`'s cache past its first `length` positions (all of it with 0)."""
+    def keep(self, sequence: int, length: int) -> bool:
+        """Drop `sequence`'s cache past its first `length` positions (all of it with 0); False if llama.cpp could
+        not."""
         import llama_cpp
 
-        llama_cpp.llama_memory_seq_rm(self.memory, sequence, length, -1)
+        return bool(llama_cpp.llama_memory_seq_rm(self.memory, sequence, length, -1))
 
     def share(self, source: int, target: int) -> None:
         """Give `target` the cache of `source` (the same cells: nothing is copied)."""
@@ -185,6 +209,10 @@ class LlamaCppGenerator(BatchingGenerator):
         self._cached: list[int] = []  # the tokens whose keys and values sequence 0 holds
         super().__init__(tokenizer, model=engine, device="cpu", max_batch=engine.max_batch)
 
+    def forget_cache(self) -> None:
+        """Read the next prompt whole (a benchmark's timed call, a test's reference)."""
+        self._cached = []
+
     def generate_many(self, prompts: list[list[int]], params: GenerationParams) -> list[Generated]:
         for prompt in prompts:  # before queueing: the caller gets the error, not its batch
             if len(prompt) + params.max_new_tokens > self.engine.context_tokens:
@@ -197,7 +225,11 @@ class LlamaCppGenerator(BatchingGenerator):
         rows: list[Generated] = []
         for group in self._fitting_groups(batch):
             started = time.perf_counter()
-            decoded, prefill_end = self._decode([r.prompt_ids for r in group], group[0].params)
+            try:
+                decoded, prefill_end = self._decode([r.prompt_ids for r in group], group[0].params)
+            except BaseException:
+                self._cached = []  # what sequence 0 holds is unknown now: the next batch reads its prompt whole
+                raise
             generated = [trimmed_completion(*row, self.tokenizer, list(self.eos_ids)) for row in decoded]
             rows += self._timed(group, generated, started, prefill_end)
         return rows
@@ -224,11 +256,15 @@ class LlamaCppGenerator(BatchingGenerator):
         last token goes in the first decoding step, so a lone prompt's first logits come from the same
         single-token pass whatever was kept (a batched pass rounds differently): a seed repeats its sample."""
         engine = self.engine
+        # Any common prefix is shared (the hf backend's MIN_SHARED_PREFIX weighs padding, which sequences have not).
         shared = shared_prefix_length(prompts) if len(prompts) > 1 else len(prompts[0]) - 1
         kept = min(common_prefix_length(self._cached, prompts[0]), shared)
         for sequence in range(1, engine.max_batch):
             engine.keep(sequence, 0)
-        engine.keep(0, kept)
+        if not engine.keep(0, kept):
+            engine.keep(0, 0)
+            kept = 0
+        self._cached = prompts[0][:kept]
         engine.evaluate([(prompts[0][position], position, 0) for position in range(kept, shared)])
         for sequence in range(1, len(prompts)):
             engine.share(0, sequence)
@@ -236,7 +272,7 @@ class LlamaCppGenerator(BatchingGenerator):
                          for position in range(shared, len(prompt) - 1)])
         self._cached = prompts[0][:-1]
         rng = np.random.default_rng(params.seed)
-        longest_stop = max((len(s) for s in params.stop), default=0)
+        longest_stop = max((len(s.encode()) for s in params.stop), default=0)  # bytes: a token holds at least one
         rows: list[tuple[list[int], list[float], list[float]]] = [([], [], []) for _ in prompts]
         steps = [(prompt[-1], len(prompt) - 1, sequence) for sequence, prompt in enumerate(prompts)]
         prefill_end = None
@@ -261,13 +297,14 @@ class LlamaCppGenerator(BatchingGenerator):
         return rows, prefill_end or time.perf_counter()
 
     def _stopped(self, ids: list[int], stop: tuple[str, ...], longest_stop: int) -> bool:
-        """Whether a stop string ends the text so far. Only the tail is decoded (a token is at least one
-        character, apart from byte pieces, hence the margin): a stop it missed would cost time, never text,
-        since the reply is cut at its first stop string afterwards."""
+        """Whether a stop string ends the text so far. Only the tail is decoded, as many tokens as the longest
+        stop string has bytes and a margin: a stop it missed would cost time, never text, since the reply is cut
+        at its first stop string afterwards."""
         if not stop:
             return False
         tail = self.tokenizer.decode(ids[-(longest_stop + 4):], skip_special_tokens=True)
         return any(s and s in tail for s in stop)
+
 
 def gguf_and_tokenizer_source(name: str) -> tuple[Path, str, dict[str, Any]]:
     """The GGUF file of `name` (a packaged offline model or a .gguf path) and where its transformers tokenizer
@@ -293,11 +330,13 @@ def llamacpp_generator(name: str) -> LlamaCppGenerator:
     from transformers import AutoTokenizer
 
     # llama.cpp's OpenMP threads spin between steps by default; beside other busy threads (another process, the
-    # encoder) that made decoding 4x slower here. Read once, when llama.cpp's OpenMP library loads.
+    # encoder) that made decoding 4x slower here. Each OpenMP library reads it once, when it loads: llama.cpp's on
+    # the first call here; torch's bundled one, if torch is first imported after this, waits passively too.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load log, through its logger
-    threads, context = cpu_threads(), int(os.environ.get(CONTEXT_ENV, DEFAULT_CONTEXT_TOKENS))
-    max_batch = int(os.environ.get(MAX_BATCH_ENV, DEFAULT_MAX_BATCH))
+    threads = cpu_threads()
+    context = setting(CONTEXT_ENV, DEFAULT_CONTEXT_TOKENS, PREFILL_CHUNK, 1 << 20)
+    max_batch = setting(MAX_BATCH_ENV, DEFAULT_MAX_BATCH, 1, PREFILL_CHUNK)
     print(f"loading model llamacpp:{name} ({gguf}) on cpu ({threads} llama.cpp threads, context {context}, "
           f"batches of {max_batch}) …", file=sys.stderr, flush=True)
     engine = LlamaCppEngine(gguf, threads, context, max_batch)

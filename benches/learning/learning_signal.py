@@ -46,6 +46,7 @@ from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
 from ermedrag.tools.chat_models import load_chat_model  # noqa: E402
 from ermedrag.tools.corpus import Document  # noqa: E402
 from ermedrag.tools.index import build_index  # noqa: E402
+from ermedrag.tools.jsonl import read_records  # noqa: E402
 from ermedrag.tools.traces import TraceStore  # noqa: E402
 from ermedrag.training.answer_rewards import correctness_reward  # noqa: E402
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
@@ -372,8 +373,7 @@ def pair_composition(export_log: Path) -> dict[str, dict[str, float]]:
     """What the DPO pairs teach: the mean reward components of their chosen and of their rejected sides, read
     from the export's log (each pair beside its scored candidates)."""
     sides: dict[str, list[dict[str, float]]] = {"chosen": [], "rejected": []}
-    for line in export_log.read_text().splitlines():
-        record = json.loads(line)
+    for record in read_records(export_log):
         pair = record.get("pair")
         if not pair:  # a prompt whose candidates made no pair
             continue
