@@ -329,10 +329,7 @@ def llamacpp_generator(name: str) -> LlamaCppGenerator:
         raise ImportError(f"the llamacpp: backend needs llama-cpp-python: {INSTALL_HINT}")
     from transformers import AutoTokenizer
 
-    # llama.cpp's OpenMP threads spin between steps by default; beside other busy threads (another process, the
-    # encoder) that made decoding 4x slower here. Each OpenMP library reads it once, when it loads: llama.cpp's on
-    # the first call here; torch's bundled one, if torch is first imported after this, waits passively too.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    load_llama_cpp_with_passive_threads()
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load log, through its logger
     threads = cpu_threads()
     context = setting(CONTEXT_ENV, DEFAULT_CONTEXT_TOKENS, PREFILL_CHUNK, 1 << 20)
@@ -342,6 +339,23 @@ def llamacpp_generator(name: str) -> LlamaCppGenerator:
     engine = LlamaCppEngine(gguf, threads, context, max_batch)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **tokenizer_kwargs)
     return LlamaCppGenerator(engine, tokenizer, end_of_generation_ids(engine, tokenizer_source, tokenizer_kwargs))
+
+
+def load_llama_cpp_with_passive_threads() -> None:
+    """Import llama_cpp with OMP_WAIT_POLICY=PASSIVE unless the user set it, then restore the environment.
+
+    llama.cpp's OpenMP threads spin between steps by default; beside other busy threads (another process, the
+    encoder) that made decoding 4x slower here. OpenMP reads the setting once, when its library loads with
+    llama.cpp's, so it is set only for that import: left in the environment, child processes' torch threads
+    waited passively too and generated 1.6x slower."""
+    passive = "llama_cpp" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ  # else nothing to decide
+    if passive:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        importlib.import_module("llama_cpp")
+    finally:
+        if passive:
+            del os.environ["OMP_WAIT_POLICY"]
 
 
 def end_of_generation_ids(engine: LlamaCppEngine, source: str, tokenizer_kwargs: dict[str, Any]) -> set[int]:
