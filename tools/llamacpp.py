@@ -79,7 +79,7 @@ def choose_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.r
     probabilities = np.exp(scaled - scaled.max())
     probabilities /= probabilities.sum()
     if top_p >= 1.0:
-        return int(rng.choice(probabilities.size, p=probabilities / probabilities.sum()))
+        return int(rng.choice(probabilities.size, p=probabilities))
     order = np.argpartition(-probabilities, TOP_P_CANDIDATES)[:TOP_P_CANDIDATES] \
         if probabilities.size > TOP_P_CANDIDATES else np.arange(probabilities.size)
     if probabilities[order].sum() < top_p:  # a flat distribution: the nucleus reaches past the candidates
