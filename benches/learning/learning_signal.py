@@ -166,6 +166,9 @@ def main() -> None:
     parser.add_argument("--grpo-temperature", type=float, default=0.7,
                         help="sampling temperature of GRPO rollouts (at 1.0 nearly every sample of the base 270M "
                              "model leaves the format, a group's rewards are equal and GRPO learns nothing)")
+    parser.add_argument("--grpo-evidence-weight", type=float, default=None,
+                        help="train the respondent with this weight on evidence_use_reward instead of the default "
+                             f"{RESPONDENT_REWARDS['evidence']} (a lever arm, recorded as grpo_respondent_evidence_W)")
     parser.add_argument("--dpo-steps", type=int, default=20)
     parser.add_argument("--dpo-samples", type=int, default=3)
     parser.add_argument("--dpo-temperature", type=float, default=1.0,
@@ -227,26 +230,28 @@ def main() -> None:
         return afters_from_summary(recorded.get(key, {}), before, args.first_seed) if args.first_seed else []
 
     if "grpo" in parts:
+        key, arm = grpo_arm(args.grpo_evidence_weight)
         before = respondent_metrics(generate(model, eval_prompts, args.respond_tokens, respondent.STOP), eval_rows)
         log(f"before: respondent {before}")
-        prior = recorded_afters("grpo_respondent", before)
-        runs = [grpo_run(args, work, model_path, eval_prompts, eval_rows, seed) for seed in seeds]
+        prior = recorded_afters(key, before)
+        runs = [grpo_run(args, work, model_path, eval_prompts, eval_rows, seed, arm) for seed in seeds]
         afters = prior + [run["after"] for run in runs]
-        earlier = result.get("grpo_respondent", {}) if args.first_seed else {}
-        result["grpo_respondent"] = {
+        earlier = result.get(key, {}) if args.first_seed else {}
+        result[key] = {
             "before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
             **training_time(seeds, runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
             "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
             "num_generations": args.grpo_generations, "temperature": args.grpo_temperature,
+            "reward_weights": {**RESPONDENT_REWARDS, **arm},
             "zero_variance_steps": earlier.get("zero_variance_steps", [])[:args.first_seed]
             + [r["zero_variance_steps"] for r in runs]}
-        result["seeds"]["grpo_respondent"] = {
+        result["seeds"][key] = {
             **over_seeds(before, afters),
             "accuracy_before": accuracy_interval(before["accuracy"], len(eval_rows)),
             "accuracy_after": [accuracy_interval(a["accuracy"], len(eval_rows)) for a in afters],
-            "zero_variance_share": recorded.get("grpo_respondent", {}).get("zero_variance_share", [])[:args.first_seed]
+            "zero_variance_share": recorded.get(key, {}).get("zero_variance_share", [])[:args.first_seed]
             + [(r["zero_variance_steps"] or {}).get("share") for r in runs]}
-        copy_curves(runs, args, results_dir / "learning_grpo_respondent_curves.png")
+        copy_curves(runs, args, results_dir / f"learning_{key}_curves.png")
 
     if arms:
         before = extractor_metrics(generate(model, extract_prompts, args.extract_tokens, extractor.STOP), eval_events)
@@ -273,15 +278,24 @@ def main() -> None:
     write_result(result, out, started)
 
 
+def grpo_arm(evidence_weight: float | None) -> tuple[str, dict[str, float]]:
+    """The result key and reward weights (over the respondent's defaults) of one GRPO arm."""
+    if evidence_weight is None:
+        return "grpo_respondent", {}
+    return f"grpo_respondent_evidence_{evidence_weight:g}", {"evidence": evidence_weight}
+
+
 def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts: list, eval_rows: list[dict],
-             seed: int) -> dict[str, Any]:
-    """Train the respondent with GRPO from the base model (one seed) and measure it on the held-out prompts."""
-    config = GRPOTrainingConfig(  # rewards unset: the respondent's defaults
-        model=model_path, dataset=str(work / "grpo-train" / "dataset"), output_dir=str(work / f"grpo-out-s{seed}"),
+             seed: int, weights: dict[str, float]) -> dict[str, Any]:
+    """Train the respondent with GRPO from the base model (one seed) and measure it on the held-out prompts;
+    `weights` update the respondent's default reward weights (empty: the defaults)."""
+    name = "grpo" + "".join(f"-{reward}{weight:g}" for reward, weight in weights.items())
+    config = GRPOTrainingConfig(
+        model=model_path, dataset=str(work / "grpo-train" / "dataset"), output_dir=str(work / f"{name}-out-s{seed}"),
         max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=args.grpo_generations,
         per_device_train_batch_size=args.grpo_generations, max_completion_length=args.respond_tokens,
-        temperature=args.grpo_temperature, save_steps=10_000, seed=seed)
-    run = trained(args, config, work / f"grpo-merged-s{seed}", train_grpo)
+        temperature=args.grpo_temperature, save_steps=10_000, seed=seed, rewards=weights or None)
+    run = trained(args, config, work / f"{name}-merged-s{seed}", train_grpo)
     after = respondent_metrics(generate(f"hf:{run['merged']}", eval_prompts, args.respond_tokens, respondent.STOP),
                                eval_rows)
     log(f"after grpo (seed {seed}): {after} ({run['minutes']} min; {run.get('zero_variance_steps')})")
