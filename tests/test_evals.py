@@ -90,6 +90,7 @@ def test_upstream_formats_normalise_to_the_same_question(monkeypatch):
                                 "category": "law"}],
     }
     monkeypatch.setattr(benchmarks, "_hub", lambda name, config, split: iter(hub_rows[name]))
+    monkeypatch.delenv("ERMEDRAG_SHARED_DATA", raising=False)  # set, it would name local files to read instead
     medmcqa = load_benchmark("medmcqa")
     assert (medmcqa[0].id, medmcqa[0].answer, medmcqa[0].options["C"]) == ("medmcqa-x1", "C", "c")
     assert load_benchmark("pubmedqa")[0].answer == "C" and load_benchmark("pubmedqa")[0].contexts == ("abstract",)
