@@ -148,7 +148,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
     parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "learning"))
-    parser.add_argument("--out", default=str(REPO / "benches" / "results" / "learning.json"))
+    parser.add_argument("--out", help="results JSON (default: benches/results/learning.json; with "
+                                      "--grpo-evidence-weight, learning_grpo_levers.json beside it)")
     parser.add_argument("--parts", default="grpo,dpo", help="which trainings to run: grpo, dpo or both")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the work folder's index, traces and exports from an earlier run (same sizes)")
@@ -168,7 +169,8 @@ def main() -> None:
                              "model leaves the format, a group's rewards are equal and GRPO learns nothing)")
     parser.add_argument("--grpo-evidence-weight", type=float, default=None,
                         help="train the respondent with this weight on evidence_use_reward instead of the default "
-                             f"{RESPONDENT_REWARDS['evidence']} (a lever arm, recorded as grpo_respondent_evidence_W)")
+                             f"{RESPONDENT_REWARDS['evidence']} (a lever arm, recorded as grpo_respondent_evidence_W; "
+                             "its mean_reward is still scored with the default weights, comparable across arms)")
     parser.add_argument("--dpo-steps", type=int, default=20)
     parser.add_argument("--dpo-samples", type=int, default=3)
     parser.add_argument("--dpo-temperature", type=float, default=1.0,
@@ -187,6 +189,9 @@ def main() -> None:
         parser.error("--first-seed adds seeds to a recorded run: pass --reuse (the same traces, prompts and before)")
     if args.reuse_trained and not args.reuse:
         parser.error("--reuse-trained measures seeds trained in the work folder: pass --reuse as well")
+    if args.out is None:  # a lever arm never lands in learning.json, whose seeds.n counts every part's seeds
+        lever = args.grpo_evidence_weight is not None
+        args.out = str(REPO / "benches" / "results" / ("learning_grpo_levers.json" if lever else "learning.json"))
     parts = set(args.parts.split(","))
     if not parts or parts - {"grpo", "dpo"}:
         parser.error(f"--parts {args.parts!r}: expected grpo, dpo or grpo,dpo")
