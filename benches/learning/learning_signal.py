@@ -418,6 +418,9 @@ def write_result(result: dict[str, Any], out: Path, started: float) -> None:
     script = Path(sys.argv[0]).resolve().relative_to(REPO)
     result.update(total_minutes=round((time.time() - started) / 60, 1),
                   command=" ".join(["python", str(script), *sys.argv[1:]]))
+    allocator = {name: value for name, value in os.environ.items() if name.startswith("MALLOC_")}
+    if allocator:  # glibc settings change the minutes (benches/learning/allocator.py), not the results
+        result["allocator_env"] = allocator
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -9,11 +9,14 @@ benches/results/med_r3_learning.json and one curves plot per stage.
 
     .venv/bin/python benches/learning/med_r3_learning.py              # one chain of the three stages
     .venv/bin/python benches/learning/med_r3_learning.py --seeds 3    # three chains (seeds 0, 1, 2)
+    .venv/bin/python benches/learning/med_r3_learning.py --seeds 3 --reuse   # go on: finished seeds are kept
     .venv/bin/python benches/learning/med_r3_learning.py --smoke      # tiny random model, a few minutes
 
 With `--seeds N` the chain of three stages runs N times from the base model (seeds 0..N-1: LoRA initialisation,
 data order, sampled rollouts); the base model's before is measured once, and a later stage's before is its own
-seed's earlier stage. `seeds` in the JSON reports per stage and metric before and after as mean ± sd, the gain,
+seed's earlier stage. A model's greedy replies are made once per mode and scored per stage (stage 2's after and
+stage 3's before are the same replies). Each finished seed records its chain in its folder, which `--reuse` takes
+instead of training that seed again. `seeds` in the JSON reports per stage and metric before and after as mean ± sd, the gain,
 and how many seeds improved it. Held-out prompts: the `--eval-questions` PubMedQA-train questions after the
 training ones in one seeded shuffle (disjoint from them).
 """
@@ -21,6 +24,7 @@ training ones in one seeded shuffle (disjoint from them).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -33,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 from learning_signal import abstracts_as_documents, answer_parsed_rate, log, write_result  # noqa: E402
-from seeds import part_over_seeds  # noqa: E402
+from seeds import part_over_seeds, record_trained, trained_earlier  # noqa: E402
 
 from ermedrag.tools.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.index import build_index, open_index  # noqa: E402
@@ -52,10 +56,9 @@ def rows_for(questions, index_ids: set[str]) -> list[dict[str, Any]]:
             for q in questions]
 
 
-def evaluate(model_dir: str, rows: list[dict[str, Any]], stage: int, search, config: MedR3TrainingConfig,
-             args: argparse.Namespace) -> dict:
-    """Greedy rollouts of the held-out prompts in `stage`'s mode, scored with `stage`'s rewards and weights
-    (as `config` sets them)."""
+def greedy_rollouts(model_dir: str, rows: list[dict[str, Any]], search, args: argparse.Namespace) -> dict[str, Any]:
+    """Greedy rollouts of the held-out prompts with or without the search loop: the replies, as the stage rewards
+    read them, and the rollouts themselves."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -80,13 +83,18 @@ def evaluate(model_dir: str, rows: list[dict[str, Any]], stage: int, search, con
     columns["retrieved_ids"] = [r.retrieved_ids for r in rollouts]
     completions = [[{"role": "assistant", "content": tokenizer.decode(r.completion_ids, skip_special_tokens=True)}]
                    for r in rollouts]
+    return {"rollouts": rollouts, "columns": columns, "completions": completions}
+
+
+def score(replies: dict[str, Any], stage: int, config: MedR3TrainingConfig) -> dict:
+    """`greedy_rollouts`' replies scored with `stage`'s rewards and weights (as `config` sets them)."""
+    rollouts, columns, completions = replies["rollouts"], replies["columns"], replies["completions"]
     rewards = stage_rewards(stage, settings=config.reward_settings())
     scores = {r.func.__name__: r.func(completions, **columns) for r in rewards}  # by curve name, as TRL logs them
-    total = [sum(r.weight * (scores[r.func.__name__][i] or 0.0) for r in rewards) for i in range(len(rows))]
+    n = len(rollouts)
+    total = [sum(r.weight * (scores[r.func.__name__][i] or 0.0) for r in rewards) for i in range(n)]
     formats = format_reward(completions, **columns)
     hits = [h for h in retrieval_hit_reward(completions, **columns) if h is not None]
-    del model
-    n = len(rows)
     return {
         "mean_reward": round(sum(total) / n, 4),
         "format_rate": round(sum(f == 1.0 for f in formats) / n, 4),
@@ -98,6 +106,25 @@ def evaluate(model_dir: str, rows: list[dict[str, Any]], stage: int, search, con
         "ended": {why: sum(r.ended == why for r in rollouts) for why in sorted({r.ended for r in rollouts})},
         "rewards": {name: round(sum(v or 0.0 for v in values) / n, 4) for name, values in scores.items()},
     }
+
+
+class Evaluations:
+    """Each model's greedy replies made once per mode and scored per stage: stage 2's after and stage 3's before
+    are the same model searching, and the base model's before is shared by every seed."""
+
+    def __init__(self, rows: list[dict[str, Any]], search, args: argparse.Namespace) -> None:
+        self.rows, self.search, self.args = rows, search, args
+        self.replies: dict[tuple[str, bool], dict[str, Any]] = {}
+        self.known: dict[tuple[str, int], dict] = {}  # scores an earlier run recorded (a reused seed's base before)
+
+    def __call__(self, model_dir: str, stage: int, config: MedR3TrainingConfig) -> dict:
+        if (model_dir, stage) in self.known:
+            return self.known[model_dir, stage]
+        searching = STAGES[stage].search
+        if (model_dir, searching) not in self.replies:
+            self.replies[model_dir, searching] = greedy_rollouts(model_dir, self.rows, self.search if searching else None,
+                                                                 self.args)
+        return score(self.replies[model_dir, searching], stage, config)
 
 
 def main() -> None:
@@ -116,12 +143,15 @@ def main() -> None:
                              "in nearly every sample, so a group's rewards are all equal and GRPO learns nothing)")
     parser.add_argument("--eval-batch", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=1, help="run the chain of stages this many times (seeds 0..N-1)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take each seed whose chain an earlier run finished with the same settings from its record "
+                             "(to add seeds, or go on after a stop); only while the training code is unchanged")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
     started = time.time()
 
     work = Path(args.work) / ("smoke" if args.smoke else "full")
-    for old in work.glob("train*"):
+    for old in [] if args.reuse else work.glob("train*"):
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     work.mkdir(parents=True, exist_ok=True)
     if args.smoke:
@@ -153,9 +183,9 @@ def main() -> None:
         max_steps=args.steps, learning_rate=1e-4, num_generations=args.generations,
         per_device_train_batch_size=args.generations, max_completion_length=args.completion_tokens,
         step_max_new_tokens=args.step_tokens, temperature=args.temperature, save_steps=10_000, mask_truncated_completions=False)
-    measured: dict[tuple[str, int], dict] = {}  # (model, stage) -> its evaluation: the base model's once
-    chains = [run_stages(replace(config, seed=seed, output_dir=str(work / f"train-s{seed}")), eval_rows, search, args,
-                         measured) for seed in range(max(args.seeds, 1))]
+    evaluations = Evaluations(eval_rows, search, args)
+    chains = [run_stages(replace(config, seed=seed, output_dir=str(work / f"train-s{seed}")), evaluations, args)
+              for seed in range(max(args.seeds, 1))]
     result: dict[str, Any] = dict(chains[0])  # the first seed's stages, as one run reports them
     result["seeds"] = {"n": len(chains), **{name: part_over_seeds(chains, name, len(eval_rows)) for name in chains[0]}}
     if not args.smoke:
@@ -174,27 +204,38 @@ def main() -> None:
     write_result(result, Path(args.out) if not args.smoke else work / "med_r3_learning.json", started)
 
 
-def run_stages(config: MedR3TrainingConfig, eval_rows: list[dict[str, Any]], search, args: argparse.Namespace,
-               measured: dict[tuple[str, int], dict]) -> dict[str, dict]:
+def run_stages(config: MedR3TrainingConfig, evaluations: Evaluations, args: argparse.Namespace) -> dict[str, dict]:
     """The three stages in order with `config`'s seed, each measured before and after on the held-out prompts in
-    its own mode; `measured` keeps evaluations already made (the base model's, shared by every seed)."""
+    its own mode. With `--reuse`, a seed whose chain an earlier run finished with the same settings is taken from
+    its record instead of trained again."""
+    seed_dir, settings = Path(config.output_dir), chain_settings(config, args)
+    earlier = trained_earlier(settings, seed_dir) if args.reuse else None
+    if earlier:
+        log(f"seed {config.seed}: reusing the chain an earlier run finished in {seed_dir}")
+        evaluations.known[stage_start_model(config, 1), 1] = earlier["stage1"]["before"]
+        return earlier
+    if seed_dir.exists():
+        shutil.rmtree(seed_dir)
     result = {}
     for stage in STAGES:
-        searching = search if STAGES[stage].search else None
-        before_model = stage_start_model(config, stage)
-        if (before_model, stage) not in measured:
-            measured[before_model, stage] = evaluate(before_model, eval_rows, stage, searching, config, args)
-        before = measured[before_model, stage]
+        before = evaluations(stage_start_model(config, stage), stage, config)
         log(f"stage {stage} (seed {config.seed}) before: {json.dumps(before)}")
         stage_started = time.time()
         summary = train_med_r3(config, stages=[stage])["stages"][stage]
         minutes = (time.time() - stage_started) / 60
-        after = evaluate(summary["model_dir"], eval_rows, stage, searching, config, args)
+        after = evaluations(summary["model_dir"], stage, config)
         log(f"stage {stage} (seed {config.seed}) after ({minutes:.1f} min): {json.dumps(after)}")
         result[f"stage{stage}"] = {"name": STAGES[stage].name, "search": STAGES[stage].search, "before": before,
                                    "after": after, "steps": summary["steps"], "minutes": round(minutes, 1),
                                    "reward_weights": summary["reward_weights"], "plot_path": summary.get("plot_path")}
+    record_trained(seed_dir, settings, result)
     return result
+
+
+def chain_settings(config: MedR3TrainingConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """What a seed's recorded chain depends on besides the code: its training config and the held-out set."""
+    return {"config": dataclasses.asdict(config), "train_questions": args.train_questions,
+            "eval_questions": args.eval_questions, "eval_batch": args.eval_batch}
 
 
 if __name__ == "__main__":

@@ -103,7 +103,8 @@ RUN_FILE = "bench_run.json"  # written into a merged model's folder once the mer
 
 
 def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:
-    """Mark a seed's merged model complete, with the training config and what the run reported."""
+    """Mark a seed's merged model (or chain of stages) complete, with the training config and what the run
+    reported."""
     (merged / RUN_FILE).write_text(json.dumps({"training_config": _as_json(config), **run}, indent=2))
 
 
@@ -118,4 +119,6 @@ def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
 
 
 def _as_json(config: Any) -> Any:
-    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    """A training config (a dataclass, or a dict of settings around one) as JSON reads it back."""
+    return json.loads(json.dumps(dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config,
+                                 default=str))
