@@ -73,6 +73,14 @@ def test_smoke_run_with_two_seeds_writes_every_section(shared_data: Path, tmp_pa
         assert (tmp_path / "smoke" / f"mmedagent_smoke_{name}_curves.png").stat().st_size > 0
     assert (tmp_path / "smoke" / "mmedagent_smoke_entropy.png").stat().st_size > 0
 
+    # --reuse takes every finished seed (and the entropy ablation) from its record: the same figures, no training.
+    proc = run_bench("--smoke", "--seeds", "2", "--reuse", "--data", str(shared_data), "--work", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads(out.read_text())
+    assert again["reused_training_seeds"] == [42, 43] and result["reused_training_seeds"] == []
+    assert again["seeds"] == seeds and again["entropy"] == entropy and again["attending"] == attending
+    assert "steps on" not in proc.stdout  # no stage trained again
+
 
 def test_without_the_shared_data_it_says_so_and_exits_cleanly(tmp_path: Path) -> None:
     proc = run_bench("--smoke", "--data", str(tmp_path / "absent"), "--work", str(tmp_path), timeout=60)

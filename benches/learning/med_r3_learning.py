@@ -37,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 from learning_signal import abstracts_as_documents, answer_parsed_rate, log, write_result  # noqa: E402
-from seeds import part_over_seeds, record_trained, trained_earlier  # noqa: E402
+from seeds import part_over_seeds, run_or_reuse  # noqa: E402
 
 from ermedrag.tools.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.index import build_index, open_index  # noqa: E402
@@ -208,14 +208,15 @@ def run_stages(config: MedR3TrainingConfig, evaluations: Evaluations, args: argp
     """The three stages in order with `config`'s seed, each measured before and after on the held-out prompts in
     its own mode. With `--reuse`, a seed whose chain an earlier run finished with the same settings is taken from
     its record instead of trained again."""
-    seed_dir, settings = Path(config.output_dir), chain_settings(config, args)
-    earlier = trained_earlier(settings, seed_dir) if args.reuse else None
-    if earlier:
-        log(f"seed {config.seed}: reusing the chain an earlier run finished in {seed_dir}")
-        evaluations.known[stage_start_model(config, 1), 1] = earlier["stage1"]["before"]
-        return earlier
-    if seed_dir.exists():
-        shutil.rmtree(seed_dir)
+    chain, reused = run_or_reuse(Path(config.output_dir), chain_settings(config, args),
+                                 lambda: train_and_measure(config, evaluations), args.reuse)
+    if reused:
+        log(f"seed {config.seed}: reusing the chain an earlier run finished in {config.output_dir}")
+        evaluations.known[stage_start_model(config, 1), 1] = chain["stage1"]["before"]
+    return chain
+
+
+def train_and_measure(config: MedR3TrainingConfig, evaluations: Evaluations) -> dict[str, dict]:
     result = {}
     for stage in STAGES:
         before = evaluations(stage_start_model(config, stage), stage, config)
@@ -228,7 +229,6 @@ def run_stages(config: MedR3TrainingConfig, evaluations: Evaluations, args: argp
         result[f"stage{stage}"] = {"name": STAGES[stage].name, "search": STAGES[stage].search, "before": before,
                                    "after": after, "steps": summary["steps"], "minutes": round(minutes, 1),
                                    "reward_weights": summary["reward_weights"], "plot_path": summary.get("plot_path")}
-    record_trained(seed_dir, settings, result)
     return result
 
 

@@ -408,6 +408,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the scripted specialists' probabilities of naming the gold option, comma-separated")
     parser.add_argument("--eval-batch", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=1, help="train the stages this many times (training seeds 42, 43, …)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take each training seed (and the entropy ablation) that an earlier run finished with the "
+                             "same settings from its record (to add seeds, or go on after a stop); only while the "
+                             "training code is unchanged")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -570,6 +574,14 @@ def attending_part(config, data: BenchData, args: argparse.Namespace,
             "after_each_stage": after_each}, summaries
 
 
+def seed_part(config, model_path: str, data: BenchData, args: argparse.Namespace,
+              measured: dict[tuple[str, str], dict]) -> dict[str, Any]:
+    """(a) and (b) for one training seed: triage, the attending's curriculum, and each stage's summary."""
+    triage, triage_summary = triage_part(config, model_path, data, args, measured)
+    attending, summaries = attending_part(config, data, args, measured)
+    return {"triage": triage, "attending": attending, "summaries": {"triage": triage_summary, **summaries}}
+
+
 def entropy_part(config, summaries: dict[str, dict], data: BenchData, args: argparse.Namespace,
                  output_dir: Path) -> dict[str, Any]:
     """(c): the entropy stage trained again with `entropy_bonus: false`, from the same start model (the
@@ -621,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ermedrag.training.config import resolve_model
 
     work = Path(args.work) / ("smoke" if args.smoke else "full")
-    for stale in [*work.glob("train*")]:
+    for stale in [] if args.reuse else work.glob("train*"):
         shutil.rmtree(stale, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     out = work / "mmedagent_learning.json" if args.smoke else Path(args.out)
@@ -640,18 +652,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = bench_config(args, model_path, work / "export", work / "train")
     settings = bench_settings(args, config, data)
     log("settings: " + json.dumps(settings))
+    from seeds import run_or_reuse
+
+    from ermedrag.training.mmedagent import stage_start_model
+
     measured: dict[tuple[str, str], dict] = {}
-    runs = []
+    runs, reused_seeds = [], []
     for number in range(args.seeds):
         seeded = dataclasses.replace(config, seed=TRAINING_SEED + number,
                                      output_dir=str(work / ("train" if number == 0 else f"train-s{number}")))
-        triage, triage_summary = triage_part(seeded, model_path, data, args, measured)
-        attending, summaries = attending_part(seeded, data, args, measured)
-        runs.append({"triage": triage, "attending": attending, "summaries": {"triage": triage_summary, **summaries}})
+        run, reused = run_or_reuse(Path(seeded.output_dir), {"config": dataclasses.asdict(seeded), **settings},
+                                   lambda: seed_part(seeded, model_path, data, args, measured), args.reuse)
+        if reused:
+            log(f"training seed {seeded.seed}: reusing what an earlier run finished in {seeded.output_dir}")
+            measured[model_path, "triage"] = run["triage"]["before"]
+            measured[stage_start_model(seeded, "easy"), "attending"] = run["attending"]["before"]
+            reused_seeds.append(seeded.seed)
+        runs.append(run)
     result: dict[str, Any] = {"triage": runs[0]["triage"], "attending": runs[0]["attending"],
                               "seeds": seeds_summary(runs, data)}
     summaries = runs[0]["summaries"]
-    result["entropy"] = entropy_part(config, summaries, data, args, work / "train-no-bonus")
+    no_bonus = work / "train-no-bonus"  # compared with the first seed's curves: reused only along with them
+    result["entropy"], _ = run_or_reuse(no_bonus, {"config": dataclasses.asdict(config), **settings},
+                                        lambda: entropy_part(config, summaries, data, args, no_bonus),
+                                        args.reuse and TRAINING_SEED in reused_seeds)
+    result["reused_training_seeds"] = reused_seeds
     log(f"entropy: {json.dumps(result['entropy'])}")
 
     prefix = "mmedagent_smoke_" if args.smoke else "mmedagent_"

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,21 @@ def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):  # missing, or cut short by a kill while it was written
         return None
     return run if isinstance(run, dict) and run.pop("training_config", None) == _as_json(config) else None
+
+
+def run_or_reuse(folder: Path, settings: Any, run: Callable[[], dict[str, Any]], reuse: bool
+                 ) -> tuple[dict[str, Any], bool]:
+    """One seed's training in `folder` and whether it was reused: with `reuse`, what an earlier run recorded there
+    with these very settings; else `run()` from an empty folder, recorded once it has finished (a run killed
+    before that leaves no record, so `--reuse` trains it again)."""
+    earlier = trained_earlier(settings, folder) if reuse else None
+    if earlier is not None:
+        return earlier, True
+    shutil.rmtree(folder, ignore_errors=True)
+    result = run()
+    folder.mkdir(parents=True, exist_ok=True)
+    record_trained(folder, settings, result)
+    return result, False
 
 
 def _as_json(config: Any) -> Any:
