@@ -51,11 +51,16 @@ llamacpp: $(VENV)/.llamacpp
 demo: install
 	$(VENV)/bin/ermedrag demo
 
+# Two workers (pytest-xdist), each test file on one of them (its module fixtures start once); tests/conftest.py
+# gives each worker its share of the cores. TEST_WORKERS=0 runs the tests in this one process.
+TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: install llamacpp
-	$(VENV)/bin/pytest -q
+	$(PYTEST)
 
 test-fast: install llamacpp
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 studio: install
 	$(VENV)/bin/langgraph dev --port 8123 --no-browser

