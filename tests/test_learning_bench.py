@@ -18,11 +18,26 @@ SCRIPT = REPO / "benches" / "learning" / "learning_signal.py"
 SMOKE_TIMEOUT_S = 900  # ~40 s on one thread of a busy 2-core machine
 
 
-def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, tmp_path: Path) -> None:
+def bench_module(name: str):
+    """A module of benches/learning/, imported as its scripts import each other (by file name)."""
+    import importlib
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def run_smoke(shared_data: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
+    """The bench's `--smoke` run with `args`, on one torch thread."""
     env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--seeds", "2", "--dpo-close-cut", "both",
-                           "--data", str(shared_data), "--work", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=SMOKE_TIMEOUT_S)
+    command = [sys.executable, str(SCRIPT), "--smoke", *args, "--data", str(shared_data), "--work", str(work)]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+
+
+def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, tmp_path: Path) -> None:
+    proc = run_smoke(shared_data, tmp_path, "--seeds", "2", "--dpo-close-cut", "both")
     out = tmp_path / "smoke" / "learning.json"
     assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -55,9 +70,8 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     assert result["dpo_extractor"]["before"] == result["dpo_extractor_close_cut"]["before"]
 
     # --reuse-trained with a third seed: the two trained seeds are measured again from their merged models.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--reuse", "--reuse-trained", "--parts", "dpo",
-                           "--seeds", "3", "--dpo-close-cut", "both", "--data", str(shared_data), "--work", str(tmp_path)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+    proc = run_smoke(shared_data, tmp_path, "--reuse", "--reuse-trained", "--parts", "dpo", "--seeds", "3",
+                     "--dpo-close-cut", "both")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.count("reusing dpo-") + proc.stdout.count("reusing dpo-") == 4  # 2 arms x seeds 0 and 1
     grown = json.loads(out.read_text())
@@ -69,16 +83,12 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
 
 
 def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> None:
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from seeds import paired_over_seeds, part_over_seeds
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    seeds = bench_module("seeds")
     befores = [{"accuracy": 0.25, "rewards": {"format": 0.5}, "ended": {"budget": 10}},
                {"accuracy": 0.5, "rewards": {"format": 0.25}, "ended": {"budget": 8}}]
     afters = [{"accuracy": 0.5, "rewards": {"format": 1.0}, "ended": {"budget": 4, "answer": 6}},
               {"accuracy": 0.25, "rewards": {"format": 0.75}, "ended": {"budget": 2}}]
-    summary = paired_over_seeds(befores, afters)
+    summary = seeds.paired_over_seeds(befores, afters)
     assert summary["n"] == 2
     assert summary["accuracy"]["before"]["values"] == [0.25, 0.5]
     assert summary["accuracy"]["gain"] == {"mean": 0.0, "sd": 0.3536, "values": [0.25, -0.25]}
@@ -87,40 +97,32 @@ def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> 
     assert summary["ended/budget"]["gain"]["values"] == [-6, -6]
     assert "ended/answer" not in summary  # only in one after: no before to compare with
     runs = [{"stage1": {"before": b, "after": a}} for b, a in zip(befores, afters)]
-    part = part_over_seeds(runs, "stage1", eval_prompts=4)  # what each multi-stage bench records per part
+    part = seeds.part_over_seeds(runs, "stage1", eval_prompts=4)  # what each multi-stage bench records per part
     assert {k: v for k, v in part.items() if k != "accuracy_after"} == summary
     assert [a["accuracy"] for a in part["accuracy_after"]] == [0.5, 0.25] and part["accuracy_after"][0]["n"] == 4
 
 
 def test_seeds_added_later_extend_the_recorded_ones_against_the_same_before() -> None:
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from seeds import afters_from_summary, gain, over_seeds
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    seeds = bench_module("seeds")
     before = {"mean_reward": 0.5, "strict_json_rate": 0.1}
-    recorded = over_seeds(before, [{"mean_reward": 0.6, "strict_json_rate": 0.2},
-                                   {"mean_reward": 0.4, "strict_json_rate": 0.1}])
-    recorded = {**recorded, "mean_reward_gain": gain(recorded, "mean_reward")}  # extra keys are not metrics
-    earlier = afters_from_summary(recorded, before, 2)
+    recorded = seeds.over_seeds(before, [{"mean_reward": 0.6, "strict_json_rate": 0.2},
+                                         {"mean_reward": 0.4, "strict_json_rate": 0.1}])
+    recorded = {**recorded, "mean_reward_gain": seeds.gain(recorded, "mean_reward")}  # extra keys are not metrics
+    earlier = seeds.afters_from_summary(recorded, before, 2)
     assert earlier == [{"mean_reward": 0.6, "strict_json_rate": 0.2}, {"mean_reward": 0.4, "strict_json_rate": 0.1}]
-    grown = over_seeds(before, [*earlier, {"mean_reward": 0.8, "strict_json_rate": 0.3}])
+    grown = seeds.over_seeds(before, [*earlier, {"mean_reward": 0.8, "strict_json_rate": 0.3}])
     assert grown["n"] == 3 and grown["mean_reward"]["after"]["values"] == [0.6, 0.4, 0.8]
     assert grown["mean_reward"]["seeds_higher_after"] == 2
     with pytest.raises(ValueError, match="another before"):
-        afters_from_summary(recorded, {**before, "mean_reward": 0.45}, 2)
+        seeds.afters_from_summary(recorded, {**before, "mean_reward": 0.45}, 2)
     with pytest.raises(ValueError, match="holds 2 seeds"):
-        afters_from_summary(recorded, before, 3)
+        seeds.afters_from_summary(recorded, before, 3)
 
 
 def test_a_seed_is_reused_only_when_its_merge_finished_with_the_same_config(tmp_path: Path) -> None:
     import dataclasses
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from seeds import RUN_FILE, record_trained, trained_earlier
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    seeds = bench_module("seeds")
 
     @dataclasses.dataclass
     class Config:
@@ -130,12 +132,49 @@ def test_a_seed_is_reused_only_when_its_merge_finished_with_the_same_config(tmp_
 
     config, merged = Config(str(tmp_path / "out")), tmp_path / "merged"
     merged.mkdir()
-    assert trained_earlier(config, merged) is None  # never merged
+    assert seeds.trained_earlier(config, merged) is None  # never merged
     run = {"steps": 3, "minutes": 1.5, "zero_variance_steps": {"share": 0.25}}
-    record_trained(merged, config, run)
-    assert trained_earlier(config, merged) == run
-    assert trained_earlier(dataclasses.replace(config, seed=1), merged) is None  # another config
-    (merged / RUN_FILE).write_text((merged / RUN_FILE).read_text()[:20])  # a kill while the marker was written
-    assert trained_earlier(config, merged) is None
-    (merged / RUN_FILE).unlink()  # what a new training of the seed does first
-    assert trained_earlier(config, merged) is None
+    seeds.record_trained(merged, config, run)
+    assert seeds.trained_earlier(config, merged) == run
+    assert seeds.trained_earlier(dataclasses.replace(config, seed=1), merged) is None  # another config
+    marker = merged / seeds.RUN_FILE
+    marker.write_text(marker.read_text()[:20])  # a kill while the marker was written
+    assert seeds.trained_earlier(config, merged) is None
+    marker.unlink()  # what a new training of the seed does first
+    assert seeds.trained_earlier(config, merged) is None
+
+
+def test_a_finished_seed_is_reused_and_an_unfinished_or_changed_one_runs_again(tmp_path: Path) -> None:
+    run_or_reuse = bench_module("seeds").run_or_reuse
+    folder, settings, runs = tmp_path / "train-s0", {"config": {"seed": 0, "max_steps": 8}, "eval_questions": 48}, []
+
+    def train() -> dict:
+        runs.append(1)
+        (folder / "stage1").mkdir(parents=True)  # what a training writes
+        return {"stage1": {"after": {"accuracy": 0.5}}}
+
+    first, reused = run_or_reuse(folder, settings, train, reuse=True)  # nothing recorded yet: trains
+    assert not reused and len(runs) == 1
+    again, reused = run_or_reuse(folder, settings, train, reuse=True)
+    assert reused and again == first and len(runs) == 1
+    _, reused = run_or_reuse(folder, {**settings, "eval_questions": 12}, train, reuse=True)  # another held-out set
+    assert not reused and len(runs) == 2  # the folder was emptied first: the training found no stale stage
+    _, reused = run_or_reuse(folder, {**settings, "eval_questions": 12}, train, reuse=False)
+    assert not reused and len(runs) == 3
+
+
+def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
+    from argparse import Namespace
+
+    grpo_arm = bench_module("learning_signal").grpo_arm
+
+    def arm(evidence=None, tokens=None):
+        options = Namespace(grpo_evidence_weight=evidence, grpo_respond_tokens=tokens, respond_tokens=96)
+        key, settings = grpo_arm(options)
+        return key, settings.folder, settings.tokens, settings.weights
+
+    assert arm() == arm(tokens=96) == ("grpo_respondent", "grpo", 96, {})  # the default arm: its seeds are reused
+    assert arm(evidence=1.0) == ("grpo_respondent_evidence_1", "grpo-evidence1", 96, {"evidence": 1.0})
+    assert arm(tokens=192) == ("grpo_respondent_tokens_192", "grpo-tokens192", 192, {})
+    assert arm(0.5, 192) == ("grpo_respondent_evidence_0.5_tokens_192", "grpo-evidence0.5-tokens192", 192,
+                             {"evidence": 0.5})

@@ -31,6 +31,7 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -149,7 +150,8 @@ def main() -> None:
     parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
     parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "learning"))
     parser.add_argument("--out", help="results JSON (default: benches/results/learning.json; with "
-                                      "--grpo-evidence-weight, learning_grpo_levers.json beside it)")
+                                      "--grpo-evidence-weight or --grpo-respond-tokens, learning_grpo_levers.json "
+                                      "beside it)")
     parser.add_argument("--parts", default="grpo,dpo", help="which trainings to run: grpo, dpo or both")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the work folder's index, traces and exports from an earlier run (same sizes)")
@@ -167,6 +169,10 @@ def main() -> None:
     parser.add_argument("--grpo-temperature", type=float, default=0.7,
                         help="sampling temperature of GRPO rollouts (at 1.0 nearly every sample of the base 270M "
                              "model leaves the format, a group's rewards are equal and GRPO learns nothing)")
+    parser.add_argument("--grpo-respond-tokens", type=int, default=None,
+                        help="train and measure the respondent with this token budget instead of --respond-tokens "
+                             "(a lever arm, recorded as grpo_respondent_tokens_N; the graph's own default is 192: a "
+                             "smaller budget cuts long reasoning, and GRPO then rewards being short)")
     parser.add_argument("--grpo-evidence-weight", type=float, default=None,
                         help="train the respondent with this weight on evidence_use_reward instead of the default "
                              f"{RESPONDENT_REWARDS['evidence']} (a lever arm, recorded as grpo_respondent_evidence_W; "
@@ -190,7 +196,7 @@ def main() -> None:
     if args.reuse_trained and not args.reuse:
         parser.error("--reuse-trained measures seeds trained in the work folder: pass --reuse as well")
     if args.out is None:  # a lever arm never lands in learning.json, whose seeds.n counts every part's seeds
-        lever = args.grpo_evidence_weight is not None
+        lever = args.grpo_evidence_weight is not None or args.grpo_respond_tokens is not None
         args.out = str(REPO / "benches" / "results" / ("learning_grpo_levers.json" if lever else "learning.json"))
     parts = set(args.parts.split(","))
     if not parts or parts - {"grpo", "dpo"}:
@@ -235,8 +241,8 @@ def main() -> None:
         return afters_from_summary(recorded.get(key, {}), before, args.first_seed) if args.first_seed else []
 
     if "grpo" in parts:
-        key, arm = grpo_arm(args.grpo_evidence_weight)
-        before = respondent_metrics(generate(model, eval_prompts, args.respond_tokens, respondent.STOP), eval_rows)
+        key, arm = grpo_arm(args)
+        before = respondent_metrics(generate(model, eval_prompts, arm.tokens, respondent.STOP), eval_rows)
         log(f"before: respondent {before}")
         prior = recorded_afters(key, before)
         runs = [grpo_run(args, work, model_path, eval_prompts, eval_rows, seed, arm) for seed in seeds]
@@ -247,7 +253,7 @@ def main() -> None:
             **training_time(seeds, runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
             "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
             "num_generations": args.grpo_generations, "temperature": args.grpo_temperature,
-            "reward_weights": {**RESPONDENT_REWARDS, **arm},
+            "reward_weights": {**RESPONDENT_REWARDS, **arm.weights}, "respond_tokens": arm.tokens,
             "zero_variance_steps": earlier.get("zero_variance_steps", [])[:args.first_seed]
             + [r["zero_variance_steps"] for r in runs]}
         result["seeds"][key] = {
@@ -283,26 +289,38 @@ def main() -> None:
     write_result(result, out, started)
 
 
-def grpo_arm(evidence_weight: float | None) -> tuple[str, dict[str, float]]:
-    """The result key and reward weights (over the respondent's defaults) of one GRPO arm."""
-    if evidence_weight is None:
-        return "grpo_respondent", {}
-    return f"grpo_respondent_evidence_{evidence_weight:g}", {"evidence": evidence_weight}
+@dataclass(frozen=True)
+class GRPOArm:
+    """One GRPO arm: its reward weights over the respondent's defaults (empty: the defaults), the respondent's
+    token budget in training and in the held-out before and after, and its folders' prefix."""
+
+    weights: dict[str, float]
+    tokens: int
+    folder: str
+
+
+def grpo_arm(args: argparse.Namespace) -> tuple[str, GRPOArm]:
+    """The result key and settings of the arm that the lever options ask for (none: the default arm)."""
+    weights = {} if args.grpo_evidence_weight is None else {"evidence": args.grpo_evidence_weight}
+    tokens = args.respond_tokens if args.grpo_respond_tokens is None else args.grpo_respond_tokens
+    levers = [(f"evidence_{weight:g}", f"evidence{weight:g}") for weight in weights.values()]  # (key, folder)
+    if tokens != args.respond_tokens:
+        levers.append((f"tokens_{tokens}", f"tokens{tokens}"))
+    key = "grpo_respondent" + "".join(f"_{part}" for part, _ in levers)
+    return key, GRPOArm(weights, tokens, "grpo" + "".join(f"-{part}" for _, part in levers))
 
 
 def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts: list, eval_rows: list[dict],
-             seed: int, weights: dict[str, float]) -> dict[str, Any]:
-    """Train the respondent with GRPO from the base model (one seed) and measure it on the held-out prompts;
-    `weights` update the respondent's default reward weights (empty: the defaults)."""
-    name = "grpo" + "".join(f"-{reward}{weight:g}" for reward, weight in weights.items())
+             seed: int, arm: GRPOArm) -> dict[str, Any]:
+    """Train the respondent with GRPO from the base model (one seed) and measure it on the held-out prompts."""
     config = GRPOTrainingConfig(
-        model=model_path, dataset=str(work / "grpo-train" / "dataset"), output_dir=str(work / f"{name}-out-s{seed}"),
+        model=model_path, dataset=str(work / "grpo-train" / "dataset"),
+        output_dir=str(work / f"{arm.folder}-out-s{seed}"),
         max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=args.grpo_generations,
-        per_device_train_batch_size=args.grpo_generations, max_completion_length=args.respond_tokens,
-        temperature=args.grpo_temperature, save_steps=10_000, seed=seed, rewards=weights or None)
-    run = trained(args, config, work / f"{name}-merged-s{seed}", train_grpo)
-    after = respondent_metrics(generate(f"hf:{run['merged']}", eval_prompts, args.respond_tokens, respondent.STOP),
-                               eval_rows)
+        per_device_train_batch_size=args.grpo_generations, max_completion_length=arm.tokens,
+        temperature=args.grpo_temperature, save_steps=10_000, seed=seed, rewards=arm.weights or None)
+    run = trained(args, config, work / f"{arm.folder}-merged-s{seed}", train_grpo)
+    after = respondent_metrics(generate(f"hf:{run['merged']}", eval_prompts, arm.tokens, respondent.STOP), eval_rows)
     log(f"after grpo (seed {seed}): {after} ({run['minutes']} min; {run.get('zero_variance_steps')})")
     return {"after": after, **run}
 
@@ -377,7 +395,8 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
     if args.dpo_close_cut == "on":
         return {"dpo_extractor_close_cut" + suffix: export}
     reselected = work / ("dpo-train-same-samples" + folder_suffix)
-    log(f"dpo pairs without closed candidates: {reselect_pairs(str(train_db), export, reselected, margin, closed=False)}")
+    pairs = reselect_pairs(str(train_db), export, reselected, margin, closed=False)
+    log(f"dpo pairs without closed candidates: {pairs}")
     return {"dpo_extractor" + suffix: reselected, "dpo_extractor_close_cut" + suffix: export}
 
 

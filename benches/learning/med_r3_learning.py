@@ -16,8 +16,8 @@ With `--seeds N` the chain of three stages runs N times from the base model (see
 data order, sampled rollouts); the base model's before is measured once, and a later stage's before is its own
 seed's earlier stage. A model's greedy replies are made once per mode and scored per stage (stage 2's after and
 stage 3's before are the same replies). Each finished seed records its chain in its folder, which `--reuse` takes
-instead of training that seed again. `seeds` in the JSON reports per stage and metric before and after as mean ± sd, the gain,
-and how many seeds improved it. Held-out prompts: the `--eval-questions` PubMedQA-train questions after the
+instead of training that seed again. `seeds` in the JSON reports per stage and metric before and after as
+mean ± sd, the gain, and how many seeds improved it. Held-out prompts: the `--eval-questions` PubMedQA-train questions after the
 training ones in one seeded shuffle (disjoint from them).
 """
 
@@ -122,8 +122,8 @@ class Evaluations:
             return self.known[model_dir, stage]
         searching = STAGES[stage].search
         if (model_dir, searching) not in self.replies:
-            self.replies[model_dir, searching] = greedy_rollouts(model_dir, self.rows, self.search if searching else None,
-                                                                 self.args)
+            search = self.search if searching else None
+            self.replies[model_dir, searching] = greedy_rollouts(model_dir, self.rows, search, self.args)
         return score(self.replies[model_dir, searching], stage, config)
 
 
@@ -144,8 +144,8 @@ def main() -> None:
     parser.add_argument("--eval-batch", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=1, help="run the chain of stages this many times (seeds 0..N-1)")
     parser.add_argument("--reuse", action="store_true",
-                        help="take each seed whose chain an earlier run finished with the same settings from its record "
-                             "(to add seeds, or go on after a stop); only while the training code is unchanged")
+                        help="take each seed whose chain an earlier run finished with the same settings from its "
+                             "record (to add seeds, or go on after a stop); only while the training code is unchanged")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
     started = time.time()
@@ -182,7 +182,8 @@ def main() -> None:
         model=model_path, dataset=str(work / "train-dataset"), output_dir=str(work / "train"), index_dir=str(index_dir),
         max_steps=args.steps, learning_rate=1e-4, num_generations=args.generations,
         per_device_train_batch_size=args.generations, max_completion_length=args.completion_tokens,
-        step_max_new_tokens=args.step_tokens, temperature=args.temperature, save_steps=10_000, mask_truncated_completions=False)
+        step_max_new_tokens=args.step_tokens, temperature=args.temperature, save_steps=10_000,
+        mask_truncated_completions=False)
     evaluations = Evaluations(eval_rows, search, args)
     chains = [run_stages(replace(config, seed=seed, output_dir=str(work / f"train-s{seed}")), evaluations, args)
               for seed in range(max(args.seeds, 1))]
@@ -190,8 +191,9 @@ def main() -> None:
     result["seeds"] = {"n": len(chains), **{name: part_over_seeds(chains, name, len(eval_rows)) for name in chains[0]}}
     if not args.smoke:
         for stage in STAGES:
-            if chains[0][f"stage{stage}"].get("plot_path"):
-                shutil.copy(chains[0][f"stage{stage}"]["plot_path"], Path(args.out).parent / f"med_r3_stage{stage}_curves.png")
+            plot = chains[0][f"stage{stage}"].get("plot_path")
+            if plot:
+                shutil.copy(plot, Path(args.out).parent / f"med_r3_stage{stage}_curves.png")
     for chain in chains:
         for entry in chain.values():
             entry.pop("plot_path", None)

@@ -25,7 +25,8 @@ in the work folder).
 
     .venv/bin/python benches/learning/mmedagent_learning.py              # one run; prints its estimated minutes
     .venv/bin/python benches/learning/mmedagent_learning.py --seeds 3    # the stages trained 3 times
-    .venv/bin/python benches/learning/mmedagent_learning.py --smoke      # tiny random model, < 1 min: checks the pipeline
+    .venv/bin/python benches/learning/mmedagent_learning.py --seeds 3 --reuse   # go on: finished seeds are kept
+    .venv/bin/python benches/learning/mmedagent_learning.py --smoke      # tiny random model, < 1 min: the pipeline
 
 With `--seeds N` triage and the attending's curriculum are trained N times from the base model (training seeds
 42, 43, …: LoRA initialisation, data order, sampled rollouts; the question split and the opinions stay those of
@@ -407,7 +408,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reliabilities", default=",".join(map(str, RELIABILITIES)),
                         help="the scripted specialists' probabilities of naming the gold option, comma-separated")
     parser.add_argument("--eval-batch", type=int, default=8)
-    parser.add_argument("--seeds", type=int, default=1, help="train the stages this many times (training seeds 42, 43, …)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="train the stages this many times (training seeds 42, 43, …)")
     parser.add_argument("--reuse", action="store_true",
                         help="take each training seed (and the entropy ablation) that an earlier run finished with the "
                              "same settings from its record (to add seeds, or go on after a stop); only while the "

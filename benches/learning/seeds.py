@@ -59,7 +59,8 @@ def part_over_seeds(runs: Sequence[dict[str, Any]], part: str, eval_prompts: int
 def flat(metrics: dict[str, Any]) -> dict[str, Any]:
     """Nested metric groups (each reward component, how rollouts ended) as `group/name` entries beside the rest."""
     return {**{k: v for k, v in metrics.items() if not isinstance(v, dict)},
-            **{f"{group}/{k}": v for group, inner in metrics.items() if isinstance(inner, dict) for k, v in inner.items()}}
+            **{f"{group}/{k}": v
+               for group, inner in metrics.items() if isinstance(inner, dict) for k, v in inner.items()}}
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
