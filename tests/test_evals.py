@@ -46,8 +46,17 @@ def test_gpqa_is_only_unzipped_to_a_temporary_folder(shared_data, tmp_path, monk
     temp = tmp_path / "temp"  # its own temporary folder: other processes' files in /tmp cannot count
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    load_benchmark("gpqa", shared_data / "benchmarks", limit=2)
-    assert list(temp.iterdir()) == []
+    made = []
+
+    class Recorded(tempfile.TemporaryDirectory):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(Path(self.name))
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", Recorded)
+    assert len(load_benchmark("gpqa", shared_data / "benchmarks", limit=2)) == 2
+    assert made and all(folder.parent == temp for folder in made)  # unzipped there...
+    assert list(temp.iterdir()) == []  # ...and nothing left behind
 
 
 def test_bad_rows_are_reported_with_their_ids_and_left_out(tmp_path):

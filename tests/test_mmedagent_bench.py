@@ -74,12 +74,18 @@ def test_smoke_run_with_two_seeds_writes_every_section(shared_data: Path, tmp_pa
     assert (tmp_path / "smoke" / "mmedagent_smoke_entropy.png").stat().st_size > 0
 
     # --reuse takes every finished seed (and the entropy ablation) from its record: the same figures, no training.
+    for plot in (tmp_path / "smoke").glob("mmedagent_smoke_*.png"):
+        plot.unlink()
     proc = run_bench("--smoke", "--seeds", "2", "--reuse", "--data", str(shared_data), "--work", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     again = json.loads(out.read_text())
     assert again["reused_training_seeds"] == [42, 43] and result["reused_training_seeds"] == []
     assert again["seeds"] == seeds and again["entropy"] == entropy and again["attending"] == attending
     assert "steps on" not in proc.stdout  # no stage trained again
+    for name in ("triage", "easy", "medium", "hard", "entropy"):  # drawn again from the reused records
+        plot = tmp_path / "smoke" / (f"mmedagent_smoke_{name}_curves.png" if name != "entropy" else
+                                     "mmedagent_smoke_entropy.png")
+        assert plot.stat().st_size > 0, plot
 
 
 def test_without_the_shared_data_it_says_so_and_exits_cleanly(tmp_path: Path) -> None:

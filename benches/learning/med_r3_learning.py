@@ -15,10 +15,10 @@ benches/results/med_r3_learning.json and one curves plot per stage.
 With `--seeds N` the chain of three stages runs N times from the base model (seeds 0..N-1: LoRA initialisation,
 data order, sampled rollouts); the base model's before is measured once, and a later stage's before is its own
 seed's earlier stage. A model's greedy replies are made once per mode and scored per stage (stage 2's after and
-stage 3's before are the same replies). Each finished seed records its chain in its folder, which `--reuse` takes
-instead of training that seed again. `seeds` in the JSON reports per stage and metric before and after as
-mean ± sd, the gain, and how many seeds improved it. Held-out prompts: the `--eval-questions` PubMedQA-train questions after the
-training ones in one seeded shuffle (disjoint from them).
+stage 3's before are the same replies). Each finished seed records its chain in its folder, which `--reuse`
+takes instead of training that seed again (`reused_seeds`). `seeds` in the JSON reports per stage and metric
+before and after as mean ± sd, the gain, and how many seeds improved it. Held-out prompts: the
+`--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 from learning_signal import abstracts_as_documents, answer_parsed_rate, log, write_result  # noqa: E402
-from seeds import part_over_seeds, run_or_reuse  # noqa: E402
+from seeds import inputs_key, part_over_seeds, run_or_reuse  # noqa: E402
 
 from ermedrag.tools.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.index import build_index, open_index  # noqa: E402
@@ -124,6 +124,8 @@ class Evaluations:
         if (model_dir, searching) not in self.replies:
             search = self.search if searching else None
             self.replies[model_dir, searching] = greedy_rollouts(model_dir, self.rows, search, self.args)
+            log(f"rolled out {len(self.rows)} held-out prompts with {model_dir} "
+                f"({'searching' if searching else 'without search'})")
         return score(self.replies[model_dir, searching], stage, config)
 
 
@@ -185,8 +187,13 @@ def main() -> None:
         step_max_new_tokens=args.step_tokens, temperature=args.temperature, save_steps=10_000,
         mask_truncated_completions=False)
     evaluations = Evaluations(eval_rows, search, args)
-    chains = [run_stages(replace(config, seed=seed, output_dir=str(work / f"train-s{seed}")), evaluations, args)
-              for seed in range(max(args.seeds, 1))]
+    inputs = inputs_key(args.data, [r["id"] for r in train_rows], [r["id"] for r in eval_rows])
+    chains, reused_seeds = [], []
+    for seed in range(max(args.seeds, 1)):
+        chain, reused = run_stages(replace(config, seed=seed, output_dir=str(work / f"train-s{seed}")), evaluations,
+                                   {**inputs, "eval_batch": args.eval_batch}, args.reuse)
+        chains.append(chain)
+        reused_seeds += [seed] if reused else []
     result: dict[str, Any] = dict(chains[0])  # the first seed's stages, as one run reports them
     result["seeds"] = {"n": len(chains), **{name: part_over_seeds(chains, name, len(eval_rows)) for name in chains[0]}}
     if not args.smoke:
@@ -202,20 +209,22 @@ def main() -> None:
         "train_prompts": len(train_rows), "eval_prompts": len(eval_rows), "num_generations": args.generations,
         "step_tokens": args.step_tokens, "temperature": args.temperature, "completion_tokens": args.completion_tokens,
         "decoding": "greedy, same held-out prompts before and after each stage, in the stage's mode",
+        "reused_seeds": reused_seeds,  # their minutes are those of the run that trained them
     })
     write_result(result, Path(args.out) if not args.smoke else work / "med_r3_learning.json", started)
 
 
-def run_stages(config: MedR3TrainingConfig, evaluations: Evaluations, args: argparse.Namespace) -> dict[str, dict]:
+def run_stages(config: MedR3TrainingConfig, evaluations: Evaluations, inputs: dict[str, Any],
+               reuse: bool) -> tuple[dict[str, dict], bool]:
     """The three stages in order with `config`'s seed, each measured before and after on the held-out prompts in
-    its own mode. With `--reuse`, a seed whose chain an earlier run finished with the same settings is taken from
-    its record instead of trained again."""
-    chain, reused = run_or_reuse(Path(config.output_dir), chain_settings(config, args),
-                                 lambda: train_and_measure(config, evaluations), args.reuse)
+    its own mode, and whether they were reused: with `reuse`, a seed whose chain an earlier run finished with the
+    same config and `inputs` (data, questions, held-out batch) is taken from its record instead."""
+    chain, reused = run_or_reuse(Path(config.output_dir), {"config": dataclasses.asdict(config), **inputs},
+                                 lambda: train_and_measure(config, evaluations), reuse)
     if reused:
         log(f"seed {config.seed}: reusing the chain an earlier run finished in {config.output_dir}")
         evaluations.known[stage_start_model(config, 1), 1] = chain["stage1"]["before"]
-    return chain
+    return chain, reused
 
 
 def train_and_measure(config: MedR3TrainingConfig, evaluations: Evaluations) -> dict[str, dict]:
@@ -232,12 +241,6 @@ def train_and_measure(config: MedR3TrainingConfig, evaluations: Evaluations) -> 
                                    "after": after, "steps": summary["steps"], "minutes": round(minutes, 1),
                                    "reward_weights": summary["reward_weights"], "plot_path": summary.get("plot_path")}
     return result
-
-
-def chain_settings(config: MedR3TrainingConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """What a seed's recorded chain depends on besides the code: its training config and the held-out set."""
-    return {"config": dataclasses.asdict(config), "train_questions": args.train_questions,
-            "eval_questions": args.eval_questions, "eval_batch": args.eval_batch}
 
 
 if __name__ == "__main__":

@@ -629,6 +629,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     import torch
+    from seeds import allocator_env, inputs_key, run_or_reuse
+
+    from ermedrag.training.mmedagent import stage_start_model
 
     if os.environ.get("ERMEDRAG_TORCH_THREADS"):  # the trainers do not read it; the hf backend does
         torch.set_num_threads(int(os.environ["ERMEDRAG_TORCH_THREADS"]))
@@ -654,16 +657,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = bench_config(args, model_path, work / "export", work / "train")
     settings = bench_settings(args, config, data)
     log("settings: " + json.dumps(settings))
-    from seeds import run_or_reuse
-
-    from ermedrag.training.mmedagent import stage_start_model
-
+    inputs = {**{k: v for k, v in settings.items() if k != "estimated_minutes_2_cores"}, "eval_batch": args.eval_batch,
+              **inputs_key(args.data, [q.id for q in data.train_questions], [q.id for q in data.eval_questions])}
     measured: dict[tuple[str, str], dict] = {}
     runs, reused_seeds = [], []
     for number in range(args.seeds):
         seeded = dataclasses.replace(config, seed=TRAINING_SEED + number,
                                      output_dir=str(work / ("train" if number == 0 else f"train-s{number}")))
-        run, reused = run_or_reuse(Path(seeded.output_dir), {"config": dataclasses.asdict(seeded), **settings},
+        run, reused = run_or_reuse(Path(seeded.output_dir), {"config": dataclasses.asdict(seeded), **inputs},
                                    lambda: seed_part(seeded, model_path, data, args, measured), args.reuse)
         if reused:
             log(f"training seed {seeded.seed}: reusing what an earlier run finished in {seeded.output_dir}")
@@ -675,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "seeds": seeds_summary(runs, data)}
     summaries = runs[0]["summaries"]
     no_bonus = work / "train-no-bonus"  # compared with the first seed's curves: reused only along with them
-    result["entropy"], _ = run_or_reuse(no_bonus, {"config": dataclasses.asdict(config), **settings},
+    result["entropy"], _ = run_or_reuse(no_bonus, {"config": dataclasses.asdict(config), **inputs},
                                         lambda: entropy_part(config, summaries, data, args, no_bonus),
                                         args.reuse and TRAINING_SEED in reused_seeds)
     result["reused_training_seeds"] = reused_seeds
@@ -690,6 +691,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_entropy(entropy["with_bonus"], entropy["without_bonus"], entropy["entropy_coef"]["with_bonus"],
                      args.entropy_stage, out.parent / f"{prefix}entropy.png")
 
+    if allocator_env():
+        result["allocator_env"] = allocator_env()
     result.update(settings=settings, seconds=round(time.time() - started, 1),
                   date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), machine=machine(),
                   command=" ".join(["python", "benches/learning/mmedagent_learning.py",

@@ -7,7 +7,9 @@ the spread over seeds is the training's own (LoRA initialisation, data order, sa
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 import shutil
 import statistics
 from collections.abc import Callable, Sequence
@@ -101,23 +103,37 @@ def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count
     return [{name: entry["after"]["values"][i] for name, entry in entries.items()} for i in range(count)]
 
 
-RUN_FILE = "bench_run.json"  # written into a merged model's folder once the merge is complete
+RUN_FILE = "bench_run.json"  # written into a seed's folder (a merged model, a chain of stages) once it is complete
 
 
 def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:
     """Mark a seed's merged model (or chain of stages) complete, with the training config and what the run
     reported."""
-    (merged / RUN_FILE).write_text(json.dumps({"training_config": _as_json(config), **run}, indent=2))
+    (merged / RUN_FILE).write_text(json.dumps({"training_config": _as_json(config), **run}, indent=2, default=str))
 
 
 def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
-    """What an earlier run recorded for a seed trained with this very config (`--reuse-trained`): steps, minutes,
-    zero-variance steps; None when the config differs or the run never finished its merge (or its marker)."""
+    """What an earlier run recorded for a seed trained with this very config (`--reuse-trained`, `--reuse`): for a
+    merged model its steps, minutes and zero-variance steps, for a chain its stages; None when the config differs
+    or the run never finished (or its marker)."""
     try:
         run = json.loads((merged / RUN_FILE).read_text())
     except (OSError, ValueError):  # missing, or cut short by a kill while it was written
         return None
     return run if isinstance(run, dict) and run.pop("training_config", None) == _as_json(config) else None
+
+
+def allocator_env() -> dict[str, str]:
+    """This run's glibc allocator settings: they change its minutes (benches/learning/allocator.py), not its
+    results."""
+    return {name: value for name, value in os.environ.items() if name.startswith("MALLOC_")}
+
+
+def inputs_key(data: str, *question_ids: Sequence[str]) -> dict[str, str]:
+    """What a recorded seed's questions depend on beyond its config: the data folder, and a digest of the ids of
+    its training and held-out questions in order (another data folder, size or shuffle gives others)."""
+    digest = hashlib.sha256(json.dumps([list(ids) for ids in question_ids]).encode()).hexdigest()[:16]
+    return {"data": str(Path(data).resolve()), "question_ids": digest}
 
 
 def run_or_reuse(folder: Path, settings: Any, run: Callable[[], dict[str, Any]], reuse: bool

@@ -1,0 +1,50 @@
+"""The Med-R³ learning bench (benches/learning/med_r3_learning.py): its `--smoke` run with two seeds (real
+PubMedQA questions and abstracts, the real trainer on a tiny random model), then a third seed with `--reuse`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+SCRIPT = REPO / "benches" / "learning" / "med_r3_learning.py"
+SMOKE_TIMEOUT_S = 900  # ~50 s for two seeds on one thread of an idle 2-core machine
+STAGES = ("stage1", "stage2", "stage3")
+
+
+def run_smoke(shared_data: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    command = [sys.executable, str(SCRIPT), "--smoke", *args, "--data", str(shared_data), "--work", str(work)]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_seeds_share_the_base_replies_and_a_finished_seed_is_reused(shared_data: Path, tmp_path: Path) -> None:
+    proc = run_smoke(shared_data, tmp_path, "--seeds", "2")
+    out = tmp_path / "smoke" / "med_r3_learning.json"
+    result = json.loads(out.read_text())
+    seeds = result["seeds"]
+    assert seeds["n"] == 2 and result["reused_seeds"] == []
+    # Rolled out: the base model once for both seeds; per seed stage 1's model without and with search (stage 1's
+    # after, stage 2's before), stage 2's model once (its after is stage 3's before), and stage 3's model.
+    assert proc.stdout.count("rolled out") == 1 + 2 * 4
+    assert result["stage3"]["before"]["mean_model_tokens"] == result["stage2"]["after"]["mean_model_tokens"]
+    assert set(result["stage3"]["before"]["rewards"]) != set(result["stage2"]["after"]["rewards"])  # own scoring
+    base = result["stage1"]["before"]["accuracy"]
+    assert seeds["stage1"]["accuracy"]["before"]["values"] == [base, base]
+    for stage in STAGES:
+        assert len(seeds[stage]["accuracy_after"]) == 2 and seeds[stage]["accuracy_after"][0]["n"] == 3
+
+    proc = run_smoke(shared_data, tmp_path, "--seeds", "3", "--reuse")
+    grown = json.loads(out.read_text())
+    assert grown["reused_seeds"] == [0, 1] and grown["seeds"]["n"] == 3
+    assert proc.stdout.count("rolled out") == 4  # seed 2 alone: the base model's before is seed 0's record
+    for stage in STAGES:
+        for metric in ("accuracy", "mean_reward", "format_rate"):
+            assert grown["seeds"][stage][metric]["after"]["values"][:2] == seeds[stage][metric]["after"]["values"]
+    assert grown["seeds"]["stage1"]["accuracy"]["before"]["values"] == [base] * 3
