@@ -23,7 +23,6 @@ from ermedrag.agents import extractor, mmedagent, reasoner, respondent
 from ermedrag.evals.position_bias import position_bias_summary
 from ermedrag.evals.runner import (RESULTS, Asking, EvalConfig, askings, call_seconds, done_keys, parse_overrides,
                                    question_thread, run_eval, warm_up)
-from ermedrag.graphs import registry
 from ermedrag.graphs.registry import GRAPHS, PROMPT_VERSIONS, load_graph
 from ermedrag.tools.benchmarks import Question, benchmarks_folder, load_benchmark
 from tests.conftest import REPO, SCRIPTED

@@ -11,7 +11,6 @@ import platform
 import sqlite3
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
