@@ -143,6 +143,10 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="sampling temperature of training rollouts (at 1.0 the base 270M model leaves the format "
                              "in nearly every sample, so a group's rewards are all equal and GRPO learns nothing)")
+    parser.add_argument("--micro-batch", type=int, default=1,
+                        help="completions per forward/backward pass (the rest of a group by gradient accumulation): "
+                             "a rollout's tokens include the inserted documents, and with the whole group of 4 in "
+                             "one pass stage 2 ran out of 24 GB")
     parser.add_argument("--eval-batch", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=1, help="run the chain of stages this many times (seeds 0..N-1)")
     parser.add_argument("--reuse", action="store_true",
@@ -150,6 +154,8 @@ def main() -> None:
                              "record (to add seeds, or go on after a stop); only while the training code is unchanged")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
+    if args.micro_batch < 1 or args.generations % args.micro_batch:
+        parser.error(f"--micro-batch {args.micro_batch} must divide --generations {args.generations}")
     started = time.time()
 
     work = Path(args.work) / ("smoke" if args.smoke else "full")
@@ -161,7 +167,7 @@ def main() -> None:
 
         model_path = build_tiny_causal_lm(work / "tiny")
         args.train_questions, args.eval_questions, args.steps = 4, 3, 1
-        args.generations, args.step_tokens, args.completion_tokens = 2, 16, 32
+        args.generations, args.step_tokens, args.completion_tokens, args.micro_batch = 2, 16, 32, 1
     else:
         from ermedrag.tools.offline_model import offline_model_dir
 
@@ -183,7 +189,8 @@ def main() -> None:
     config = MedR3TrainingConfig(
         model=model_path, dataset=str(work / "train-dataset"), output_dir=str(work / "train"), index_dir=str(index_dir),
         max_steps=args.steps, learning_rate=1e-4, num_generations=args.generations,
-        per_device_train_batch_size=args.generations, max_completion_length=args.completion_tokens,
+        per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.generations // args.micro_batch,
+        max_completion_length=args.completion_tokens,
         step_max_new_tokens=args.step_tokens, temperature=args.temperature, save_steps=10_000,
         mask_truncated_completions=False)
     evaluations = Evaluations(eval_rows, search, args)
@@ -208,6 +215,7 @@ def main() -> None:
         "model": "tiny random (smoke)" if args.smoke else "gemma3-270m (base, LoRA per stage, merged between stages)",
         "train_prompts": len(train_rows), "eval_prompts": len(eval_rows), "num_generations": args.generations,
         "step_tokens": args.step_tokens, "temperature": args.temperature, "completion_tokens": args.completion_tokens,
+        "micro_batch": args.micro_batch,
         "decoding": "greedy, same held-out prompts before and after each stage, in the stage's mode",
         "reused_seeds": reused_seeds,  # their minutes are those of the run that trained them
     })
