@@ -437,8 +437,8 @@ def write_result(result: dict[str, Any], out: Path, started: float) -> None:
     script = Path(sys.argv[0]).resolve().relative_to(REPO)
     result.update(total_minutes=round((time.time() - started) / 60, 1),
                   command=" ".join(["python", str(script), *sys.argv[1:]]))
-    if allocator_env():
-        result["allocator_env"] = allocator_env()
+    if allocator := allocator_env():
+        result["allocator_env"] = allocator
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -691,8 +691,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_entropy(entropy["with_bonus"], entropy["without_bonus"], entropy["entropy_coef"]["with_bonus"],
                      args.entropy_stage, out.parent / f"{prefix}entropy.png")
 
-    if allocator_env():
-        result["allocator_env"] = allocator_env()
+    if allocator := allocator_env():
+        result["allocator_env"] = allocator
     result.update(settings=settings, seconds=round(time.time() - started, 1),
                   date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), machine=machine(),
                   command=" ".join(["python", "benches/learning/mmedagent_learning.py",
