@@ -48,9 +48,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ermedrag.offline import offline_env
+
 REPO = Path(__file__).resolve().parents[1]
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "ANONYMIZED_TELEMETRY": "False", "TOKENIZERS_PARALLELISM": "false"}
 QUESTIONS = [
     ("A 52-year-old man is newly diagnosed with type 2 diabetes; his kidney function is normal. "
      "Which drug should he start first?",
@@ -294,7 +294,7 @@ def compared(results: dict, greedy: dict, name: str) -> dict:
 
 
 def run_child(name: str, environment: dict[str, str], parts: tuple[str, ...], quick: bool) -> dict:
-    env = {**os.environ, **OFFLINE_ENV, **environment}
+    env = offline_env(environment)
     command = [sys.executable, __file__, "--child", ",".join(p for p in parts if p != "demo")]
     if quick:
         command.append("--quick")

@@ -29,13 +29,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ermedrag.offline import offline_env
+
 REPO = Path(__file__).resolve().parents[1]
 TARGET_MB = 2560
 # Measured on main 9d103d9 by an earlier session (issue 13): the same eval, 8 questions × 4 systems.
 BEFORE_MB = 8100
 SYSTEMS = "cot,vanilla_rag,er_medrag,med_r3"
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "ANONYMIZED_TELEMETRY": "False", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def default_data() -> Path:
@@ -70,13 +70,6 @@ def run_measured(command: list[str], env: dict[str, str], timeout_s: float) -> t
     return proc.returncode, rss_mb(usage.ru_maxrss), round(seconds, 1), tail
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    for name, value in OFFLINE_ENV.items():
-        env.setdefault(name, value)
-    return env | (extra or {})
-
-
 def machine() -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     memory = ""
@@ -96,7 +89,7 @@ def measure_eval(args: argparse.Namespace) -> dict:
                    "--trace-db", str(Path(tmp) / "traces.sqlite")]
         shown = (f"ermedrag eval --system {args.system} --bench {args.bench} --limit {args.limit} "
                  f"--data {args.data} --out TMP/results --trace-db TMP/traces.sqlite")
-        code, peak, seconds, tail = run_measured(command, child_env({"ERMEDRAG_HOME": args.ermedrag_home}
+        code, peak, seconds, tail = run_measured(command, offline_env({"ERMEDRAG_HOME": args.ermedrag_home}
                                                                     if args.ermedrag_home else None), args.timeout)
     if code != 0:
         raise SystemExit(f"the eval failed (exit {code}); its output ends:\n{tail}")
@@ -205,7 +198,7 @@ def measure_one_batch(args: argparse.Namespace) -> dict:
         command = [sys.executable, str(Path(__file__).resolve()), "--one-batch-child", variant,
                    "--new-tokens", str(args.new_tokens)]
         # (Its wait4 peak is not reported: the child resets its high-water mark before the batch.)
-        code, _, _, tail = run_measured(command, child_env({"ERMEDRAG_TORCH_THREADS": "1"}), args.timeout)
+        code, _, _, tail = run_measured(command, offline_env({"ERMEDRAG_TORCH_THREADS": "1"}), args.timeout)
         if code != 0:
             raise SystemExit(f"the one-batch child {variant} failed (exit {code}):\n{tail}")
         results[variant] = json.loads(tail.strip().splitlines()[-1])

@@ -10,17 +10,9 @@ from pathlib import Path
 
 import pytest
 
-for name, value in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "ANONYMIZED_TELEMETRY": "False",
-    "RAGAS_DO_NOT_TRACK": "true",
-    "LANGGRAPH_CLI_NO_ANALYTICS": "1",
-    "LANGGRAPH_NO_VERSION_CHECK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(name, value)
+from ermedrag.offline import go_offline
+
+go_offline()
 
 # Under pytest-xdist (`make test` runs two workers) each worker and what it starts (servers, benches, llama.cpp)
 # gets its share of the cores: two workers at full thread counts on 2 cores oversubscribe them, and every

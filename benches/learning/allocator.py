@@ -9,7 +9,7 @@ plain / keep so that a change in the machine's load hits both. `keep` sets MALLO
 MALLOC_TRIM_THRESHOLD_: glibc then serves the large tensors (a 262k-token vocabulary's logits are ~100 MB) from
 its heap and keeps freed memory for the next step, instead of mapping fresh pages for each and returning them,
 which costs a page fault per page touched again. Each child reports its wall time, user and system CPU seconds
-and peak RSS (`ru_maxrss` of its own process: the parent imports only the standard library); wall time covers
+and peak RSS (`ru_maxrss` of its own process: the parent imports nothing large); wall time covers
 `train_grpo` only, the CPU seconds the whole child, imports included.
 
 Needs the learning bench's exports (`learning_signal.py` once, or `--reuse`) in --work.
@@ -26,10 +26,12 @@ import sys
 import time
 from pathlib import Path
 
+from seeds import allocator_env
+
+from ermedrag.offline import offline_env
+
 REPO = Path(__file__).resolve().parents[2]
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30)}
-ALLOCATOR_SETTINGS = ("MALLOC_", "GLIBC_TUNABLES")  # what the plain arm must not inherit from the caller
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def child(steps: int, work: Path, out: Path) -> None:
@@ -50,8 +52,8 @@ def child(steps: int, work: Path, out: Path) -> None:
 
 
 def run_arm(arm: str, args: argparse.Namespace) -> dict[str, float]:
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(ALLOCATOR_SETTINGS)}
-    env = {**inherited, **OFFLINE_ENV, **(KEEP_FREED_MEMORY if arm == "keep" else {})}
+    inherited = {k: v for k, v in os.environ.items() if k not in allocator_env()}  # the plain arm: glibc's defaults
+    env = offline_env(KEEP_FREED_MEMORY if arm == "keep" else {}, base=inherited)
     out = Path(args.work) / f"allocator-{arm}"
     proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps), "--work", args.work,
                            "--child-out", str(out)], env=env, capture_output=True, text=True, cwd=REPO)

@@ -37,6 +37,10 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
 
+from ermedrag.offline import go_offline  # noqa: E402
+
+go_offline()  # before datasets and transformers read their settings, at import
+
 from datasets import load_from_disk  # noqa: E402
 
 from ermedrag.agents import extractor, respondent  # noqa: E402

@@ -60,10 +60,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ermedrag.offline import go_offline
+
 REPO = Path(__file__).resolve().parents[2]
-for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                      "TOKENIZERS_PARALLELISM": "false", "ANONYMIZED_TELEMETRY": "False"}.items():
-    os.environ.setdefault(_name, _value)
+go_offline()
 
 BENCHMARK_FILES = ("medmcqa_dev.jsonl", "medxpertqa_text_test.jsonl")
 TRAINING_SEED = 42  # the first seed's; --seeds N trains with 42 .. 42 + N - 1

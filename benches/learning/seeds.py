@@ -126,7 +126,7 @@ def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
 def allocator_env() -> dict[str, str]:
     """This run's glibc allocator settings: they change its minutes (benches/learning/allocator.py), not its
     results."""
-    return {name: value for name, value in os.environ.items() if name.startswith("MALLOC_")}
+    return {name: value for name, value in os.environ.items() if name.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
 
 
 def inputs_key(data: str, *question_ids: Sequence[str]) -> dict[str, str]:

@@ -36,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False",
-                      "TOKENIZERS_PARALLELISM": "false"}.items():
-    os.environ.setdefault(_name, _value)
+from ermedrag.offline import go_offline
+
+go_offline()
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT = REPO / "benches" / "results" / "prompt_bias.json"

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from ermedrag.offline import go_offline
+
 REPO = Path(__file__).resolve().parents[2]
 OUTCOMES = ("ok", "clear_error", "silent_wrong", "crash", "hang", "data_lost")
 FAILURES = ("silent_wrong", "crash", "hang", "data_lost")
@@ -157,10 +159,6 @@ class Workspace:
         return {**os.environ, "PYTHONPATH": str(REPO), **extra}
 
 
-BENCH_ENV = {
-    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False",
-    "TOKENIZERS_PARALLELISM": "false", "ERMEDRAG_TORCH_THREADS": "1",
-}
 # Settings a user's shell may hold that would change what the cases run.
 CLEARED_ENV = ("ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL", "ERMEDRAG_RESPONDENT_MODEL",
                "OPENAI_BASE_URL", "ERMEDRAG_SNIPPETS_K", "ERMEDRAG_COARSE_K", "ERMEDRAG_CHROMA_URL",
@@ -172,8 +170,8 @@ CLEARED_ENV = ("ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL
 def prepare_environment(workspace: Workspace) -> None:
     for name in CLEARED_ENV:
         os.environ.pop(name, None)
-    for name, value in BENCH_ENV.items():
-        os.environ.setdefault(name, value)
+    go_offline()
+    os.environ.setdefault("ERMEDRAG_TORCH_THREADS", "1")
     os.environ["ERMEDRAG_TRACE_DB"] = str(workspace.trace_db)
     os.environ["ERMEDRAG_CHECKPOINT_DB"] = str(workspace.checkpoint_db)
 

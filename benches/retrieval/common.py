@@ -12,9 +12,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ermedrag.offline import go_offline
+
 REPO = Path(__file__).resolve().parents[2]
-for _name, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("ANONYMIZED_TELEMETRY", "False")):
-    os.environ.setdefault(_name, _value)
+go_offline()
 
 import numpy as np  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402

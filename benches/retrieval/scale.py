@@ -36,6 +36,8 @@ from pathlib import Path
 
 from common import chroma_server, peak_rss_mb
 
+from ermedrag.offline import offline_env
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CACHE = Path.home() / ".cache/ermedrag/bench/scale"
@@ -43,8 +45,6 @@ CHUNK_SIZE, CHUNK_OVERLAP = 1024, 32
 QUERIES = 200
 ADD = 10_000
 NOISE = 0.02
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False",
-               "TOKENIZERS_PARALLELISM": "false"}
 
 
 # ------------------------------------------------------------------------------------------ child steps
@@ -126,8 +126,7 @@ def child_serve(index_dir: Path, data_root: Path, chroma_url: str | None) -> dic
 # ------------------------------------------------------------------------------------------ the parent
 
 def run_child(*args: str) -> dict:
-    env = {**os.environ, **OFFLINE_ENV}
-    proc = subprocess.run([sys.executable, __file__, "--child", *args], env=env, cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, __file__, "--child", *args], env=offline_env(), cwd=REPO, capture_output=True,
                           text=True, timeout=6 * 3600)
     if proc.returncode:
         raise RuntimeError(f"child {args[0]} failed:\n{proc.stderr[-3000:]}")
