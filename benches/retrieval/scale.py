@@ -126,8 +126,8 @@ def child_serve(index_dir: Path, data_root: Path, chroma_url: str | None) -> dic
 # ------------------------------------------------------------------------------------------ the parent
 
 def run_child(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", *args], env=offline_env(), cwd=REPO, capture_output=True,
-                          text=True, timeout=6 * 3600)
+    proc = subprocess.run([sys.executable, __file__, "--child", *args], env=offline_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=6 * 3600)
     if proc.returncode:
         raise RuntimeError(f"child {args[0]} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
