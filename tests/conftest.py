@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ermedrag.offline import go_offline
+from ermedrag.offline import OFFLINE_ENV
 
-go_offline()
+# Tests never reach the network, whatever the shell says; the processes they start inherit this.
+os.environ.update(OFFLINE_ENV)
 
 # Under pytest-xdist (`make test` runs two workers) each worker and what it starts (servers, benches, llama.cpp)
 # gets its share of the cores: two workers at full thread counts on 2 cores oversubscribe them, and every

@@ -31,9 +31,8 @@ def _entry_point() -> list[str]:
 
 
 def ermedrag(*args: str, trace_db: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ERMEDRAG_TRACE_DB": str(trace_db), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "ERMEDRAG_CHECKPOINT_DB": str(trace_db.with_name("checkpoints.sqlite")),  # never the user's cache
-           "ANONYMIZED_TELEMETRY": "False", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "ERMEDRAG_TRACE_DB": str(trace_db),
+           "ERMEDRAG_CHECKPOINT_DB": str(trace_db.with_name("checkpoints.sqlite"))}  # never the user's cache
     for name in ("ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL", "ERMEDRAG_RESPONDENT_MODEL",
                  "OPENAI_BASE_URL", "ERMEDRAG_SNIPPETS_K", "ERMEDRAG_COARSE_K"):
         env.pop(name, None)

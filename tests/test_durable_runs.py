@@ -128,9 +128,7 @@ UNSET = ("ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL", "ER
 def _env(tmp_path: Path, checkpoint_db: str, **extra: str) -> dict[str, str]:
     """The environment of a test's runs: its own stores and call log, nothing from the user's settings."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "ERMEDRAG_TRACE_DB": str(tmp_path / "traces.sqlite"),
-           "ERMEDRAG_CHECKPOINT_DB": checkpoint_db, "ERMEDRAG_TEST_CALLS": str(tmp_path / "calls.tsv"),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False",
-           "TOKENIZERS_PARALLELISM": "false", **extra}
+           "ERMEDRAG_CHECKPOINT_DB": checkpoint_db, "ERMEDRAG_TEST_CALLS": str(tmp_path / "calls.tsv"), **extra}
     for name in UNSET:
         if name not in extra:
             env.pop(name, None)

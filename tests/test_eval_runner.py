@@ -288,8 +288,7 @@ def test_eval_command_one_bar_permutations_bool_setting_and_data_root(tmp_path):
     bar for two systems on stderr."""
     root = _data_root(tmp_path)
     out = tmp_path / "out"
-    env = {**os.environ, "ERMEDRAG_TRACE_DB": str(tmp_path / "t.sqlite"), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "ERMEDRAG_TRACE_DB": str(tmp_path / "t.sqlite")}
     for name in ("ERMEDRAG_SHARED_DATA", "ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "OPENAI_BASE_URL"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-m", "ermedrag", "eval", "--system", "cot,vanilla_rag", "--bench",

@@ -72,8 +72,7 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False",
-            "TOKENIZERS_PARALLELISM": "false"}
+    return dict(os.environ)
 
 
 def _run(*args: str, timeout: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess[str]:

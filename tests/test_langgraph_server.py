@@ -55,10 +55,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     assert port != 2024  # taken on these machines; the server would silently move elsewhere
     env = {
         **os.environ,
-        "LANGGRAPH_CLI_NO_ANALYTICS": "1",
-        "LANGGRAPH_NO_VERSION_CHECK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
         "ERMEDRAG_TRACE_DB": str(trace_db),
         "ERMEDRAG_MODEL": SCRIPTED,
     }

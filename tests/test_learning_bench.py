@@ -31,7 +31,7 @@ def bench_module(name: str):
 
 def run_smoke(shared_data: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
     """The bench's `--smoke` run with `args`, on one torch thread."""
-    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
     command = [sys.executable, str(SCRIPT), "--smoke", *args, "--data", str(shared_data), "--work", str(work)]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
 

@@ -17,7 +17,7 @@ STAGES = ("stage1", "stage2", "stage3")
 
 
 def run_smoke(shared_data: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
     command = [sys.executable, str(SCRIPT), "--smoke", *args, "--data", str(shared_data), "--work", str(work)]
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -23,7 +23,7 @@ SMOKE_TIMEOUT_S = 600  # ~20 s on one thread of an idle 2-core machine; far more
 
 
 def run_bench(*args: str, timeout: float = SMOKE_TIMEOUT_S) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -331,8 +331,7 @@ def test_gold_follows_the_canonical_keys(tmp_path):
 
 def _ermedrag(*args: str, tmp_path: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], float]:
     env = {**os.environ, "ERMEDRAG_TRACE_DB": str(tmp_path / "traces.sqlite"),
-           "ERMEDRAG_CHECKPOINT_DB": str(tmp_path / "checkpoints.sqlite"), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False"}
+           "ERMEDRAG_CHECKPOINT_DB": str(tmp_path / "checkpoints.sqlite")}
     for name in ("OPENAI_BASE_URL", "ERMEDRAG_MODEL", "ERMEDRAG_INDEX_DIR", "ERMEDRAG_REQUEST_TIMEOUT_S",
                  "ERMEDRAG_MAX_RETRIES", "ERMEDRAG_CONNECT_TIMEOUT_S"):
         env.pop(name, None)
