@@ -168,9 +168,12 @@ def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
 
     grpo_arm = bench_module("learning_signal").grpo_arm
 
-    def arm(evidence=None, tokens=None):
-        options = Namespace(grpo_evidence_weight=evidence, grpo_respond_tokens=tokens, respond_tokens=96)
-        key, settings = grpo_arm(options)
+    def options(evidence=None, tokens=None, generations=4, temperature=0.7, prompts=1) -> Namespace:
+        return Namespace(grpo_evidence_weight=evidence, grpo_respond_tokens=tokens, respond_tokens=96,
+                         grpo_generations=generations, grpo_temperature=temperature, grpo_prompts_per_step=prompts)
+
+    def arm(*args, **kwargs):
+        key, settings = grpo_arm(options(*args, **kwargs))
         return key, settings.folder, settings.tokens, settings.weights
 
     assert arm() == arm(tokens=96) == ("grpo_respondent", "grpo", 96, {})  # the default arm: its seeds are reused
@@ -178,3 +181,10 @@ def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
     assert arm(tokens=192) == ("grpo_respondent_tokens_192", "grpo-tokens192", 192, {})
     assert arm(0.5, 192) == ("grpo_respondent_evidence_0.5_tokens_192", "grpo-evidence0.5-tokens192", 192,
                              {"evidence": 0.5})
+    # The zero-variance levers: each sampling setting off its default is an arm of its own.
+    assert arm(generations=8)[:2] == ("grpo_respondent_generations_8", "grpo-generations8")
+    assert arm(temperature=1.0)[:2] == ("grpo_respondent_temperature_1", "grpo-temperature1")
+    assert arm(prompts=2, temperature=0.9)[:2] == ("grpo_respondent_temperature_0.9_prompts_2",
+                                                   "grpo-temperature0.9-prompts2")
+    prompts_arm = grpo_arm(options(prompts=2))[1]
+    assert (prompts_arm.generations, prompts_arm.temperature, prompts_arm.prompts_per_step) == (4, 0.7, 2)

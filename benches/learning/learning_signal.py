@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
+# The default GRPO arm's sampling; a lever arm that changes one is recorded under its own key.
+GRPO_DEFAULTS = {"generations": 4, "temperature": 0.7, "prompts_per_step": 1}
 
 from ermedrag.offline import go_offline  # noqa: E402
 
@@ -169,10 +171,17 @@ def main() -> None:
     parser.add_argument("--respond-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--grpo-steps", type=int, default=50)
-    parser.add_argument("--grpo-generations", type=int, default=4)
-    parser.add_argument("--grpo-temperature", type=float, default=0.7,
+    parser.add_argument("--grpo-generations", type=int, default=GRPO_DEFAULTS["generations"],
+                        help="completions sampled per prompt (a GRPO group; other than the default: a lever arm, "
+                             "recorded as grpo_respondent_generations_N)")
+    parser.add_argument("--grpo-temperature", type=float, default=GRPO_DEFAULTS["temperature"],
                         help="sampling temperature of GRPO rollouts (at 1.0 nearly every sample of the base 270M "
-                             "model leaves the format, a group's rewards are equal and GRPO learns nothing)")
+                             "model leaves the format, a group's rewards are equal and GRPO learns nothing; other "
+                             "than the default: a lever arm, grpo_respondent_temperature_T)")
+    parser.add_argument("--grpo-prompts-per-step", type=int, default=GRPO_DEFAULTS["prompts_per_step"],
+                        help="prompts (groups) per optimizer step, one group per forward/backward pass: with one, "
+                             "a step whose group got equal rewards teaches nothing (a lever arm, "
+                             "grpo_respondent_prompts_N)")
     parser.add_argument("--grpo-respond-tokens", type=int, default=None,
                         help="train and measure the respondent with this token budget instead of --respond-tokens "
                              "(a lever arm, recorded as grpo_respondent_tokens_N; the graph's own default is 192: a "
@@ -199,6 +208,8 @@ def main() -> None:
         parser.error("--first-seed adds seeds to a recorded run: pass --reuse (the same traces, prompts and before)")
     if args.reuse_trained and not args.reuse:
         parser.error("--reuse-trained measures seeds trained in the work folder: pass --reuse as well")
+    if min(args.grpo_generations, args.grpo_prompts_per_step) < 1 or args.grpo_temperature <= 0:
+        parser.error("--grpo-generations and --grpo-prompts-per-step must be at least 1, --grpo-temperature above 0")
     if args.out is None:  # a lever arm never lands in learning.json, whose seeds.n counts every part's seeds
         lever = grpo_arm(args)[0] != "grpo_respondent"
         args.out = str(REPO / "benches" / "results" / ("learning_grpo_levers.json" if lever else "learning.json"))
@@ -256,7 +267,8 @@ def main() -> None:
             "before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
             **training_time(seeds, runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
             "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
-            "num_generations": args.grpo_generations, "temperature": args.grpo_temperature,
+            "num_generations": arm.generations, "temperature": arm.temperature,
+            "prompts_per_step": arm.prompts_per_step,
             "reward_weights": {**RESPONDENT_REWARDS, **arm.weights}, "respond_tokens": arm.tokens,
             "zero_variance_steps": earlier.get("zero_variance_steps", [])[:args.first_seed]
             + [r["zero_variance_steps"] for r in runs]}
@@ -296,22 +308,31 @@ def main() -> None:
 @dataclass(frozen=True)
 class GRPOArm:
     """One GRPO arm: its reward weights over the respondent's defaults (empty: the defaults), the respondent's
-    token budget in training and in the held-out before and after, and its folders' prefix."""
+    token budget in training and in the held-out before and after, its sampling (completions per prompt,
+    temperature, prompts per optimizer step), and its folders' prefix."""
 
     weights: dict[str, float]
     tokens: int
+    generations: int
+    temperature: float
+    prompts_per_step: int
     folder: str
 
 
 def grpo_arm(args: argparse.Namespace) -> tuple[str, GRPOArm]:
-    """The result key and settings of the arm that the lever options ask for (none: the default arm)."""
+    """The result key and settings of the arm that the lever options ask for: each setting other than its
+    default names a part of the key and folders (none: the default arm, `grpo_respondent`)."""
     weights = {} if args.grpo_evidence_weight is None else {"evidence": args.grpo_evidence_weight}
     tokens = args.respond_tokens if args.grpo_respond_tokens is None else args.grpo_respond_tokens
-    levers = [(f"evidence_{weight:g}", f"evidence{weight:g}") for weight in weights.values()]  # (key, folder)
-    if tokens != args.respond_tokens:
-        levers.append((f"tokens_{tokens}", f"tokens{tokens}"))
-    key = "grpo_respondent" + "".join(f"_{part}" for part, _ in levers)
-    return key, GRPOArm(weights, tokens, "grpo" + "".join(f"-{part}" for _, part in levers))
+    settings = {"evidence": weights.get("evidence"), "tokens": tokens, "generations": args.grpo_generations,
+                "temperature": args.grpo_temperature, "prompts": args.grpo_prompts_per_step}
+    defaults = {"evidence": None, "tokens": args.respond_tokens, "generations": GRPO_DEFAULTS["generations"],
+                "temperature": GRPO_DEFAULTS["temperature"], "prompts": GRPO_DEFAULTS["prompts_per_step"]}
+    levers = [(name, f"{value:g}") for name, value in settings.items() if value != defaults[name]]
+    key = "grpo_respondent" + "".join(f"_{name}_{value}" for name, value in levers)
+    folder = "grpo" + "".join(f"-{name}{value}" for name, value in levers)
+    return key, GRPOArm(weights, tokens, args.grpo_generations, args.grpo_temperature, args.grpo_prompts_per_step,
+                        folder)
 
 
 def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts: list, eval_rows: list[dict],
@@ -320,9 +341,10 @@ def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts
     config = GRPOTrainingConfig(
         model=model_path, dataset=str(work / "grpo-train" / "dataset"),
         output_dir=str(work / f"{arm.folder}-out-s{seed}"),
-        max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=args.grpo_generations,
-        per_device_train_batch_size=args.grpo_generations, max_completion_length=arm.tokens,
-        temperature=args.grpo_temperature, save_steps=10_000, seed=seed, rewards=arm.weights or None)
+        max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=arm.generations,
+        per_device_train_batch_size=arm.generations, gradient_accumulation_steps=arm.prompts_per_step,
+        max_completion_length=arm.tokens, temperature=arm.temperature, save_steps=10_000, seed=seed,
+        rewards=arm.weights or None)
     run = trained(args, config, work / f"{arm.folder}-merged-s{seed}", train_grpo)
     after = respondent_metrics(generate(f"hf:{run['merged']}", eval_prompts, arm.tokens, respondent.STOP), eval_rows)
     log(f"after grpo (seed {seed}): {after} ({run['minutes']} min; {run.get('zero_variance_steps')})")
