@@ -1,6 +1,7 @@
 """The settings that keep what this project loads off the network and quiet: no hub look-ups, no telemetry, no
 version checks, and no tokenizer thread pools that a fork would deadlock. Tests, benches and the children they
-start run with them; an explicit setting in the caller's environment wins.
+start run with them; an explicit setting in the caller's environment wins (tests/conftest.py overrides it: tests
+stay offline whatever the shell says).
 
 Set them before the libraries are imported: some (huggingface_hub, transformers) read them once, at import.
 """

@@ -184,6 +184,7 @@ def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
     # The zero-variance levers: each sampling setting off its default is an arm of its own.
     assert arm(generations=8)[:2] == ("grpo_respondent_generations_8", "grpo-generations8")
     assert arm(temperature=1.0)[:2] == ("grpo_respondent_temperature_1", "grpo-temperature1")
+    assert arm(temperature=0.7000001)[0] == "grpo_respondent_temperature_0.7000001"  # never the default's name
     assert arm(prompts=2, temperature=0.9)[:2] == ("grpo_respondent_temperature_0.9_prompts_2",
                                                    "grpo-temperature0.9-prompts2")
     prompts_arm = grpo_arm(options(prompts=2))[1]

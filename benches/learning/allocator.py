@@ -52,7 +52,8 @@ def child(steps: int, work: Path, out: Path) -> None:
 
 
 def run_arm(arm: str, args: argparse.Namespace) -> dict[str, float]:
-    inherited = {k: v for k, v in os.environ.items() if k not in allocator_env()}  # the plain arm: glibc's defaults
+    callers = allocator_env()  # the plain arm runs with glibc's defaults
+    inherited = {k: v for k, v in os.environ.items() if k not in callers}
     env = offline_env(KEEP_FREED_MEMORY if arm == "keep" else {}, base=inherited)
     out = Path(args.work) / f"allocator-{arm}"
     proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps), "--work", args.work,

@@ -179,9 +179,9 @@ def main() -> None:
                              "model leaves the format, a group's rewards are equal and GRPO learns nothing; other "
                              "than the default: a lever arm, grpo_respondent_temperature_T)")
     parser.add_argument("--grpo-prompts-per-step", type=int, default=GRPO_DEFAULTS["prompts_per_step"],
-                        help="prompts (groups) per optimizer step, one group per forward/backward pass: with one, "
-                             "a step whose group got equal rewards teaches nothing (a lever arm, "
-                             "grpo_respondent_prompts_N)")
+                        help="prompts (groups) per optimizer step, sampled together, the loss accumulated over as "
+                             "many passes of one group's size: with one, a step whose group got equal rewards "
+                             "teaches nothing (a lever arm, grpo_respondent_prompts_N)")
     parser.add_argument("--grpo-respond-tokens", type=int, default=None,
                         help="train and measure the respondent with this token budget instead of --respond-tokens "
                              "(a lever arm, recorded as grpo_respondent_tokens_N; the graph's own default is 192: a "
@@ -208,8 +208,9 @@ def main() -> None:
         parser.error("--first-seed adds seeds to a recorded run: pass --reuse (the same traces, prompts and before)")
     if args.reuse_trained and not args.reuse:
         parser.error("--reuse-trained measures seeds trained in the work folder: pass --reuse as well")
-    if min(args.grpo_generations, args.grpo_prompts_per_step) < 1 or args.grpo_temperature <= 0:
-        parser.error("--grpo-generations and --grpo-prompts-per-step must be at least 1, --grpo-temperature above 0")
+    if args.grpo_generations < 2 or args.grpo_prompts_per_step < 1 or args.grpo_temperature <= 0:
+        parser.error("--grpo-generations must be at least 2 (a group), --grpo-prompts-per-step at least 1, "
+                     "--grpo-temperature above 0")
     if args.out is None:  # a lever arm never lands in learning.json, whose seeds.n counts every part's seeds
         lever = grpo_arm(args)[0] != "grpo_respondent"
         args.out = str(REPO / "benches" / "results" / ("learning_grpo_levers.json" if lever else "learning.json"))
@@ -328,11 +329,17 @@ def grpo_arm(args: argparse.Namespace) -> tuple[str, GRPOArm]:
                 "temperature": args.grpo_temperature, "prompts": args.grpo_prompts_per_step}
     defaults = {"evidence": None, "tokens": args.respond_tokens, "generations": GRPO_DEFAULTS["generations"],
                 "temperature": GRPO_DEFAULTS["temperature"], "prompts": GRPO_DEFAULTS["prompts_per_step"]}
-    levers = [(name, f"{value:g}") for name, value in settings.items() if value != defaults[name]]
+    levers = [(name, exact_label(value)) for name, value in settings.items() if value != defaults[name]]
     key = "grpo_respondent" + "".join(f"_{name}_{value}" for name, value in levers)
     folder = "grpo" + "".join(f"-{name}{value}" for name, value in levers)
     return key, GRPOArm(weights, tokens, args.grpo_generations, args.grpo_temperature, args.grpo_prompts_per_step,
                         folder)
+
+
+def exact_label(value: float) -> str:
+    """A number as short as it reads back exactly (1.0 → "1", 0.7 → "0.7", 0.7000001 stays itself)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts: list, eval_rows: list[dict],
