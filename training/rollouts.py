@@ -62,6 +62,11 @@ def index_search(index: Any, k: int = SEARCH_K, coarse_k: int = COARSE_K) -> Sea
     return lambda query: search(index, query, k=k, coarse_k=coarse_k)
 
 
+# Why a rollout ended: the model wrote its answer (an end stop), its EOS, the budget cut it mid-answer, or the
+# system asked for the answer (answer forcing).
+ENDINGS = ("answer", "eos", "budget", "forced")
+
+
 @dataclass
 class Rollout:
     """One completion of the search loop. `env_mask[i]` is 0 exactly where `completion_ids[i]` was inserted
@@ -72,7 +77,7 @@ class Rollout:
     segments: list[reasoner.Segment] = field(default_factory=list)
     searches: list[dict[str, Any]] = field(default_factory=list)
     generated_tokens: int = 0
-    ended: str = ""  # answer (an end stop) | eos | budget (cut mid-answer) | forced (the system asked for the answer)
+    ended: str = ""  # one of ENDINGS, or without answer forcing the reason the loop stopped
     forced_reason: str | None = None  # why the answer was forced (`agents.reasoner.ForceReason`)
 
     @property

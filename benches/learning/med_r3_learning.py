@@ -45,7 +45,7 @@ from ermedrag.training.answer_rewards import correctness_reward, format_reward  
 from ermedrag.training.config import MedR3TrainingConfig  # noqa: E402
 from ermedrag.training.med_r3 import STAGES, stage_rewards, stage_start_model, train_med_r3  # noqa: E402
 from ermedrag.training.med_r3_data import med_r3_dataset  # noqa: E402
-from ermedrag.training.rollouts import index_search, run_search_rollouts  # noqa: E402
+from ermedrag.training.rollouts import ENDINGS, index_search, run_search_rollouts  # noqa: E402
 from ermedrag.training.search_rewards import retrieval_hit_reward  # noqa: E402
 
 
@@ -95,6 +95,8 @@ def score(replies: dict[str, Any], stage: int, config: MedR3TrainingConfig) -> d
     total = [sum(r.weight * (scores[r.func.__name__][i] or 0.0) for r in rewards) for i in range(n)]
     formats = format_reward(completions, **columns)
     hits = [h for h in retrieval_hit_reward(completions, **columns) if h is not None]
+    # Every kind of ending, zeros included: a seed without one counts 0 in the mean over seeds, not missing.
+    endings = [*ENDINGS, *sorted({r.ended for r in rollouts} - set(ENDINGS))]
     return {
         "mean_reward": round(sum(total) / n, 4),
         "format_rate": round(sum(f == 1.0 for f in formats) / n, 4),
@@ -103,7 +105,7 @@ def score(replies: dict[str, Any], stage: int, config: MedR3TrainingConfig) -> d
         "searches_per_question": round(sum(len(r.searches) for r in rollouts) / n, 3),
         "retrieval_hit_rate": round(sum(hits) / len(hits), 4) if hits else 0.0,
         "mean_model_tokens": round(sum(r.generated_tokens for r in rollouts) / n, 1),
-        "ended": {why: sum(r.ended == why for r in rollouts) for why in sorted({r.ended for r in rollouts})},
+        "ended": {why: sum(r.ended == why for r in rollouts) for why in endings},
         "rewards": {name: round(sum(v or 0.0 for v in values) / n, 4) for name, values in scores.items()},
     }
 
