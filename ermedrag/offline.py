@@ -1,7 +1,7 @@
 """The settings that keep what this project loads off the network and quiet: no hub look-ups, no telemetry, no
-version checks, and no tokenizer thread pools that a fork would deadlock. Tests, benches and the children they
-start run with them; an explicit setting in the caller's environment wins (tests/conftest.py overrides it: tests
-stay offline whatever the shell says).
+tracers, no version checks, and no tokenizer thread pools that a fork would deadlock. Tests, benches and the
+children they start run with them; an explicit setting in the caller's environment wins (tests/conftest.py
+overrides it: tests stay offline whatever the shell says).
 
 Set them before the libraries are imported: some (huggingface_hub, transformers) read them once, at import.
 """
@@ -21,6 +21,9 @@ OFFLINE_ENV: dict[str, str] = {
     "LANGGRAPH_CLI_NO_ANALYTICS": "1",
     "LANGGRAPH_NO_VERSION_CHECK": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "LANGSMITH_TRACING": "false",
+    "LANGCHAIN_TRACING_V2": "false",
+    "WANDB_DISABLED": "true",
 }
 
 

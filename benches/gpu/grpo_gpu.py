@@ -39,20 +39,10 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+from ermedrag.offline import go_offline  # noqa: E402
 
-# No network on the GPU machine: never let a library wait on a hub or a tracer.
-for _name, _value in (
-    ("HF_HUB_OFFLINE", "1"),
-    ("HF_DATASETS_OFFLINE", "1"),
-    ("TRANSFORMERS_OFFLINE", "1"),
-    ("HF_HUB_DISABLE_TELEMETRY", "1"),
-    ("TOKENIZERS_PARALLELISM", "false"),
-    ("LANGSMITH_TRACING", "false"),
-    ("LANGCHAIN_TRACING_V2", "false"),
-    ("WANDB_DISABLED", "true"),
-):
-    os.environ.setdefault(_name, _value)
+REPO = Path(__file__).resolve().parents[2]
+go_offline()  # no network on the GPU machine: never let a library wait on a hub or a tracer
 
 import torch  # noqa: E402
 
