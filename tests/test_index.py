@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
 import subprocess
 import sys
@@ -71,12 +70,8 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
     return path
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ)
-
-
 def _run(*args: str, timeout: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
 # The default GRPO arm's sampling; a lever arm that changes one is recorded under its own key.
-GRPO_DEFAULTS = {"generations": 4, "temperature": 0.7, "prompts_per_step": 1}
+GRPO_DEFAULTS = {"generations": 4, "temperature": 0.7, "prompts": 1}  # "prompts": per optimizer step
 
 from ermedrag.offline import go_offline  # noqa: E402
 
@@ -178,7 +178,7 @@ def main() -> None:
                         help="sampling temperature of GRPO rollouts (at 1.0 nearly every sample of the base 270M "
                              "model leaves the format, a group's rewards are equal and GRPO learns nothing; other "
                              "than the default: a lever arm, grpo_respondent_temperature_T)")
-    parser.add_argument("--grpo-prompts-per-step", type=int, default=GRPO_DEFAULTS["prompts_per_step"],
+    parser.add_argument("--grpo-prompts-per-step", type=int, default=GRPO_DEFAULTS["prompts"],
                         help="prompts (groups) per optimizer step, sampled together, the loss accumulated over as "
                              "many passes of one group's size: with one, a step whose group got equal rewards "
                              "teaches nothing (a lever arm, grpo_respondent_prompts_N)")
@@ -327,8 +327,7 @@ def grpo_arm(args: argparse.Namespace) -> tuple[str, GRPOArm]:
     tokens = args.respond_tokens if args.grpo_respond_tokens is None else args.grpo_respond_tokens
     settings = {"evidence": weights.get("evidence"), "tokens": tokens, "generations": args.grpo_generations,
                 "temperature": args.grpo_temperature, "prompts": args.grpo_prompts_per_step}
-    defaults = {"evidence": None, "tokens": args.respond_tokens, "generations": GRPO_DEFAULTS["generations"],
-                "temperature": GRPO_DEFAULTS["temperature"], "prompts": GRPO_DEFAULTS["prompts_per_step"]}
+    defaults = {"evidence": None, "tokens": args.respond_tokens, **GRPO_DEFAULTS}
     levers = [(name, exact_label(value)) for name, value in settings.items() if value != defaults[name]]
     key = "grpo_respondent" + "".join(f"_{name}_{value}" for name, value in levers)
     folder = "grpo" + "".join(f"-{name}{value}" for name, value in levers)
