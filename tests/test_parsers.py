@@ -1,7 +1,8 @@
-"""Agent parsers and the defuser: hand-written cases, thousands of random and adversarial strings, and a\nlinear-time bound (50 ms on 1 MB of adversarial input) for every parser of untrusted text."""
+"""Agent parsers and the defuser: hand-written cases, thousands of random and adversarial strings, and a\nlinear-time check (1 MB of adversarial input against a quarter of it) for every parser of untrusted text."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import Counter
@@ -123,29 +124,37 @@ def test_parsers_stay_fast_on_deep_brackets(depth):
 # ------------------------------------------------------------------------------------ linear time at 1 MB
 
 MB = 1_000_000
-TIME_LIMIT_S = 0.050  # per parser call on 1 MB, best of 3 (scheduler noise on shared cores)
+# Linear time is checked as a ratio of CPU times, not a wall-clock limit: a shared CI core can make any call slow,
+# but it cannot make 4x the input cost 16x of CPU. Linear parsing scales by ~4, quadratic by ~16.
+MAX_GROWTH_FOR_4X_INPUT = 8.0
+NOISE_FLOOR_S = 0.010  # below this on 1 MB a parser is fast whatever its ratio, and noise dominates the ratio
+CEILING_S = 1.0  # even a loaded core parses 1 MB linearly well inside this
 
 
-def _fill(unit: str) -> str:
-    return (unit * (MB // len(unit) + 1))[:MB]
+@functools.cache
+def adversarial(size: int) -> dict[str, str]:
+    """Inputs that make naive parsers backtrack or rescan, each `size` characters long."""
 
+    def fill(unit: str) -> str:
+        return (unit * (size // len(unit) + 1))[:size]
 
-ADVERSARIAL_1MB = {
-    "answer_opens": _fill("<answer>"), "answer_pairs": _fill("<answer>A</answer>"), "think_unclosed": _fill("<think>"),
-    "think_then_answer": _fill("<think>x<answer>"), "brackets": _fill("[{"), "condition_opens": _fill('"condition": "'),
-    "long_condition_values": _fill('"condition": "' + "x" * 420), "pipes": _fill("|"), "pipe_lines": _fill("a|b|\n"),
-    "four_part_lines": _fill("a | b | c | d\n"), "nested": "[" * (MB // 2) + "{" * (MB // 2),
-    "zero_width_tags": _fill("<\u200banswer\u200b>\u200b"), "spaces_after_answer": "answer" + " " * MB,
-    "answer_is": _fill("answer is "), "newlines": "\n" * MB, "answer_colon_newlines": "answer:" + "\n" * MB,
-    "json_long_strings": _fill('["' + "a" * 5000 + '", '), "json_dicts": _fill('[{"a": 1}, '),
-    "search_opens": _fill("<search>"), "document_pairs": _fill("<document>x</document>"), "less_than": "<" * MB,
-    "tags": _fill("<a>"), "spaced_tags": _fill("< / a >"), "control_tokens": _fill("<|im_start|>"),
-    "full_width": _fill("\uff1canswer\uff1e"), "mixed": _fill("<answer>[{\"condition\": \"x|y|z\n\u200b"),
-    "letters": _fill("abcdefghij"), "dotted_capital_i": _fill("\u0130<ANSWER>"),
-    # Deep JSON just under and over the parser's nesting limit, then the rest of the megabyte.
-    "deep_json": _fill('[{"a":' * 900 + "x" * 10_000), "deeper_json": _fill('[{"a":[' * 1200 + "x" * 10_000),
-    "nested_1000": _fill("[" * 1000 + "{" * 1000),
-}
+    return {
+        "answer_opens": fill("<answer>"), "answer_pairs": fill("<answer>A</answer>"),
+        "think_unclosed": fill("<think>"), "think_then_answer": fill("<think>x<answer>"), "brackets": fill("[{"),
+        "condition_opens": fill('"condition": "'),
+        "long_condition_values": fill('"condition": "' + "x" * 420), "pipes": fill("|"), "pipe_lines": fill("a|b|\n"),
+        "four_part_lines": fill("a | b | c | d\n"), "nested": "[" * (size // 2) + "{" * (size // 2),
+        "zero_width_tags": fill("<\u200banswer\u200b>\u200b"), "spaces_after_answer": "answer" + " " * size,
+        "answer_is": fill("answer is "), "newlines": "\n" * size, "answer_colon_newlines": "answer:" + "\n" * size,
+        "json_long_strings": fill('["' + "a" * 5000 + '", '), "json_dicts": fill('[{"a": 1}, '),
+        "search_opens": fill("<search>"), "document_pairs": fill("<document>x</document>"), "less_than": "<" * size,
+        "tags": fill("<a>"), "spaced_tags": fill("< / a >"), "control_tokens": fill("<|im_start|>"),
+        "full_width": fill("\uff1canswer\uff1e"), "mixed": fill("<answer>[{\"condition\": \"x|y|z\n\u200b"),
+        "letters": fill("abcdefghij"), "dotted_capital_i": fill("\u0130<ANSWER>"),
+        # Deep JSON just under and over the parser's nesting limit, then the rest of the megabyte.
+        "deep_json": fill('[{"a":' * 900 + "x" * 10_000), "deeper_json": fill('[{"a":[' * 1200 + "x" * 10_000),
+        "nested_1000": fill("[" * 1000 + "{" * 1000),
+    }
 
 
 def _parsers() -> dict[str, Callable[[str], object]]:
@@ -164,21 +173,30 @@ def _parsers() -> dict[str, Callable[[str], object]]:
     }
 
 
-def _best_of_3(parse: Callable[[str], object], text: str) -> float:
+def _best_of(parse: Callable[[str], object], text: str, runs: int = 3) -> float:
     times = []
-    for _ in range(3):
-        started = time.perf_counter()
+    for _ in range(runs):
+        started = time.thread_time()  # CPU time of this thread: a preempted call is not counted as a slow one
         parse(text)
-        times.append(time.perf_counter() - started)
+        times.append(time.thread_time() - started)
     return min(times)
+
+
+def _growth(parse: Callable[[str], object], name: str) -> tuple[float, float]:
+    """Seconds on 1 MB of an input, and how many times longer that takes than a quarter MB of it (best of 3)."""
+    whole = _best_of(parse, adversarial(MB)[name])
+    if whole < NOISE_FLOOR_S:
+        return whole, 1.0
+    return whole, whole / max(_best_of(parse, adversarial(MB // 4)[name]), 1e-6)
 
 
 @pytest.mark.parametrize("parser", list(_parsers()))
 def test_parsers_are_linear_on_adversarial_megabytes(parser):
     parse = _parsers()[parser]
-    slow = {name: round(seconds * 1000, 1) for name, text in ADVERSARIAL_1MB.items()
-            if (seconds := _best_of_3(parse, text)) > TIME_LIMIT_S}
-    assert not slow, f"{parser} took more than {TIME_LIMIT_S * 1000:.0f} ms on 1 MB of (ms): {slow}"
+    growth = {name: _growth(parse, name) for name in adversarial(MB)}
+    superlinear = {name: f"{ratio:.1f}x ({seconds * 1000:.0f} ms)" for name, (seconds, ratio) in growth.items()
+                   if ratio > MAX_GROWTH_FOR_4X_INPUT or seconds > CEILING_S}
+    assert not superlinear, f"{parser}: 4x the input took longer than {MAX_GROWTH_FOR_4X_INPUT:.0f}x: {superlinear}"
 
 
 def test_answer_and_triplets_far_into_a_long_completion_are_read():
