@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import time
 from collections import Counter
@@ -124,11 +125,11 @@ def test_parsers_stay_fast_on_deep_brackets(depth):
 # ------------------------------------------------------------------------------------ linear time at 1 MB
 
 MB = 1_000_000
-# Linear time is checked as a ratio of CPU times, not a wall-clock limit: a shared CI core can make any call slow,
-# but it cannot make 4x the input cost 16x of CPU. Linear parsing scales by ~4, quadratic by ~16.
+# Timed in CPU time of this thread, so a preempted call on a shared CI core does not count as a slow one.
+CPU_LIMIT_S = 0.25  # on 1 MB; the slowest parser takes ~35 ms here
+# Linear parsing costs ~4x on 4x the input, quadratic ~16x: this catches a superlinear term the limit would not.
 MAX_GROWTH_FOR_4X_INPUT = 8.0
-NOISE_FLOOR_S = 0.010  # below this on 1 MB a parser is fast whatever its ratio, and noise dominates the ratio
-CEILING_S = 1.0  # even a loaded core parses 1 MB linearly well inside this
+RATIO_FLOOR_S = 0.010  # below this on 1 MB, timer and cache noise dominate the ratio, so it is not checked
 
 
 @functools.cache
@@ -151,7 +152,7 @@ def adversarial(size: int) -> dict[str, str]:
         "tags": fill("<a>"), "spaced_tags": fill("< / a >"), "control_tokens": fill("<|im_start|>"),
         "full_width": fill("\uff1canswer\uff1e"), "mixed": fill("<answer>[{\"condition\": \"x|y|z\n\u200b"),
         "letters": fill("abcdefghij"), "dotted_capital_i": fill("\u0130<ANSWER>"),
-        # Deep JSON just under and over the parser's nesting limit, then the rest of the megabyte.
+        # Unclosed deep JSON: its nesting passes the parser's limit within the first unit and keeps growing.
         "deep_json": fill('[{"a":' * 900 + "x" * 10_000), "deeper_json": fill('[{"a":[' * 1200 + "x" * 10_000),
         "nested_1000": fill("[" * 1000 + "{" * 1000),
     }
@@ -173,30 +174,44 @@ def _parsers() -> dict[str, Callable[[str], object]]:
     }
 
 
-def _best_of(parse: Callable[[str], object], text: str, runs: int = 3) -> float:
-    times = []
-    for _ in range(runs):
-        started = time.thread_time()  # CPU time of this thread: a preempted call is not counted as a slow one
-        parse(text)
-        times.append(time.thread_time() - started)
-    return min(times)
+def _cpu_seconds(parse: Callable[[str], object], text: str, runs: int = 3) -> float:
+    """Best of `runs`, with the garbage collector paused; stops after a run over the limit (a quadratic parser
+    would take minutes per megabyte)."""
+    best = float("inf")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(runs):
+            started = time.thread_time()
+            parse(text)
+            best = min(best, time.thread_time() - started)
+            if best > CPU_LIMIT_S:
+                break
+    finally:
+        gc.enable()
+    return best
 
 
-def _growth(parse: Callable[[str], object], name: str) -> tuple[float, float]:
-    """Seconds on 1 MB of an input, and how many times longer that takes than a quarter MB of it (best of 3)."""
-    whole = _best_of(parse, adversarial(MB)[name])
-    if whole < NOISE_FLOOR_S:
-        return whole, 1.0
-    return whole, whole / max(_best_of(parse, adversarial(MB // 4)[name]), 1e-6)
+def _superlinear(parse: Callable[[str], object], name: str) -> str | None:
+    """Why parsing the 1 MB input `name` is not linear, or None. The quarter goes first, so a quadratic fails
+    fast."""
+    quarter = _cpu_seconds(parse, adversarial(MB // 4)[name])
+    if quarter > CPU_LIMIT_S / 4:
+        return f"{quarter * 1000:.0f} ms on a quarter MB"
+    whole = _cpu_seconds(parse, adversarial(MB)[name])
+    if whole > CPU_LIMIT_S:
+        return f"{whole * 1000:.0f} ms on 1 MB"
+    if whole >= RATIO_FLOOR_S and quarter > 0 and whole / quarter > MAX_GROWTH_FOR_4X_INPUT:
+        return f"{whole / quarter:.1f}x the time of a quarter MB ({whole * 1000:.0f} ms)"
+    return None
 
 
 @pytest.mark.parametrize("parser", list(_parsers()))
 def test_parsers_are_linear_on_adversarial_megabytes(parser):
     parse = _parsers()[parser]
-    growth = {name: _growth(parse, name) for name in adversarial(MB)}
-    superlinear = {name: f"{ratio:.1f}x ({seconds * 1000:.0f} ms)" for name, (seconds, ratio) in growth.items()
-                   if ratio > MAX_GROWTH_FOR_4X_INPUT or seconds > CEILING_S}
-    assert not superlinear, f"{parser}: 4x the input took longer than {MAX_GROWTH_FOR_4X_INPUT:.0f}x: {superlinear}"
+    slow = {name: why for name in adversarial(MB) if (why := _superlinear(parse, name))}
+    assert not slow, (f"{parser} is not linear (limits: {CPU_LIMIT_S * 1000:.0f} ms of CPU on 1 MB, "
+                      f"{MAX_GROWTH_FOR_4X_INPUT:.0f}x from a quarter MB): {slow}")
 
 
 def test_answer_and_triplets_far_into_a_long_completion_are_read():
