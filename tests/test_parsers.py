@@ -1,4 +1,5 @@
-"""Agent parsers and the defuser: hand-written cases, thousands of random and adversarial strings, and a\nlinear-time check (1 MB of adversarial input against a quarter of it) for every parser of untrusted text."""
+"""Agent parsers and the defuser: hand-written cases, thousands of random and adversarial strings, and a
+linear-time check (1 MB of adversarial input against a quarter of it) for every parser of untrusted text."""
 
 from __future__ import annotations
 
