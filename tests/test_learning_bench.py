@@ -81,6 +81,16 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
         assert len(values) == 3 and values[:2] == seeds[arm]["mean_reward"]["after"]["values"]
         assert grown[arm]["reused_seeds"] == [0, 1]
 
+    # A training killed before its merge goes on from its last checkpoint when rerun with --reuse (here the
+    # final one: the marker that the merge finished is removed, as a kill between the two leaves it).
+    (tmp_path / "smoke" / "grpo-merged-s0" / "bench_run.json").unlink()
+    proc = run_smoke(shared_data, tmp_path, "--reuse", "--parts", "grpo", "--seeds", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "grpo-out-s0: went on from its checkpoint at step 2" in proc.stderr + proc.stdout
+    # and a finished seed, rerun without --reuse-trained, is trained again from the start
+    proc = run_smoke(shared_data, tmp_path, "--reuse", "--parts", "grpo", "--seeds", "1")
+    assert proc.returncode == 0 and "went on from" not in proc.stderr + proc.stdout
+
 
 def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> None:
     seeds = bench_module("seeds")

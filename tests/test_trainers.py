@@ -7,6 +7,7 @@ saving and reloading), not learning.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -215,6 +216,64 @@ def test_grpo_lora_logs_every_reward_component(tiny_model, grpo_dataset, tmp_pat
     expected_silent = sum(r["frac_reward_zero_std"] == 1.0 for r in records)
     assert silent["logged_steps"] == 3 and silent["steps_without_signal"] == expected_silent
     assert silent["share"] == pytest.approx(expected_silent / 3, abs=1e-4)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def interrupted_at_step(step: int):
+    """A reward named `length_score` that raises on the given step's rollouts, as a killed run stops there."""
+    calls = 0
+
+    def length_score(completions, **kwargs) -> list[float]:
+        nonlocal calls
+        calls += 1
+        if calls == step:
+            raise Interrupted(f"stopped at step {step}")
+        return [min(len(completion[-1]["content"]), 60) / 60 for completion in completions]
+
+    return length_score
+
+
+def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grpo_dataset, tmp_path):
+    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_resume", max_steps=4,
+                   save_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=16)
+    with pytest.raises(Interrupted):
+        train_grpo(config, [has_answer_tag, interrupted_at_step(4)])
+    output_dir = Path(config.output_dir)
+    assert [r["step"] for r in step_records(read_metrics(config.output_dir))] == [1, 2, 3]
+    assert (output_dir / "checkpoint-2").is_dir() and not (output_dir / "adapter_model.safetensors").exists()
+    (output_dir / "checkpoint-3").mkdir()  # a checkpoint the kill cut off before its trainer_state.json
+    with (output_dir / METRICS_FILE).open("a", encoding="utf-8") as handle:
+        handle.write('{"step": 3, "loss": 0.1')  # and the line it was writing
+
+    rollouts_scored = []
+
+    def counted_answer_tag(completions, **kwargs) -> list[float]:
+        rollouts_scored.append(len(completions))
+        return has_answer_tag(completions)
+
+    counted_answer_tag.__name__ = "has_answer_tag"
+    summary = train_grpo(dataclasses.replace(config, resume=True), [counted_answer_tag, length_score])
+
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
+    assert len(rollouts_scored) == 2  # only steps 3 and 4 were trained in this run
+    # steps 1-2 kept from the interrupted run, step 3 trained again, once in the record, then step 4
+    assert [r["step"] for r in step_records(read_metrics(config.output_dir))] == [1, 2, 3, 4]
+    assert summary["zero_variance_steps"]["logged_steps"] == 4
+    assert_adapter_trained(config.output_dir)
+    # the checkpoints belong to this run's settings: resuming them under others is refused, naming what differs
+    with pytest.raises(ValueError, match=r"other settings \(learning_rate differ\)"):
+        train_grpo(dataclasses.replace(config, resume=True, learning_rate=5e-4), [has_answer_tag, length_score])
+
+
+def test_resume_without_a_checkpoint_starts_from_the_beginning(tiny_model, grpo_dataset, tmp_path):
+    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_fresh", max_steps=2, resume=True,
+                   per_device_train_batch_size=4, num_generations=4, max_completion_length=16)
+    summary = train_grpo(config, [has_answer_tag])
+    assert summary["resumed_from_step"] is None and summary["steps"] == 2
+    assert [r["step"] for r in step_records(read_metrics(config.output_dir))] == [1, 2]
 
 
 def test_zero_variance_steps_counts_steps_whose_groups_all_had_equal_rewards():

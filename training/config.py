@@ -136,6 +136,14 @@ class _TrainingConfig:
     save_total_limit: int | None = field(
         default=2, metadata={"help": "Keep at most this many checkpoints (null = keep all)."}
     )
+    resume: bool = field(
+        default=False,
+        metadata={
+            "help": "Continue an interrupted run from the newest complete `checkpoint-N` in `output_dir` (optimizer, "
+            "scheduler, RNG and step as they were; `metrics.jsonl` keeps the steps up to N). Without one, start "
+            "from the beginning. Checkpoints come every `save_steps`."
+        },
+    )
     report_to: str | list[str] = field(
         default="none",
         metadata={"help": "Experiment trackers (wandb, tensorboard, trackio...). `none`: only metrics.jsonl."},

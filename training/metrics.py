@@ -21,16 +21,36 @@ PLOT_FILE = "curves.png"
 
 
 class MetricsRecorder(TrainerCallback):
-    """Append every dict the trainer logs to a JSON-lines file (main process only), with the step number."""
+    """Append every dict the trainer logs to a JSON-lines file (main process only), with the step number.
 
-    def __init__(self, path: str | Path):
+    A run resumed from a checkpoint (`keep_up_to_step`) keeps the lines the interrupted run logged up to that
+    step, in the file and in `records`, and drops the later ones: those steps are trained again."""
+
+    def __init__(self, path: str | Path, *, keep_up_to_step: int | None = None):
         self.path = Path(path)
+        self.keep_up_to_step = keep_up_to_step
         self.records: list[dict[str, Any]] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("", encoding="utf-8")
+        if not state.is_world_process_zero:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.records = [] if self.keep_up_to_step is None else self._logged_up_to(self.keep_up_to_step)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
+
+    def _logged_up_to(self, step: int) -> list[dict[str, Any]]:
+        """The earlier run's records up to `step`; a line it was writing when killed is skipped."""
+        if not self.path.exists():
+            return []
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                kept.append(record)
+        return kept
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:

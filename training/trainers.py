@@ -76,7 +76,7 @@ def train_dpo(config: DPOTrainingConfig) -> dict[str, Any]:
 
     model_path = config.model_path()
     tokenizer = _load_tokenizer(model_path)
-    recorder = MetricsRecorder(Path(config.output_dir) / METRICS_FILE)
+    recorder = _recorder(config)
     # The model goes in by path: with LoRA the reference is the base model with the adapter disabled; without
     # it TRL loads a second copy from the same path as the frozen reference.
     trainer = DPOTrainer(
@@ -125,7 +125,7 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
     if "prompt" not in dataset.column_names:
         raise ValueError(f"GRPO dataset {config.dataset} has no `prompt` column; it has {dataset.column_names}")
     model_path = config.model_path()
-    recorder = MetricsRecorder(Path(config.output_dir) / METRICS_FILE)
+    recorder = _recorder(config)
     if rollout_func is None and config.stop_strings and not config.use_vllm:
         rollout_func = make_search_rollout(None, end_stops=config.stop_strings, force_answer=False,
                                            step_max_new_tokens=config.max_completion_length)
@@ -197,16 +197,67 @@ def _load_tokenizer(model_path: str):
     return tokenizer
 
 
+def resume_checkpoint(config: _TrainingConfig) -> Path | None:
+    """With `config.resume`, the newest complete checkpoint in `output_dir` (the trainer writes
+    `trainer_state.json` last: a checkpoint cut off while being written is passed over); else None."""
+    output_dir = Path(config.output_dir)
+    if not config.resume or not output_dir.is_dir():
+        return None
+    complete = [d for d in output_dir.glob("checkpoint-*")
+                if d.name.removeprefix("checkpoint-").isdigit() and (d / "trainer_state.json").is_file()]
+    checkpoint = max(complete, key=checkpoint_step, default=None)
+    if checkpoint:
+        _check_same_settings(config, output_dir / CONFIG_FILE)
+    return checkpoint
+
+
+def _config_record(config: _TrainingConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def _check_same_settings(config: _TrainingConfig, recorded_path: Path) -> None:
+    """Resuming under other settings would mix two runs in one model and one metrics file."""
+    where = recorded_path.parent
+    if not recorded_path.is_file():
+        raise ValueError(f"{where} holds checkpoints but no {CONFIG_FILE}: cannot tell which settings trained them; "
+                         "train into another output_dir")
+    recorded, current = json.loads(recorded_path.read_text(encoding="utf-8")), _config_record(config)
+    differ = sorted(k for k in recorded.keys() | current.keys() if k != "resume" and recorded.get(k) != current.get(k))
+    if differ:
+        raise ValueError(f"{where} holds checkpoints of a run with other settings ({', '.join(differ)} differ): "
+                         "resume with that run's config, or train into another output_dir")
+
+
+def checkpoint_step(checkpoint: Path | None) -> int | None:
+    return int(checkpoint.name.removeprefix("checkpoint-")) if checkpoint else None
+
+
+def _recorder(config: _TrainingConfig) -> MetricsRecorder:
+    return MetricsRecorder(Path(config.output_dir) / METRICS_FILE,
+                           keep_up_to_step=checkpoint_step(resume_checkpoint(config)))
+
+
+def _write_config(config: _TrainingConfig, output_dir: Path) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / CONFIG_FILE).write_text(json.dumps(_config_record(config), indent=2), encoding="utf-8")
+
+
 def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: str) -> dict[str, Any]:
     output_dir = Path(config.output_dir)
+    checkpoint = resume_checkpoint(config)
+    if checkpoint:
+        log.info("resuming %s training from %s", kind, checkpoint)
+    if trainer.is_world_process_zero():  # written first, so that a resumed run can be checked against it
+        _write_config(config, output_dir)
     started = time.perf_counter()
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     trainer.save_model(str(output_dir))  # the adapter with LoRA, the full model without; also the tokenizer
     summary: dict[str, Any] = {
         "trainer": kind,
         "steps": trainer.state.global_step,
         "train_loss": result.training_loss,
-        "wall_seconds": round(time.perf_counter() - started, 2),
+        "wall_seconds": round(time.perf_counter() - started, 2),  # of this process: a resumed run's part
+        "resumed_from_step": checkpoint_step(checkpoint),
         "output_dir": str(output_dir),
         "model_dir": str(output_dir),
         "adapter": config.use_lora,
@@ -223,9 +274,6 @@ def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: s
                         "generations, more prompts per step or a higher temperature give groups that differ",
                         silent["steps_without_signal"], silent["logged_steps"])
     if trainer.is_world_process_zero():
-        (output_dir / CONFIG_FILE).write_text(
-            json.dumps(dataclasses.asdict(config), indent=2, default=str), encoding="utf-8"
-        )
         plot = plot_curves(recorder.records, output_dir / PLOT_FILE, title=f"{kind.upper()} {Path(config.model).name}")
         summary["plot_path"] = str(plot) if plot else None
     return summary

@@ -38,6 +38,8 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[2]
 # The default GRPO arm's sampling; a lever arm that changes one is recorded under its own key.
 GRPO_DEFAULTS = {"generations": 4, "temperature": 0.7, "prompts": 1}  # "prompts": per optimizer step
+# Steps between checkpoints: a training killed part way goes on from its last checkpoint when rerun with --reuse.
+CHECKPOINT_STEPS = 10
 
 from ermedrag.offline import go_offline  # noqa: E402
 
@@ -349,8 +351,8 @@ def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts
         output_dir=str(work / f"{arm.folder}-out-s{seed}"),
         max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=arm.generations,
         per_device_train_batch_size=arm.generations, gradient_accumulation_steps=arm.prompts_per_step,
-        max_completion_length=arm.tokens, temperature=arm.temperature, save_steps=10_000, seed=seed,
-        rewards=arm.weights or None)
+        max_completion_length=arm.tokens, temperature=arm.temperature, save_steps=CHECKPOINT_STEPS, resume=True,
+        seed=seed, rewards=arm.weights or None)
     run = trained(args, config, work / f"{arm.folder}-merged-s{seed}", train_grpo)
     after = respondent_metrics(generate(f"hf:{run['merged']}", eval_prompts, arm.tokens, respondent.STOP), eval_rows)
     log(f"after grpo (seed {seed}): {after} ({run['minutes']} min; {run.get('zero_variance_steps')})")
@@ -363,7 +365,7 @@ def dpo_run(args: argparse.Namespace, dpo_dir: Path, work: Path, model_path: str
     config = DPOTrainingConfig(
         model=model_path, dataset=str(dpo_dir / "dataset"), output_dir=str(work / f"{dpo_dir.name}-out-s{seed}"),
         max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
-        save_steps=10_000, seed=seed)
+        save_steps=CHECKPOINT_STEPS, resume=True, seed=seed)
     run = trained(args, config, work / f"{dpo_dir.name}-merged-s{seed}", train_dpo)
     after = extractor_metrics(generate(f"hf:{run['merged']}", extract_prompts, args.extract_tokens, extractor.STOP),
                               eval_events)
@@ -374,16 +376,21 @@ def dpo_run(args: argparse.Namespace, dpo_dir: Path, work: Path, model_path: str
 def trained(args: argparse.Namespace, config: Any, merged: Path,
             train: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     """Train one seed from the base model and merge its adapter; with `--reuse-trained`, a seed an earlier run
-    trained and merged with this very config is measured again instead (`reused` True)."""
+    trained and merged with this very config is measured again instead (`reused` True). A training killed
+    before its merge goes on from its last checkpoint (`config.resume`); a finished one is trained again."""
     earlier = trained_earlier(config, merged) if args.reuse_trained else None
     if earlier:
         log(f"reusing {merged.name}: trained earlier with this config ({earlier['steps']} steps)")
         return {**earlier, "reused": True, "merged": str(merged), "plot_path": None}
-    (merged / RUN_FILE).unlink(missing_ok=True)  # no longer complete once training starts again
+    if (merged / RUN_FILE).exists():  # finished: its final checkpoint must not stand in for a new training
+        shutil.rmtree(config.output_dir, ignore_errors=True)
+        (merged / RUN_FILE).unlink()
     started = time.time()
     summary = train(config)
-    run = {"steps": summary["steps"], "minutes": round((time.time() - started) / 60, 1),
-           "zero_variance_steps": summary.get("zero_variance_steps")}
+    if summary["resumed_from_step"]:
+        log(f"{Path(config.output_dir).name}: went on from its checkpoint at step {summary['resumed_from_step']}")
+    run = {"steps": summary["steps"], "minutes": round((time.time() - started) / 60, 1),  # this process's part
+           "resumed_from_step": summary["resumed_from_step"], "zero_variance_steps": summary.get("zero_variance_steps")}
     merged_model(summary["model_dir"], config.model, merged)
     record_trained(merged, config, run)
     return {**run, "reused": False, "merged": str(merged), "plot_path": summary.get("plot_path")}
