@@ -138,6 +138,9 @@ def test_stage_definitions_and_overrides(tmp_path):
     with pytest.raises(ValueError, match="unknown key"):
         stage_config(MedR3TrainingConfig(model="m", dataset="d", output_dir="o",
                                          stage_overrides={"1": {"max_step": 3}}), 1)
+    with pytest.raises(ValueError, match=r"resume: true is for one training .*--stages"):  # per stage too
+        stage_config(MedR3TrainingConfig(model="m", dataset="d", output_dir="o",
+                                         stage_overrides={"2": {"resume": True}}, index_dir="i"), 2)
 
 
 def test_example_config_loads(tmp_path):

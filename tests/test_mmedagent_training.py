@@ -215,6 +215,8 @@ def test_stage_schedule_sets_gamma_and_beta_per_stage(tmp_path):
     assert stage_config(example, "easy").dataset == str(Path(example.dataset) / "easy" / "dataset")
     assert stage_config(example, "hard").output_dir == str(tmp_path / "out" / "hard")
     assert stage_config(example, "easy").to_trl().num_generations == 8
+    with pytest.raises(ValueError, match=r"resume: true is for one training .*--stages"):
+        stage_config(config(tmp_path, resume=True), "easy")
 
     # per stage, for every stage, or none at all
     tuned = config(tmp_path, beta=0.02, stage_overrides={"hard": {"entropy_coef": "1e-1", "beta": 0}})

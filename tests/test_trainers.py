@@ -118,6 +118,12 @@ def assert_plot(output_dir: str) -> None:
     assert len(data) > 20_000  # several panels with curves, not an empty canvas
 
 
+def adapter_weights(output_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(output_dir) / "adapter_model.safetensors"))
+
+
 def assert_adapter_trained(output_dir: str) -> None:
     import torch
     from peft import AutoPeftModelForCausalLM
@@ -237,6 +243,8 @@ def interrupted_at_step(step: int):
 
 
 def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grpo_dataset, tmp_path):
+    import torch
+
     config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_resume", max_steps=4,
                    save_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=16)
     with pytest.raises(Interrupted):
@@ -244,7 +252,7 @@ def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grp
     output_dir = Path(config.output_dir)
     assert [r["step"] for r in step_records(read_metrics(config.output_dir))] == [1, 2, 3]
     assert (output_dir / "checkpoint-2").is_dir() and not (output_dir / "adapter_model.safetensors").exists()
-    (output_dir / "checkpoint-3").mkdir()  # a checkpoint the kill cut off before its trainer_state.json
+    (output_dir / "checkpoint-3").mkdir()  # a checkpoint the kill cut off before its settings file
     with (output_dir / METRICS_FILE).open("a", encoding="utf-8") as handle:
         handle.write('{"step": 3, "loss": 0.1')  # and the line it was writing
 
@@ -263,9 +271,29 @@ def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grp
     assert [r["step"] for r in step_records(read_metrics(config.output_dir))] == [1, 2, 3, 4]
     assert summary["zero_variance_steps"]["logged_steps"] == 4
     assert_adapter_trained(config.output_dir)
+    trained = adapter_weights(config.output_dir)
+
+    # resumed once more, the finished run trains no step past max_steps: it saves its last checkpoint's weights
+    again = train_grpo(dataclasses.replace(config, resume=True), [has_answer_tag, length_score])
+    assert again["resumed_from_step"] == 4 and again["steps"] == 4 and again["train_loss"] is None
+    assert not (output_dir / "checkpoint-5").exists()
+    assert [r["step"] for r in step_records(read_metrics(config.output_dir))] == [1, 2, 3, 4]
+    assert all(torch.equal(trained[name], weight) for name, weight in adapter_weights(config.output_dir).items())
+
     # the checkpoints belong to this run's settings: resuming them under others is refused, naming what differs
-    with pytest.raises(ValueError, match=r"other settings \(learning_rate differ\)"):
+    with pytest.raises(ValueError, match=r"other settings \(checkpoint-4: learning_rate differ\)"):
         train_grpo(dataclasses.replace(config, resume=True, learning_rate=5e-4), [has_answer_tag, length_score])
+
+
+def test_a_new_run_in_a_folder_resumes_its_own_checkpoints_not_the_earlier_runs(tiny_model, grpo_dataset, tmp_path):
+    first = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo", max_steps=4, save_steps=2,
+                  per_device_train_batch_size=4, num_generations=4, max_completion_length=16)
+    train_grpo(first, [has_answer_tag])  # leaves checkpoint-2 and checkpoint-4
+    second = dataclasses.replace(first, learning_rate=5e-4)
+    with pytest.raises(Interrupted):  # from the beginning, over the first run's checkpoint-2, killed at step 3
+        train_grpo(second, [has_answer_tag, interrupted_at_step(3)])
+    summary = train_grpo(dataclasses.replace(second, resume=True), [has_answer_tag, length_score])
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4  # not the first run's checkpoint-4
 
 
 def test_resume_without_a_checkpoint_starts_from_the_beginning(tiny_model, grpo_dataset, tmp_path):

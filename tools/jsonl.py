@@ -2,6 +2,7 @@
 
 Each record is flushed to the OS as soon as it is written (a killed process keeps it; `close` fsyncs).
 A line cut short by a kill is ended on reopen and skipped on read, and its work is simply redone.
+`replace_text` rewrites a whole file so that a kill leaves either the old one or the new one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ def read_records(path: Path) -> Iterator[dict[str, Any]]:
                 continue
             if isinstance(record, dict):
                 yield record
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `text` under a temporary name beside `path`, then rename it over `path` (atomic)."""
+    temporary = path.with_name(f".{path.name}.part")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
 
 
 class AppendLog:

@@ -139,9 +139,10 @@ class _TrainingConfig:
     resume: bool = field(
         default=False,
         metadata={
-            "help": "Continue an interrupted run from the newest complete `checkpoint-N` in `output_dir` (optimizer, "
-            "scheduler, RNG and step as they were; `metrics.jsonl` keeps the steps up to N). Without one, start "
-            "from the beginning. Checkpoints come every `save_steps`."
+            "help": "Continue an interrupted run from the newest complete `checkpoint-N` in `output_dir` that was "
+            "trained with these settings (optimizer, scheduler, RNG and step as they were; `metrics.jsonl` keeps the "
+            "steps up to N; training.checkpoints). Without one, start from the beginning. Checkpoints come every "
+            "`save_steps`. Not for staged runs (Med-R³, MMedAgent): rerun those from the stage that stopped."
         },
     )
     report_to: str | list[str] = field(

@@ -42,7 +42,7 @@ from ermedrag.training.config import MedR3TrainingConfig, config_from_dict, load
 from ermedrag.training.med_r3_data import build_med_r3_dataset
 from ermedrag.training.rewards import WeightedReward, resolve_rewards
 from ermedrag.training.rollouts import ANSWER_STOP, SearchFn, index_search, make_search_rollout
-from ermedrag.training.stages import recorded_stage_model, stage_model, write_stage_record
+from ermedrag.training.stages import recorded_stage_model, refuse_resume, stage_model, write_stage_record
 from ermedrag.training.trainers import run_grpo
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ def stage_config(config: MedR3TrainingConfig, stage: int) -> MedR3TrainingConfig
     data["output_dir"] = str(_stage_dir(config, stage))
     staged = config_from_dict(data, MedR3TrainingConfig, source=f"stage_overrides.{stage}")
     _check(staged, stage)
+    refuse_resume(staged)
     return staged
 
 

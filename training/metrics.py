@@ -16,6 +16,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ermedrag.tools.jsonl import read_records, replace_text
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
 
@@ -32,25 +34,16 @@ class MetricsRecorder(TrainerCallback):
         self.records: list[dict[str, Any]] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.records = [] if self.keep_up_to_step is None else self._logged_up_to(self.keep_up_to_step)
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
+        if state.is_world_process_zero:
+            self.start()
 
-    def _logged_up_to(self, step: int) -> list[dict[str, Any]]:
-        """The earlier run's records up to `step`; a line it was writing when killed is skipped."""
-        if not self.path.exists():
-            return []
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-                kept.append(record)
-        return kept
+    def start(self) -> None:
+        """An empty file, or for a resumed run the earlier run's complete lines up to its checkpoint."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = self.keep_up_to_step
+        self.records = [] if kept is None else [
+            r for r in read_records(self.path) if isinstance(r.get("step"), int) and r["step"] <= kept]
+        replace_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:

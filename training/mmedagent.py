@@ -62,7 +62,7 @@ from ermedrag.tools.jsonl import read_records
 from ermedrag.training.answer_rewards import correctness_reward, format_reward, is_well_formed, length_penalty, \
     well_formed_correctness_reward
 from ermedrag.training.config import MMedAgentTrainingConfig, config_from_dict, load_config, resolve_model
-from ermedrag.training.stages import recorded_stage_model, stage_model, write_stage_record
+from ermedrag.training.stages import recorded_stage_model, refuse_resume, stage_model, write_stage_record
 from ermedrag.training.reward_text import MAX_TEXT_CHARS, RewardFunc, column, own_text
 from ermedrag.training.rewards import WeightedReward, resolve_rewards
 from ermedrag.training.trainers import run_grpo
@@ -246,6 +246,7 @@ def stage_config(config: MMedAgentTrainingConfig, name: str) -> MMedAgentTrainin
                               else stage_sources(config, name)[0] / "dataset")
     staged = config_from_dict(data, MMedAgentTrainingConfig, source=f"stage_overrides.{name}")
     stage_rewards(staged, name)  # names and weights checked before training
+    refuse_resume(staged)
     return staged
 
 

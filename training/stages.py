@@ -28,6 +28,14 @@ def merge_adapter(adapter_dir: Path, merged_dir: Path, dtype: str) -> None:
     gc.collect()
 
 
+def refuse_resume(staged: Any) -> None:
+    """`resume` goes on with one training. A staged run rerun with it would also go on with its finished stages
+    from their last checkpoints, merge them again, and start the next stage's checkpoints on a changed model."""
+    if staged.resume:
+        raise ValueError("resume: true is for one training (ermedrag train dpo|grpo); rerun a staged run from the "
+                         "stage that stopped instead (--stages with that stage and the ones after it)")
+
+
 def recorded_stage_model(record: Path, stage: str, previous: str) -> str:
     """The merged model `previous` recorded in `record`, where `stage` starts; an error that says which stage
     to run first when the record or its model is missing."""

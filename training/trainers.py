@@ -51,6 +51,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ermedrag.training.checkpoints import (CheckpointSettings, check_exact_resume, checkpoint_dir, checkpoint_step,
+                                           resume_checkpoint)
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig, load_config
 from ermedrag.training.metrics import METRICS_FILE, PLOT_FILE, MetricsRecorder, plot_curves, zero_variance_steps
 from ermedrag.training.reward_text import RewardFunc
@@ -76,7 +78,7 @@ def train_dpo(config: DPOTrainingConfig) -> dict[str, Any]:
 
     model_path = config.model_path()
     tokenizer = _load_tokenizer(model_path)
-    recorder = _recorder(config)
+    recorder, callbacks = _callbacks(config)
     # The model goes in by path: with LoRA the reference is the base model with the adapter disabled; without
     # it TRL loads a second copy from the same path as the frozen reference.
     trainer = DPOTrainer(
@@ -85,7 +87,7 @@ def train_dpo(config: DPOTrainingConfig) -> dict[str, Any]:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=config.lora_config(),
-        callbacks=[recorder],
+        callbacks=callbacks,
     )
     return _run(trainer, config, recorder, kind="dpo")
 
@@ -125,7 +127,7 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
     if "prompt" not in dataset.column_names:
         raise ValueError(f"GRPO dataset {config.dataset} has no `prompt` column; it has {dataset.column_names}")
     model_path = config.model_path()
-    recorder = _recorder(config)
+    recorder, callbacks = _callbacks(config)
     if rollout_func is None and config.stop_strings and not config.use_vllm:
         rollout_func = make_search_rollout(None, end_stops=config.stop_strings, force_answer=False,
                                            step_max_new_tokens=config.max_completion_length)
@@ -139,7 +141,7 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
             train_dataset=dataset,
             processing_class=_load_tokenizer(model_path),
             peft_config=config.lora_config(),
-            callbacks=[recorder],
+            callbacks=callbacks,
             rollout_func=rollout_func,
         )
     return trainer, recorder
@@ -197,65 +199,37 @@ def _load_tokenizer(model_path: str):
     return tokenizer
 
 
-def resume_checkpoint(config: _TrainingConfig) -> Path | None:
-    """With `config.resume`, the newest complete checkpoint in `output_dir` (the trainer writes
-    `trainer_state.json` last: a checkpoint cut off while being written is passed over); else None."""
-    output_dir = Path(config.output_dir)
-    if not config.resume or not output_dir.is_dir():
-        return None
-    complete = [d for d in output_dir.glob("checkpoint-*")
-                if d.name.removeprefix("checkpoint-").isdigit() and (d / "trainer_state.json").is_file()]
-    checkpoint = max(complete, key=checkpoint_step, default=None)
-    if checkpoint:
-        _check_same_settings(config, output_dir / CONFIG_FILE)
-    return checkpoint
-
-
-def _config_record(config: _TrainingConfig) -> dict[str, Any]:
-    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
-
-
-def _check_same_settings(config: _TrainingConfig, recorded_path: Path) -> None:
-    """Resuming under other settings would mix two runs in one model and one metrics file."""
-    where = recorded_path.parent
-    if not recorded_path.is_file():
-        raise ValueError(f"{where} holds checkpoints but no {CONFIG_FILE}: cannot tell which settings trained them; "
-                         "train into another output_dir")
-    recorded, current = json.loads(recorded_path.read_text(encoding="utf-8")), _config_record(config)
-    differ = sorted(k for k in recorded.keys() | current.keys() if k != "resume" and recorded.get(k) != current.get(k))
-    if differ:
-        raise ValueError(f"{where} holds checkpoints of a run with other settings ({', '.join(differ)} differ): "
-                         "resume with that run's config, or train into another output_dir")
-
-
-def checkpoint_step(checkpoint: Path | None) -> int | None:
-    return int(checkpoint.name.removeprefix("checkpoint-")) if checkpoint else None
-
-
-def _recorder(config: _TrainingConfig) -> MetricsRecorder:
-    return MetricsRecorder(Path(config.output_dir) / METRICS_FILE,
-                           keep_up_to_step=checkpoint_step(resume_checkpoint(config)))
-
-
-def _write_config(config: _TrainingConfig, output_dir: Path) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / CONFIG_FILE).write_text(json.dumps(_config_record(config), indent=2), encoding="utf-8")
+def _callbacks(config: _TrainingConfig) -> tuple[MetricsRecorder, list[Any]]:
+    """The run's metrics recorder (for a resumed run, keeping the steps up to its checkpoint) and the callbacks
+    the trainer gets."""
+    checkpoint = resume_checkpoint(config)
+    recorder = MetricsRecorder(Path(config.output_dir) / METRICS_FILE, keep_up_to_step=checkpoint_step(checkpoint))
+    return recorder, [recorder, CheckpointSettings(config, checkpoint)]
 
 
 def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: str) -> dict[str, Any]:
     output_dir = Path(config.output_dir)
-    checkpoint = resume_checkpoint(config)
-    if checkpoint:
-        log.info("resuming %s training from %s", kind, checkpoint)
-    if trainer.is_world_process_zero():  # written first, so that a resumed run can be checked against it
-        _write_config(config, output_dir)
+    step = recorder.keep_up_to_step
+    checkpoint = checkpoint_dir(output_dir, step) if step is not None else None
     started = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    train_loss = None
+    finished = checkpoint is not None and 0 < config.max_steps <= step
+    if finished:
+        # finished already: train() would run one step past max_steps (transformers checks only after a step)
+        log.info("%s training already reached step %d in %s: saving its weights", kind, step, checkpoint)
+        trainer._load_from_checkpoint(str(checkpoint))
+        if trainer.is_world_process_zero():
+            recorder.start()
+    else:
+        if checkpoint:
+            check_exact_resume(trainer.args)
+            log.info("resuming %s training from %s", kind, checkpoint)
+        train_loss = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None).training_loss
     trainer.save_model(str(output_dir))  # the adapter with LoRA, the full model without; also the tokenizer
     summary: dict[str, Any] = {
         "trainer": kind,
-        "steps": trainer.state.global_step,
-        "train_loss": result.training_loss,
+        "steps": step if finished else trainer.state.global_step,
+        "train_loss": train_loss,  # None when a resumed run had nothing left to train
         "wall_seconds": round(time.perf_counter() - started, 2),  # of this process: a resumed run's part
         "resumed_from_step": checkpoint_step(checkpoint),
         "output_dir": str(output_dir),
@@ -274,6 +248,9 @@ def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: s
                         "generations, more prompts per step or a higher temperature give groups that differ",
                         silent["steps_without_signal"], silent["logged_steps"])
     if trainer.is_world_process_zero():
+        (output_dir / CONFIG_FILE).write_text(
+            json.dumps(dataclasses.asdict(config), indent=2, default=str), encoding="utf-8"
+        )
         plot = plot_curves(recorder.records, output_dir / PLOT_FILE, title=f"{kind.upper()} {Path(config.model).name}")
         summary["plot_path"] = str(plot) if plot else None
     return summary

@@ -58,6 +58,7 @@ from ermedrag.tools.index import build_index  # noqa: E402
 from ermedrag.tools.jsonl import read_records  # noqa: E402
 from ermedrag.tools.traces import TraceStore  # noqa: E402
 from ermedrag.training.answer_rewards import correctness_reward  # noqa: E402
+from ermedrag.training.checkpoints import resume_checkpoint  # noqa: E402
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
 from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo,  # noqa: E402
                                       reselect_pairs)
@@ -382,9 +383,9 @@ def trained(args: argparse.Namespace, config: Any, merged: Path,
     if earlier:
         log(f"reusing {merged.name}: trained earlier with this config ({earlier['steps']} steps)")
         return {**earlier, "reused": True, "merged": str(merged), "plot_path": None}
-    if (merged / RUN_FILE).exists():  # finished: its final checkpoint must not stand in for a new training
+    if (merged / RUN_FILE).exists() or not resumable(config):  # finished, or checkpoints of other settings
         shutil.rmtree(config.output_dir, ignore_errors=True)
-        (merged / RUN_FILE).unlink()
+        (merged / RUN_FILE).unlink(missing_ok=True)
     started = time.time()
     summary = train(config)
     if summary["resumed_from_step"]:
@@ -394,6 +395,15 @@ def trained(args: argparse.Namespace, config: Any, merged: Path,
     merged_model(summary["model_dir"], config.model, merged)
     record_trained(merged, config, run)
     return {**run, "reused": False, "merged": str(merged), "plot_path": summary.get("plot_path")}
+
+
+def resumable(config: Any) -> bool:
+    """False when the training's folder holds checkpoints of other settings only (`resume_checkpoint` refuses)."""
+    try:
+        resume_checkpoint(config)
+    except ValueError:
+        return False
+    return True
 
 
 def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, eval_db: Path) -> None:

@@ -1,0 +1,116 @@
+"""Going on with an interrupted training (`resume: true`): which checkpoint, and whether it is this run's.
+
+The trainer writes `checkpoint-N/` every `save_steps`. After it has written one, `CheckpointSettings` adds
+`SETTINGS_FILE`, the run's settings, as the checkpoint's last file: a checkpoint without it was cut off by a
+kill (or written by another tool) and is never resumed. `resume_checkpoint` picks the newest checkpoint whose
+settings are this run's; checkpoints that all come from other settings are refused, naming what differs.
+A run that starts from the beginning in a folder with checkpoints overwrites them, so they stop being resumable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ermedrag.tools.jsonl import replace_text
+
+SETTINGS_FILE = "ermedrag_settings.json"
+PREFIX = "checkpoint-"
+# What a resumed run may change: where it reports, how many checkpoints it keeps, which server it reaches, and
+# recomputing activations (the usual answer to running out of memory). Anything else trains another model.
+CHANGEABLE_ON_RESUME = frozenset({"resume", "report_to", "log_completions", "save_total_limit",
+                                  "vllm_server_base_url", "vllm_gpu_memory_utilization", "gradient_checkpointing",
+                                  "chroma_url"})
+PATH_FIELDS = ("model", "dataset", "output_dir")
+
+
+def checkpoint_step(checkpoint: Path | None) -> int | None:
+    return int(checkpoint.name.removeprefix(PREFIX)) if checkpoint else None
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return output_dir / f"{PREFIX}{step}"
+
+
+def check_exact_resume(trl_args: Any) -> None:
+    """GRPO generates for `steps_per_generation` micro-batches and reuses them `num_iterations` times; TRL does not
+    save that buffer, so a resume lands on a generation boundary only when each step generates its own."""
+    iterations = getattr(trl_args, "num_iterations", 1)
+    per_generation = getattr(trl_args, "steps_per_generation", None)
+    if iterations != 1 or per_generation not in (None, trl_args.gradient_accumulation_steps):
+        raise ValueError(f"resume: true needs each GRPO step to generate its own completions (num_iterations 1, "
+                         f"steps_per_generation = gradient_accumulation_steps); this run has num_iterations "
+                         f"{iterations}, steps_per_generation {per_generation}: train from the beginning")
+
+
+def settings_record(config: Any) -> dict[str, Any]:
+    """The config as JSON reads it back, local paths made absolute, and the precision it resolves to on this
+    machine (`bf16: null` means bf16 on CUDA only: a GPU run resumed on a CPU would change it silently)."""
+    record = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    for name in PATH_FIELDS:
+        if isinstance(record.get(name), str) and Path(record[name]).exists():
+            record[name] = str(Path(record[name]).resolve())
+    return {**record, "resolved_bf16": config.resolved_bf16(), "resolved_dtype": config.resolved_dtype()}
+
+
+def differing_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    return sorted(name for name in recorded.keys() | current.keys()
+                  if name not in CHANGEABLE_ON_RESUME and recorded.get(name) != current.get(name))
+
+
+def _recorded_settings(checkpoint: Path) -> dict[str, Any] | None:
+    try:
+        recorded = json.loads((checkpoint / SETTINGS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def complete_checkpoints(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Checkpoints that carry their settings, newest first, with those settings."""
+    found = [(folder, _recorded_settings(folder)) for folder in output_dir.glob(PREFIX + "*")
+             if folder.name.removeprefix(PREFIX).isdigit()]
+    return sorted(((f, s) for f, s in found if s is not None), key=lambda item: -checkpoint_step(item[0]))
+
+
+def resume_checkpoint(config: Any) -> Path | None:
+    """With `config.resume`, the newest complete checkpoint in `output_dir` trained with these settings; None
+    without `resume` or without any checkpoint; an error naming the differing fields when every checkpoint
+    there was trained with other settings (resuming one would mix two runs in one model and one metrics file)."""
+    output_dir = Path(config.output_dir)
+    if not config.resume or not output_dir.is_dir():
+        return None
+    current = settings_record(config)
+    checkpoints = complete_checkpoints(output_dir)
+    for folder, recorded in checkpoints:
+        if not differing_settings(recorded, current):
+            return folder
+    if checkpoints:
+        newest, recorded = checkpoints[0]
+        raise ValueError(f"{output_dir} holds checkpoints of a run with other settings ({newest.name}: "
+                         f"{', '.join(differing_settings(recorded, current))} differ): resume with that run's "
+                         "config, or train into another output_dir")
+    return None
+
+
+class CheckpointSettings(TrainerCallback):
+    """Marks each checkpoint complete and this run's by writing the run's settings into it, last. A run that
+    starts from the beginning first unmarks the checkpoints already in its folder: it overwrites them."""
+
+    def __init__(self, config: Any, resumed_from: Path | None):
+        self.settings = settings_record(config)
+        self.resumed_from = resumed_from
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.resumed_from is None:
+            for folder, _ in complete_checkpoints(Path(args.output_dir)):
+                (folder / SETTINGS_FILE).unlink(missing_ok=True)
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = checkpoint_dir(Path(args.output_dir), state.global_step)
+        if state.is_world_process_zero and folder.is_dir():
+            replace_text(folder / SETTINGS_FILE, json.dumps(self.settings, indent=2))
