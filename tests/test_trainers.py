@@ -285,15 +285,29 @@ def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grp
         train_grpo(dataclasses.replace(config, resume=True, learning_rate=5e-4), [has_answer_tag, length_score])
 
 
-def test_a_new_run_in_a_folder_resumes_its_own_checkpoints_not_the_earlier_runs(tiny_model, grpo_dataset, tmp_path):
-    first = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo", max_steps=4, save_steps=2,
-                  per_device_train_batch_size=4, num_generations=4, max_completion_length=16)
+def test_a_new_run_in_a_folder_resumes_its_own_checkpoints_not_the_earlier_runs(tiny_model, grpo_dataset, tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative output_dir, created by the first run, names the same folder after
+    first = small(GRPOTrainingConfig, tiny_model, grpo_dataset, Path("runs") / "grpo", max_steps=4, save_steps=2,
+                  per_device_train_batch_size=4, num_generations=4, max_completion_length=16, resume=True)
     train_grpo(first, [has_answer_tag])  # leaves checkpoint-2 and checkpoint-4
-    second = dataclasses.replace(first, learning_rate=5e-4)
-    with pytest.raises(Interrupted):  # from the beginning, over the first run's checkpoint-2, killed at step 3
+    second = dataclasses.replace(first, learning_rate=5e-4, resume=False)
+    with pytest.raises(Interrupted):  # from the beginning in the same folder, killed at step 3
         train_grpo(second, [has_answer_tag, interrupted_at_step(3)])
+    aside = list((tmp_path / "runs" / "grpo").glob("earlier-run-*"))  # the first run's, moved, not overwritten
+    assert len(aside) == 1 and sorted(d.name for d in aside[0].iterdir()) == ["checkpoint-2", "checkpoint-4"]
     summary = train_grpo(dataclasses.replace(second, resume=True), [has_answer_tag, length_score])
-    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4  # not the first run's checkpoint-4
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4  # its own checkpoint, not the first run's
+
+
+def test_resume_is_refused_where_it_could_not_go_on_exactly(tiny_model, grpo_dataset, tmp_path):
+    base = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo", max_steps=2, resume=True,
+                 per_device_train_batch_size=4, num_generations=4, max_completion_length=16)
+    for overrides, message in (({"trl_overrides": {"num_iterations": 2}}, "num_iterations 1"),
+                               ({"save_total_limit": 1}, "save_total_limit of 2 or more")):
+        with pytest.raises(ValueError, match=message):  # before any step is trained
+            train_grpo(dataclasses.replace(base, **overrides), [has_answer_tag])
+        assert not (tmp_path / "grpo" / METRICS_FILE).exists()
 
 
 def test_resume_without_a_checkpoint_starts_from_the_beginning(tiny_model, grpo_dataset, tmp_path):

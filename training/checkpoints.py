@@ -4,19 +4,24 @@ The trainer writes `checkpoint-N/` every `save_steps`. After it has written one,
 `SETTINGS_FILE`, the run's settings, as the checkpoint's last file: a checkpoint without it was cut off by a
 kill (or written by another tool) and is never resumed. `resume_checkpoint` picks the newest checkpoint whose
 settings are this run's; checkpoints that all come from other settings are refused, naming what differs.
-A run that starts from the beginning in a folder with checkpoints overwrites them, so they stop being resumable.
+A run that starts from the beginning in a folder with checkpoints moves them aside (`CheckpointSettings`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
 from ermedrag.tools.jsonl import replace_text
+
+log = logging.getLogger(__name__)
 
 SETTINGS_FILE = "ermedrag_settings.json"
 PREFIX = "checkpoint-"
@@ -36,25 +41,36 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / f"{PREFIX}{step}"
 
 
-def check_exact_resume(trl_args: Any) -> None:
-    """GRPO generates for `steps_per_generation` micro-batches and reuses them `num_iterations` times; TRL does not
-    save that buffer, so a resume lands on a generation boundary only when each step generates its own."""
+def check_resumable(trl_args: Any) -> None:
+    """Refuse `resume: true` where a resume could not go on exactly where the run stopped: GRPO generates for
+    `steps_per_generation` micro-batches and reuses them `num_iterations` times, and TRL does not save that buffer;
+    `save_only_model` checkpoints hold no optimizer; with one checkpoint kept, rotation deletes the previous one
+    before the new one is marked complete."""
     iterations = getattr(trl_args, "num_iterations", 1)
     per_generation = getattr(trl_args, "steps_per_generation", None)
     if iterations != 1 or per_generation not in (None, trl_args.gradient_accumulation_steps):
         raise ValueError(f"resume: true needs each GRPO step to generate its own completions (num_iterations 1, "
                          f"steps_per_generation = gradient_accumulation_steps); this run has num_iterations "
-                         f"{iterations}, steps_per_generation {per_generation}: train from the beginning")
+                         f"{iterations}, steps_per_generation {per_generation}")
+    if trl_args.save_only_model:
+        raise ValueError("resume: true needs the optimizer and scheduler in each checkpoint: save_only_model is on")
+    if trl_args.save_total_limit == 1:
+        raise ValueError("resume: true needs save_total_limit of 2 or more (or null): with 1, a kill while the "
+                         "newest checkpoint is being written leaves none to go on from")
 
 
 def settings_record(config: Any) -> dict[str, Any]:
-    """The config as JSON reads it back, local paths made absolute, and the precision it resolves to on this
-    machine (`bf16: null` means bf16 on CUDA only: a GPU run resumed on a CPU would change it silently)."""
+    """The config as JSON reads it back, with local paths absolute, the number of processes, and the precision it
+    resolves to on this machine (`bf16: null` means bf16 on CUDA only: a GPU run resumed on a CPU would change it
+    silently)."""
+    from accelerate import PartialState
+
     record = json.loads(json.dumps(dataclasses.asdict(config), default=str))
-    for name in PATH_FIELDS:
-        if isinstance(record.get(name), str) and Path(record[name]).exists():
+    for name in PATH_FIELDS:  # the same folder however it is named (relative, through a link, not yet created)
+        if isinstance(record.get(name), str) and (name != "model" or Path(record[name]).exists()):
             record[name] = str(Path(record[name]).resolve())
-    return {**record, "resolved_bf16": config.resolved_bf16(), "resolved_dtype": config.resolved_dtype()}
+    return {**record, "resolved_bf16": config.resolved_bf16(), "resolved_dtype": config.resolved_dtype(),
+            "processes": PartialState().num_processes}
 
 
 def differing_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -98,8 +114,10 @@ def resume_checkpoint(config: Any) -> Path | None:
 
 
 class CheckpointSettings(TrainerCallback):
-    """Marks each checkpoint complete and this run's by writing the run's settings into it, last. A run that
-    starts from the beginning first unmarks the checkpoints already in its folder: it overwrites them."""
+    """Marks each checkpoint complete and this run's by writing the run's settings into it, last, once every
+    process has saved its part and the files are on disk. A run that starts from the beginning first moves the
+    checkpoints already in its folder into `earlier-run-<time>/`: it would overwrite them file by file, and a
+    checkpoint mixing two runs' files must never be resumed."""
 
     def __init__(self, config: Any, resumed_from: Path | None):
         self.settings = settings_record(config)
@@ -107,10 +125,25 @@ class CheckpointSettings(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.resumed_from is None:
-            for folder, _ in complete_checkpoints(Path(args.output_dir)):
-                (folder / SETTINGS_FILE).unlink(missing_ok=True)
+            move_earlier_checkpoints(Path(args.output_dir))
 
     def on_save(self, args, state, control, **kwargs):
+        from accelerate import PartialState
+
+        PartialState().wait_for_everyone()  # every process calls on_save after writing its own files
         folder = checkpoint_dir(Path(args.output_dir), state.global_step)
         if state.is_world_process_zero and folder.is_dir():
+            os.sync()  # the checkpoint's files reach the disk before the mark that says they are complete
             replace_text(folder / SETTINGS_FILE, json.dumps(self.settings, indent=2))
+
+
+def move_earlier_checkpoints(output_dir: Path) -> None:
+    earlier = sorted(d for d in output_dir.glob(PREFIX + "*") if d.is_dir())
+    if not earlier:
+        return
+    aside = output_dir / time.strftime("earlier-run-%Y%m%dT%H%M%SZ", time.gmtime())
+    aside.mkdir(parents=True, exist_ok=True)
+    for folder in earlier:
+        folder.rename(aside / folder.name)
+    log.warning("%s held %d checkpoint(s) of an earlier run; this run starts from the beginning, so they were "
+                "moved to %s", output_dir, len(earlier), aside)

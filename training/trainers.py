@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ermedrag.training.checkpoints import (CheckpointSettings, check_exact_resume, checkpoint_dir, checkpoint_step,
+from ermedrag.training.checkpoints import (CheckpointSettings, check_resumable, checkpoint_dir, checkpoint_step,
                                            resume_checkpoint)
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig, load_config
 from ermedrag.training.metrics import METRICS_FILE, PLOT_FILE, MetricsRecorder, plot_curves, zero_variance_steps
@@ -204,7 +204,7 @@ def _callbacks(config: _TrainingConfig) -> tuple[MetricsRecorder, list[Any]]:
     the trainer gets."""
     checkpoint = resume_checkpoint(config)
     recorder = MetricsRecorder(Path(config.output_dir) / METRICS_FILE, keep_up_to_step=checkpoint_step(checkpoint))
-    return recorder, [recorder, CheckpointSettings(config, checkpoint)]
+    return recorder, [CheckpointSettings(config, checkpoint), recorder]
 
 
 def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: str) -> dict[str, Any]:
@@ -213,16 +213,19 @@ def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: s
     checkpoint = checkpoint_dir(output_dir, step) if step is not None else None
     started = time.perf_counter()
     train_loss = None
-    finished = checkpoint is not None and 0 < config.max_steps <= step
+    if config.resume:
+        check_resumable(trainer.args)
+    finished = checkpoint is not None and 0 < trainer.args.max_steps <= step
     if finished:
         # finished already: train() would run one step past max_steps (transformers checks only after a step)
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            raise ValueError(f"this run already reached max_steps: its trained weights are in {checkpoint}")
         log.info("%s training already reached step %d in %s: saving its weights", kind, step, checkpoint)
         trainer._load_from_checkpoint(str(checkpoint))
         if trainer.is_world_process_zero():
             recorder.start()
     else:
         if checkpoint:
-            check_exact_resume(trainer.args)
             log.info("resuming %s training from %s", kind, checkpoint)
         train_loss = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None).training_loss
     trainer.save_model(str(output_dir))  # the adapter with LoRA, the full model without; also the tokenizer
