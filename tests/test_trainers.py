@@ -228,18 +228,19 @@ class Interrupted(Exception):
     pass
 
 
-def interrupted_at_step(step: int):
-    """A reward named `length_score` that raises on the given step's rollouts, as a killed run stops there."""
+def interrupted_at_step(step: int, reward=length_score):
+    """`reward`, under its own name, raising on the given step's rollouts, as a killed run stops there."""
     calls = 0
 
-    def length_score(completions, **kwargs) -> list[float]:
+    def interrupted(completions, **kwargs) -> list[float]:
         nonlocal calls
         calls += 1
         if calls == step:
             raise Interrupted(f"stopped at step {step}")
-        return [min(len(completion[-1]["content"]), 60) / 60 for completion in completions]
+        return reward(completions, **kwargs)
 
-    return length_score
+    interrupted.__name__ = reward.__name__
+    return interrupted
 
 
 def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grpo_dataset, tmp_path):
