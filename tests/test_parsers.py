@@ -4,9 +4,7 @@ linear-time check (1 MB of adversarial input against a quarter of it) for every 
 from __future__ import annotations
 
 import functools
-import gc
 import json
-import time
 from collections import Counter
 import unicodedata
 from typing import Callable
@@ -15,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benches.reliability.linear_time import limits_text, superlinear
 from ermedrag.agents import respondent
 from ermedrag.agents.base import fold_case
 from ermedrag.agents.extractor import closed_list, parse_triplets, render_triplets
@@ -126,11 +125,6 @@ def test_parsers_stay_fast_on_deep_brackets(depth):
 # ------------------------------------------------------------------------------------ linear time at 1 MB
 
 MB = 1_000_000
-# Timed in CPU time of this thread, so a preempted call on a shared CI core does not count as a slow one.
-CPU_LIMIT_S = 0.25  # on 1 MB; the slowest parser takes ~35 ms here
-# Linear parsing costs ~4x on 4x the input, quadratic ~16x: this catches a superlinear term the limit would not.
-MAX_GROWTH_FOR_4X_INPUT = 8.0
-RATIO_FLOOR_S = 0.010  # below this on 1 MB, timer and cache noise dominate the ratio, so it is not checked
 
 
 @functools.cache
@@ -175,44 +169,22 @@ def _parsers() -> dict[str, Callable[[str], object]]:
     }
 
 
-def _cpu_seconds(parse: Callable[[str], object], text: str, runs: int = 3) -> float:
-    """Best of `runs`, with the garbage collector paused; stops after a run over the limit (a quadratic parser
-    would take minutes per megabyte)."""
-    best = float("inf")
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(runs):
-            started = time.thread_time()
-            parse(text)
-            best = min(best, time.thread_time() - started)
-            if best > CPU_LIMIT_S:
-                break
-    finally:
-        gc.enable()
-    return best
-
-
-def _superlinear(parse: Callable[[str], object], name: str) -> str | None:
-    """Why parsing the 1 MB input `name` is not linear, or None. The quarter goes first, so a quadratic fails
-    fast."""
-    quarter = _cpu_seconds(parse, adversarial(MB // 4)[name])
-    if quarter > CPU_LIMIT_S / 4:
-        return f"{quarter * 1000:.0f} ms on a quarter MB"
-    whole = _cpu_seconds(parse, adversarial(MB)[name])
-    if whole > CPU_LIMIT_S:
-        return f"{whole * 1000:.0f} ms on 1 MB"
-    if whole >= RATIO_FLOOR_S and quarter > 0 and whole / quarter > MAX_GROWTH_FOR_4X_INPUT:
-        return f"{whole / quarter:.1f}x the time of a quarter MB ({whole * 1000:.0f} ms)"
-    return None
-
-
 @pytest.mark.parametrize("parser", list(_parsers()))
 def test_parsers_are_linear_on_adversarial_megabytes(parser):
     parse = _parsers()[parser]
-    slow = {name: why for name in adversarial(MB) if (why := _superlinear(parse, name))}
-    assert not slow, (f"{parser} is not linear (limits: {CPU_LIMIT_S * 1000:.0f} ms of CPU on 1 MB, "
-                      f"{MAX_GROWTH_FOR_4X_INPUT:.0f}x from a quarter MB): {slow}")
+    quarters = adversarial(MB // 4)
+    verdicts = {name: superlinear(parse, quarters[name], whole)[0] for name, whole in adversarial(MB).items()}
+    slow = {name: why for name, why in verdicts.items() if why}
+    assert not slow, f"{parser} is not linear (limits: {limits_text()}): {slow}"
+
+
+def test_the_linear_rule_flags_a_quadratic_parser_and_passes_a_linear_one():
+    def rescanning(text: str) -> list[int]:  # rescans the rest of the text from every 1000th character
+        return [text.count("<", start) for start in range(0, len(text), 1000)]
+
+    quarter, whole = adversarial(MB // 4)["less_than"], adversarial(MB)["less_than"]
+    assert superlinear(rescanning, quarter, whole)[0]
+    assert superlinear(lambda text: text.count("<"), quarter, whole)[0] is None
 
 
 def test_answer_and_triplets_far_into_a_long_completion_are_read():

@@ -1,4 +1,4 @@
-"""Parsers on adversarial text up to 1 MB: each must return within 50 ms (best of 3) and never raise.
+"""Parsers on adversarial text up to 1 MB: each must be linear (see `linear_time`) and never raise.
 
 One case per parser, over every input below; the detail names the slowest input. Parsers read untrusted text
 (model output, documents, rollouts), so they must be linear and bounded whatever they are given.
@@ -9,13 +9,12 @@ from __future__ import annotations
 import functools
 import json
 import random
-import time
 from typing import Any, Callable
 
 from benches.reliability.harness import Verdict, Workspace, crash, error_text, hang, ok, register
+from benches.reliability.linear_time import limits_text, superlinear
 
 MB = 1_000_000
-LIMIT_S = 0.050
 OPTIONS = {"A": "Metformin", "B": "Insulin", "C": "Glipizide", "D": "Pioglitazone"}
 TRIPLETS = [{"condition": "type 2 diabetes", "relation": "treated by", "conclusion": "metformin", "snippet_id": "d1#0-9"}]
 
@@ -27,39 +26,39 @@ def _random_unicode(n: int, seed: int = 0) -> str:
 
 
 @functools.cache
-def adversarial_inputs() -> dict[str, str]:
-    """Name → text; all but the small ones are about 1 MB (built once)."""
-    json_triplets = json.dumps([{"condition": "a", "relation": "b", "conclusion": "c"}] * 25_000)
+def adversarial_inputs(size: int = MB) -> dict[str, str]:
+    """Name → text; all but the small ones are about `size` characters (built once per size)."""
+    json_triplets = json.dumps([{"condition": "a", "relation": "b", "conclusion": "c"}] * (size // 40))
     return {
         "empty": "",
         "well_formed": "<think>Metformin first.</think><answer>A</answer>",
-        "open_angles": "<" * MB,
-        "answer_opens": "<answer>" * (MB // 8),
-        "answer_pairs": "<answer>A</answer>" * (MB // 18),
-        "answer_closes": "</answer>" * (MB // 9),
-        "think_unclosed": "<think>" + "x" * MB,
-        "think_pairs": "<think></think>" * (MB // 15),
-        "search_opens": "<search>" * (MB // 8),
-        "search_opens_then_closes": "<search>" * (MB // 16) + "</search>" * (MB // 18),
-        "search_pairs_in_think": "<think>" + "<search>q</search>" * (MB // 17) + "</think>",
-        "document_tags": "<document>" * (MB // 10),
-        "square_brackets": "[" * MB,
-        "braces": "{" * MB,
-        "nested_json_opens": '[{"condition": ' * (MB // 15),
-        "field_value_opens": '"condition": "' * (MB // 15),
-        "json_triplets": json_triplets[:MB],
-        "json_triplets_cut": json_triplets[: MB // 2 - 7],
-        "pipe_lines": "a | b | c\n" * (MB // 10),
-        "answer_is_lines": "The answer is " * (MB // 14),
-        "fullwidth_tags": "＜ａｎｓｗｅｒ＞" * (MB // 8),
-        "zero_width_in_tags": "<\u200b/\u200ba\u200b>" * (MB // 7),
-        "pipe_tokens": "<|" * (MB // 2),
-        "angle_spaces": "< " * (MB // 2),
-        "long_tag_names": ("<" + "a" * 79) * (MB // 80),
-        "invisible_run": "<" + "\u200b" * MB + ">",
-        "nul_bytes": "\x00" * MB,
+        "open_angles": "<" * size,
+        "answer_opens": "<answer>" * (size // 8),
+        "answer_pairs": "<answer>A</answer>" * (size // 18),
+        "answer_closes": "</answer>" * (size // 9),
+        "think_unclosed": "<think>" + "x" * size,
+        "think_pairs": "<think></think>" * (size // 15),
+        "search_opens": "<search>" * (size // 8),
+        "search_opens_then_closes": "<search>" * (size // 16) + "</search>" * (size // 18),
+        "search_pairs_in_think": "<think>" + "<search>q</search>" * (size // 17) + "</think>",
+        "document_tags": "<document>" * (size // 10),
+        "square_brackets": "[" * size,
+        "braces": "{" * size,
+        "nested_json_opens": '[{"condition": ' * (size // 15),
+        "field_value_opens": '"condition": "' * (size // 15),
+        "json_triplets": json_triplets[:size],
+        "json_triplets_cut": json_triplets[: size // 2 - 7],
+        "pipe_lines": "a | b | c\n" * (size // 10),
+        "answer_is_lines": "The answer is " * (size // 14),
+        "fullwidth_tags": "＜ａｎｓｗｅｒ＞" * (size // 8),
+        "zero_width_in_tags": "<\u200b/\u200ba\u200b>" * (size // 7),
+        "pipe_tokens": "<|" * (size // 2),
+        "angle_spaces": "< " * (size // 2),
+        "long_tag_names": ("<" + "a" * 79) * (size // 80),
+        "invisible_run": "<" + "\u200b" * size + ">",
+        "nul_bytes": "\x00" * size,
         "lone_surrogates": "\ud800" * 1000 + "<answer>\udfff</answer>" + "\udc80" * 1000,
-        "random_unicode": _random_unicode(MB),
+        "random_unicode": _random_unicode(size),
     }
 
 
@@ -94,42 +93,29 @@ def _parsers() -> dict[str, Callable[[str], Any]]:
     }
 
 
-def _best_of_3(parse: Callable[[str], Any], text: str) -> float:
-    """Seconds of the fastest of up to 3 calls. Repeated only when near the limit: a fast call is fast, and one
-    ten times over the limit is not noise."""
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        parse(text)
-        best = min(best, time.perf_counter() - started)
-        if best <= LIMIT_S or best > 10 * LIMIT_S:
-            break
-    return best
-
-
 def check_parser(name: str) -> Verdict:
     parse = _parsers()[name]
-    inputs = adversarial_inputs()
+    wholes, quarters = adversarial_inputs(MB), adversarial_inputs(MB // 4)
     slow: list[str] = []
     slowest = ("", 0.0)
-    for label, text in inputs.items():
+    for label, text in wholes.items():
         try:
-            seconds = _best_of_3(parse, text)
+            why, seconds = superlinear(parse, quarters[label], text)
         except Exception as err:  # noqa: BLE001 - a parser that raises is the finding
             return crash(f"raised on {label!r} ({len(text):,} chars): {error_text(err)}")
         if seconds > slowest[1]:
             slowest = (label, seconds)
-        if seconds > LIMIT_S:
-            slow.append(f"{label} {seconds * 1000:.0f} ms")
+        if why:
+            slow.append(f"{label}: {why}")
     if slow:
-        return hang(f"over {LIMIT_S * 1000:.0f} ms (best of 3) on {len(slow)} of {len(inputs)} inputs: "
-                    + ", ".join(slow))
-    return ok(f"{len(inputs)} inputs up to 1 MB, none raised; slowest {slowest[0]} {slowest[1] * 1000:.1f} ms")
+        return hang(f"not linear ({limits_text()}) on {len(slow)} of {len(wholes)} inputs: " + ", ".join(slow))
+    return ok(f"{len(wholes)} inputs up to 1 MB, none raised, all linear; slowest {slowest[0]} "
+              f"{slowest[1] * 1000:.1f} ms of CPU")
 
 
 def _register(name: str) -> None:
-    @register(f"parser_{name}", "parsers", "returns within 50 ms (best of 3) on every adversarial input up to 1 MB, "
-              "never raises", quick=True, timeout_s=120)
+    @register(f"parser_{name}", "parsers", "linear on every adversarial input up to 1 MB (under 250 ms of CPU, "
+              "at most 8x the time of a quarter MB), never raises", quick=True, timeout_s=120)
     def run(workspace: Workspace) -> Verdict:
         return check_parser(name)
 

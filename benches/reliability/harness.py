@@ -16,7 +16,7 @@ Outcomes (each case declares what correct looks like in `expect`):
 - `crash`: an unexpected exception, a traceback, a refusal where an answer was expected, or an error that does
   not name what is wrong.
 - `hang`: the case ran past its time bound (the runner abandons it), or returned but far later than the bound its
-  settings promise (timeouts × retries + backoff + slack), or a parser took over 50 ms (best of 3) on 1 MB.
+  settings promise (timeouts × retries + backoff + slack), or a parser was not linear on 1 MB (`linear_time`).
 - `data_lost`: something recorded or indexed lost or inconsistent: chunks that do not cover a document, chunk
   counts that disagree between BM25, Chroma and the manifest, an index that no longer opens after a kill, a
   recorded answer that differs from the returned one, a finished model call made again after a resume.

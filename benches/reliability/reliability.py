@@ -19,7 +19,7 @@ Each case declares what correct looks like (`expect`) and gets one outcome:
 | clear_error | an expected refusal: a user-facing exception naming the field/file/URL, or CLI exit != 0 with one error line naming it and no traceback |
 | silent_wrong | wrong without saying so: a forged or changed answer, ok disagreeing with error, undefused document markup in a prompt, input accepted that must be refused, a failed run recorded as unfinished, a question counted twice |
 | crash | an unexpected exception or traceback, a refusal where an answer was expected, an error that does not name what is wrong |
-| hang | past the case's time bound (the runner abandons the case), later than the bound its timeouts × retries promise, or a parser slower than 50 ms (best of 3) on its input |
+| hang | past the case's time bound (the runner abandons the case), later than the bound its timeouts × retries promise, or a parser not linear on its input (over 250 ms of CPU on 1 MB, or over 8x the time of a quarter MB) |
 | data_lost | something recorded or indexed lost or inconsistent: chunks not covering a document, BM25 / Chroma / manifest counts that disagree, an index that no longer opens after a kill, a recorded answer that differs from the returned one, a finished model call made again on resume |
 
 Rule for failed runs (servers): the trace run of a question whose model server failed must be marked failed with

@@ -1,0 +1,53 @@
+"""Is a parser linear on a hostile input? One rule for the reliability bench and the parser tests.
+
+Timed in CPU time of the calling thread, so a call preempted on a shared CI core does not count as a slow one, and
+judged by growth: linear parsing costs ~4x on 4x the input, quadratic ~16x. A fixed wall-clock limit alone flakes
+under load (a linear 40 ms parser measured 53 ms on a busy CI core) and misses a small quadratic term.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable
+
+CPU_LIMIT_S = 0.25  # on 1 MB: far above any linear parser here (the slowest takes ~45 ms), far below a quadratic one
+MAX_GROWTH_FOR_4X_INPUT = 8.0
+RATIO_FLOOR_S = 0.010  # below this on the whole input, timer and cache noise dominate the ratio: not checked
+
+
+def cpu_seconds(parse: Callable[[str], object], text: str, runs: int = 3) -> float:
+    """Best of `runs` with the garbage collector paused; stops after a run over the limit (a quadratic parser
+    would take minutes per megabyte)."""
+    best = float("inf")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(runs):
+            started = time.thread_time()
+            parse(text)
+            best = min(best, time.thread_time() - started)
+            if best > CPU_LIMIT_S:
+                break
+    finally:
+        gc.enable()
+    return best
+
+
+def superlinear(parse: Callable[[str], object], quarter: str, whole: str) -> tuple[str | None, float]:
+    """(Why parsing `whole` is not linear or None, its CPU seconds), given the same input built at a quarter of
+    the size. The quarter goes first, so a quadratic parser fails fast."""
+    quarter_s = cpu_seconds(parse, quarter)
+    if quarter_s > CPU_LIMIT_S / 4:
+        return f"{quarter_s * 1000:.0f} ms of CPU on a quarter of the input", quarter_s
+    whole_s = cpu_seconds(parse, whole)
+    if whole_s > CPU_LIMIT_S:
+        return f"{whole_s * 1000:.0f} ms of CPU", whole_s
+    if whole_s >= RATIO_FLOOR_S and quarter_s > 0 and whole_s / quarter_s > MAX_GROWTH_FOR_4X_INPUT:
+        return f"{whole_s / quarter_s:.1f}x the time of a quarter of the input ({whole_s * 1000:.0f} ms)", whole_s
+    return None, whole_s
+
+
+def limits_text() -> str:
+    return (f"{CPU_LIMIT_S * 1000:.0f} ms of CPU on 1 MB, at most {MAX_GROWTH_FOR_4X_INPUT:.0f}x the time of a "
+            "quarter MB")
