@@ -114,8 +114,8 @@ def check_parser(name: str) -> Verdict:
 
 
 def _register(name: str) -> None:
-    @register(f"parser_{name}", "parsers", "linear on every adversarial input up to 1 MB (under 250 ms of CPU, "
-              "at most 8x the time of a quarter MB), never raises", quick=True, timeout_s=120)
+    @register(f"parser_{name}", "parsers", f"linear on every adversarial input up to 1 MB ({limits_text()}), "
+              "never raises", quick=True, timeout_s=120)
     def run(workspace: Workspace) -> Verdict:
         return check_parser(name)
 

@@ -49,5 +49,5 @@ def superlinear(parse: Callable[[str], object], quarter: str, whole: str) -> tup
 
 
 def limits_text() -> str:
-    return (f"{CPU_LIMIT_S * 1000:.0f} ms of CPU on 1 MB, at most {MAX_GROWTH_FOR_4X_INPUT:.0f}x the time of a "
+    return (f"at most {CPU_LIMIT_S * 1000:.0f} ms of CPU on 1 MB and {MAX_GROWTH_FOR_4X_INPUT:.0f}x the time of a "
             "quarter MB")
