@@ -274,6 +274,7 @@ def main() -> None:
             "num_generations": arm.generations, "temperature": arm.temperature,
             "prompts_per_step": arm.prompts_per_step,
             "reward_weights": {**RESPONDENT_REWARDS, **arm.weights}, "respond_tokens": arm.tokens,
+            "command": command_line(),
             "zero_variance_steps": earlier.get("zero_variance_steps", [])[:args.first_seed]
             + [r["zero_variance_steps"] for r in runs]}
         result["seeds"][key] = {
@@ -297,7 +298,7 @@ def main() -> None:
                        "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": len(eval_events),
                        "pair_composition": pair_composition(dpo_dir / "log.jsonl"),
                        "samples": args.dpo_samples, "sampling_temperature": args.dpo_temperature,
-                       "close_cut_lists": "close_cut" in key}
+                       "close_cut_lists": "close_cut" in key, "command": command_line()}
         summary = over_seeds(before, afters)
         result["seeds"][key] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
                                 "strict_json_rate": summary.get("strict_json_rate")}
@@ -481,11 +482,15 @@ def training_time(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any
             "reused_seeds": [seed for seed, run in zip(seeds, runs) if run["reused"]]}
 
 
+def command_line() -> str:
+    """This run's command, recorded at the top and in each arm it writes: a levers file holds several runs' arms."""
+    script = Path(sys.argv[0]).resolve().relative_to(REPO)
+    return " ".join(["python", str(script), *sys.argv[1:]])
+
+
 def write_result(result: dict[str, Any], out: Path, started: float) -> None:
     """Add the run's total minutes and command line, write the JSON and print it."""
-    script = Path(sys.argv[0]).resolve().relative_to(REPO)
-    result.update(total_minutes=round((time.time() - started) / 60, 1),
-                  command=" ".join(["python", str(script), *sys.argv[1:]]))
+    result.update(total_minutes=round((time.time() - started) / 60, 1), command=command_line())
     if allocator := allocator_env():
         result["allocator_env"] = allocator
     out.write_text(json.dumps(result, indent=2) + "\n")
