@@ -1,19 +1,18 @@
-"""Agent parsers and the defuser: hand-written cases, thousands of random and adversarial strings, and a
-linear-time check (1 MB of adversarial input against a quarter of it) for every parser of untrusted text."""
+"""Agent parsers and the defuser: hand-written cases and thousands of random and adversarial strings. Their
+linear-time check at 1 MB is the reliability bench's (see the section below)."""
 
 from __future__ import annotations
 
-import functools
 import json
 from collections import Counter
 import unicodedata
-from typing import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benches.reliability.linear_time import limits_text, superlinear
+from benches.reliability.cases_parsers import adversarial_inputs
+from benches.reliability.linear_time import superlinear
 from ermedrag.agents import respondent
 from ermedrag.agents.base import fold_case
 from ermedrag.agents.extractor import closed_list, parse_triplets, render_triplets
@@ -123,66 +122,17 @@ def test_parsers_stay_fast_on_deep_brackets(depth):
 
 
 # ------------------------------------------------------------------------------------ linear time at 1 MB
+# Every parser of untrusted text is held to `linear_time`'s rule on `adversarial_inputs` by the reliability
+# bench's parser cases, which CI runs in tests/test_reliability.py. Here: that the rule itself can tell.
 
 MB = 1_000_000
-
-
-@functools.cache
-def adversarial(size: int) -> dict[str, str]:
-    """Inputs that make naive parsers backtrack or rescan, each `size` characters long."""
-
-    def fill(unit: str) -> str:
-        return (unit * (size // len(unit) + 1))[:size]
-
-    return {
-        "answer_opens": fill("<answer>"), "answer_pairs": fill("<answer>A</answer>"),
-        "think_unclosed": fill("<think>"), "think_then_answer": fill("<think>x<answer>"), "brackets": fill("[{"),
-        "condition_opens": fill('"condition": "'),
-        "long_condition_values": fill('"condition": "' + "x" * 420), "pipes": fill("|"), "pipe_lines": fill("a|b|\n"),
-        "four_part_lines": fill("a | b | c | d\n"), "nested": "[" * (size // 2) + "{" * (size // 2),
-        "zero_width_tags": fill("<\u200banswer\u200b>\u200b"), "spaces_after_answer": "answer" + " " * size,
-        "answer_is": fill("answer is "), "newlines": "\n" * size, "answer_colon_newlines": "answer:" + "\n" * size,
-        "json_long_strings": fill('["' + "a" * 5000 + '", '), "json_dicts": fill('[{"a": 1}, '),
-        "search_opens": fill("<search>"), "document_pairs": fill("<document>x</document>"), "less_than": "<" * size,
-        "tags": fill("<a>"), "spaced_tags": fill("< / a >"), "control_tokens": fill("<|im_start|>"),
-        "full_width": fill("\uff1canswer\uff1e"), "mixed": fill("<answer>[{\"condition\": \"x|y|z\n\u200b"),
-        "letters": fill("abcdefghij"), "dotted_capital_i": fill("\u0130<ANSWER>"),
-        # Unclosed deep JSON: its nesting passes the parser's limit within the first unit and keeps growing.
-        "deep_json": fill('[{"a":' * 900 + "x" * 10_000), "deeper_json": fill('[{"a":[' * 1200 + "x" * 10_000),
-        "nested_1000": fill("[" * 1000 + "{" * 1000),
-    }
-
-
-def _parsers() -> dict[str, Callable[[str], object]]:
-    from ermedrag.agents import reasoner  # the lead's module: included so its parsers are held to the same bound
-
-    return {
-        "respondent.parse_answer": lambda text: parse_answer(text, OPTIONS),
-        "respondent.parse_answer (free text)": lambda text: parse_answer(text, None),
-        "respondent.normalise_answer": lambda text: normalise_answer(text, OPTIONS),
-        "extractor.parse_triplets": lambda text: parse_triplets(text, "s"),
-        "extractor.closed_list": closed_list,
-        "reasoner.parse_step": reasoner.parse_step,
-        "reasoner.parse_final": lambda text: reasoner.parse_final(
-            [{"kind": "model", "text": text}, {"kind": "document", "text": text}], OPTIONS),
-        "markup.defuse": defuse,
-    }
-
-
-@pytest.mark.parametrize("parser", list(_parsers()))
-def test_parsers_are_linear_on_adversarial_megabytes(parser):
-    parse = _parsers()[parser]
-    quarters = adversarial(MB // 4)
-    verdicts = {name: superlinear(parse, quarters[name], whole)[0] for name, whole in adversarial(MB).items()}
-    slow = {name: why for name, why in verdicts.items() if why}
-    assert not slow, f"{parser} is not linear (limits: {limits_text()}): {slow}"
 
 
 def test_the_linear_rule_flags_a_quadratic_parser_and_passes_a_linear_one():
     def rescanning(text: str) -> list[int]:  # rescans the rest of the text from every 1000th character
         return [text.count("<", start) for start in range(0, len(text), 1000)]
 
-    quarter, whole = adversarial(MB // 4)["less_than"], adversarial(MB)["less_than"]
+    quarter, whole = adversarial_inputs(MB // 4)["open_angles"], adversarial_inputs(MB)["open_angles"]
     assert superlinear(rescanning, quarter, whole)[0]
     assert superlinear(lambda text: text.count("<"), quarter, whole)[0] is None
 

@@ -27,7 +27,12 @@ def _random_unicode(n: int, seed: int = 0) -> str:
 
 @functools.cache
 def adversarial_inputs(size: int = MB) -> dict[str, str]:
-    """Name → text; all but the small ones are about `size` characters (built once per size)."""
+    """Name → text that makes naive parsers backtrack or rescan; all but the small ones about `size` characters
+    (built once per size). The one list every linear-time check uses: the bench's cases and tests/test_parsers."""
+
+    def fill(unit: str) -> str:
+        return (unit * (size // len(unit) + 1))[:size]
+
     json_triplets = json.dumps([{"condition": "a", "relation": "b", "conclusion": "c"}] * (size // 40))
     return {
         "empty": "",
@@ -37,24 +42,50 @@ def adversarial_inputs(size: int = MB) -> dict[str, str]:
         "answer_pairs": "<answer>A</answer>" * (size // 18),
         "answer_closes": "</answer>" * (size // 9),
         "think_unclosed": "<think>" + "x" * size,
+        "think_opens": fill("<think>"),
+        "think_then_answer": fill("<think>x<answer>"),
         "think_pairs": "<think></think>" * (size // 15),
         "search_opens": "<search>" * (size // 8),
         "search_opens_then_closes": "<search>" * (size // 16) + "</search>" * (size // 18),
         "search_pairs_in_think": "<think>" + "<search>q</search>" * (size // 17) + "</think>",
         "document_tags": "<document>" * (size // 10),
+        "document_pairs": fill("<document>x</document>"),
+        "short_tags": fill("<a>"),
+        "spaced_tags": fill("< / a >"),
         "square_brackets": "[" * size,
         "braces": "{" * size,
+        "brackets_alternating": fill("[{"),
+        "brackets_then_braces": "[" * (size // 2) + "{" * (size // 2),
+        "nested_1000": fill("[" * 1000 + "{" * 1000),
+        # Unclosed deep JSON: its nesting passes the parser's limit within the first unit and keeps growing.
+        "deep_json": fill('[{"a":' * 900 + "x" * 10_000),
+        "deeper_json": fill('[{"a":[' * 1200 + "x" * 10_000),
         "nested_json_opens": '[{"condition": ' * (size // 15),
         "field_value_opens": '"condition": "' * (size // 15),
+        "long_field_values": fill('"condition": "' + "x" * 420),
         "json_triplets": json_triplets[:size],
         "json_triplets_cut": json_triplets[: size // 2 - 7],
+        "json_long_strings": fill('["' + "a" * 5000 + '", '),
+        "json_dicts": fill('[{"a": 1}, '),
+        "pipes": fill("|"),
         "pipe_lines": "a | b | c\n" * (size // 10),
+        "pipe_lines_unspaced": fill("a|b|\n"),
+        "four_part_lines": fill("a | b | c | d\n"),
+        "newlines": "\n" * size,
         "answer_is_lines": "The answer is " * (size // 14),
+        "answer_then_spaces": "answer" + " " * size,
+        "answer_colon_newlines": "answer:" + "\n" * size,
+        "letters": fill("abcdefghij"),
         "fullwidth_tags": "＜ａｎｓｗｅｒ＞" * (size // 8),
+        "fullwidth_brackets": fill("\uff1canswer\uff1e"),
+        "dotted_capital_i": fill("\u0130<ANSWER>"),
         "zero_width_in_tags": "<\u200b/\u200ba\u200b>" * (size // 7),
+        "zero_width_around_tags": fill("<\u200banswer\u200b>\u200b"),
         "pipe_tokens": "<|" * (size // 2),
+        "control_tokens": fill("<|im_start|>"),
         "angle_spaces": "< " * (size // 2),
         "long_tag_names": ("<" + "a" * 79) * (size // 80),
+        "mixed": fill("<answer>[{\"condition\": \"x|y|z\n\u200b"),
         "invisible_run": "<" + "\u200b" * size + ">",
         "nul_bytes": "\x00" * size,
         "lone_surrogates": "\ud800" * 1000 + "<answer>\udfff</answer>" + "\udc80" * 1000,
@@ -64,15 +95,17 @@ def adversarial_inputs(size: int = MB) -> dict[str, str]:
 
 def _parsers() -> dict[str, Callable[[str], Any]]:
     from ermedrag.agents import markup, reasoner
-    from ermedrag.agents.extractor import parse_triplets
-    from ermedrag.agents.respondent import parse_answer
+    from ermedrag.agents.extractor import closed_list, parse_triplets
+    from ermedrag.agents.respondent import normalise_answer, parse_answer
     from ermedrag.training import answer_rewards, search_rewards
 
     hit_kwargs = {"gold_evidence": [["d1", "d2"]]}
     return {
         "respondent.parse_answer": lambda t: parse_answer(t, OPTIONS),
         "respondent.parse_answer_free_text": lambda t: parse_answer(t, None),
+        "respondent.normalise_answer": lambda t: normalise_answer(t, OPTIONS),
         "extractor.parse_triplets": lambda t: parse_triplets(t, "snippet-1"),
+        "extractor.closed_list": closed_list,
         "reasoner.parse_step": reasoner.parse_step,
         "reasoner.parse_final": lambda t: reasoner.parse_final(
             [{"kind": "model", "text": t}, {"kind": "document", "text": t}, {"kind": "model", "text": t}], OPTIONS),
@@ -120,10 +153,5 @@ def _register(name: str) -> None:
         return check_parser(name)
 
 
-for _name in ("respondent.parse_answer", "respondent.parse_answer_free_text", "extractor.parse_triplets",
-              "reasoner.parse_step", "reasoner.parse_final", "markup.defuse", "markup.quote",
-              "answer_rewards.correctness_reward", "answer_rewards.well_formed_correctness_reward",
-              "answer_rewards.format_reward", "answer_rewards.length_penalty", "answer_rewards.evidence_use_reward",
-              "search_rewards.audit_searches", "search_rewards.search_format_reward",
-              "search_rewards.retrieval_hit_reward", "search_rewards.med_r3_penalties"):
+for _name in _parsers():
     _register(_name)
