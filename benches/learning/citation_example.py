@@ -1,0 +1,119 @@
+"""Does the respondent's worked example make the model cite its evidence? Three examples on the same prompts.
+
+The GRPO evidence reward (`training.answer_rewards.evidence_use_reward`) pays a correct answer whose reasoning
+refers to a triplet that is not a distractor. Before training, the offline 270M base model does so in about 1
+reply of 48, so the reward rarely fires and GRPO has little to reinforce (benches/README, issue 15). The model
+copies its worked example closely (`benches/prompt_bias`), so the example is a lever on that base rate. Arms, on
+the learning bench's held-out respondent prompts (recorded ER-MedRAG runs with distractor triplets), differing
+only in the worked example:
+
+- `current`: the prompts as recorded (`agents.respondent.example`: "The evidence says vitamin D deficiency ...");
+- `cites_number`: the same example citing its evidence line by number ("Evidence 1 says ...");
+- `cites_among_two`: the example shows two evidence lines, and its reasoning cites the relevant second one by
+  number and sets the first aside: a model that copies "evidence 1" blindly cites a distractor where one is
+  first (17 of the 48 prompts).
+
+Per arm, greedy at the graph's respondent budget: every reward component, accuracy, reasoning length, and the
+numbered citations split into those of a relevant triplet and those of a distractor, so that a reward gained by
+copying a number shows as such.
+
+    .venv/bin/python benches/learning/learning_signal.py --parts grpo     # first: records the held-out prompts
+    .venv/bin/python benches/learning/citation_example.py                 # ≈ 15 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from learning_signal import REPO, generate, respondent_metrics  # also puts the library offline
+
+from datasets import load_from_disk
+
+from ermedrag.agents import respondent
+from ermedrag.graphs.common import Context
+from ermedrag.tools.offline_model import offline_model_dir
+from ermedrag.training.answer_rewards import cited_numbers
+
+RESULT = REPO / "benches" / "results" / "citation_example.json"
+Messages = list[dict[str, str]]
+
+EXAMPLE_EVIDENCE = respondent.EXAMPLE_EVIDENCE
+EXAMPLE_REASONING = "The evidence says vitamin D deficiency causes rickets, which fits bowed legs"
+TWO_LINES = ("1. [ex-1] vitamin C deficiency — causes — scurvy\n"
+             "2. [ex-2] vitamin D deficiency in children — causes — rickets")
+
+
+def swapped(prompt: Messages, user_old: str, user_new: str, reply_old: str, reply_new: str) -> Messages:
+    """The prompt with its worked example's evidence and reasoning replaced (system, example user, example
+    assistant, question), refusing a prompt whose example is not the one this bench knows."""
+    system, user, reply, *question = prompt
+    if user_old not in user["content"] or reply_old not in reply["content"]:
+        raise ValueError(f"a recorded prompt's worked example is not agents.respondent's: {reply['content'][:120]!r}")
+    return [system, {**user, "content": user["content"].replace(user_old, user_new)},
+            {**reply, "content": reply["content"].replace(reply_old, reply_new)}, *question]
+
+
+ARMS: dict[str, Callable[[Messages], Messages]] = {
+    "current": lambda prompt: prompt,
+    "cites_number": lambda prompt: swapped(prompt, EXAMPLE_EVIDENCE, EXAMPLE_EVIDENCE, EXAMPLE_REASONING,
+                                           EXAMPLE_REASONING.replace("The evidence says", "Evidence 1 says")),
+    "cites_among_two": lambda prompt: swapped(
+        prompt, EXAMPLE_EVIDENCE, TWO_LINES, EXAMPLE_REASONING,
+        "Evidence 2 says vitamin D deficiency causes rickets, which fits bowed legs; evidence 1, on scurvy, does not"),
+}
+
+
+def citations(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Shares of replies whose reasoning cites by number some evidence line, a relevant one, a distractor."""
+    counts = {"cites_a_number": 0, "cites_relevant_number": 0, "cites_distractor_number": 0}
+    for completion, row in zip(completions, rows):
+        reasoning = str(respondent.parse_answer(completion, row["options"]).get("reasoning") or "")
+        numbers = cited_numbers(reasoning)
+        shown = {number: bool(t.get("distractor")) for number, t in enumerate(row["triplets"], 1)}
+        cited_distractor = [shown[n] for n in numbers if n in shown]
+        counts["cites_a_number"] += bool(cited_distractor)
+        counts["cites_relevant_number"] += not all(cited_distractor)
+        counts["cites_distractor_number"] += any(cited_distractor)
+    return {name: count / max(len(rows), 1) for name, count in counts.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "learning" / "full"),
+                        help="the learning bench's work folder (its grpo-eval/dataset holds the held-out prompts)")
+    parser.add_argument("--tokens", type=int, default=Context().respondent_max_new_tokens,
+                        help="respondent tokens (default: the graph's respondent_max_new_tokens)")
+    parser.add_argument("--out", default=str(RESULT))
+    args = parser.parse_args()
+    dataset = Path(args.work) / "grpo-eval" / "dataset"
+    if not dataset.exists():
+        sys.exit(f"error: no held-out prompts at {dataset}: run benches/learning/learning_signal.py --parts grpo "
+                 "first (or give its --work)")
+    rows = [dict(row) for row in load_from_disk(str(dataset))]
+    model = f"hf:{offline_model_dir()}"
+    started, result, answers = time.time(), {"arms": {}}, {}
+    for arm, rewrite in ARMS.items():
+        arm_started = time.time()
+        completions = generate(model, [rewrite(row["prompt"]) for row in rows], args.tokens, respondent.STOP)
+        figures = {**respondent_metrics(completions, rows), **citations(completions, rows)}
+        answers[arm] = [respondent.parse_answer(c, row["options"]).get("answer") for c, row in zip(completions, rows)]
+        result["arms"][arm] = {**figures, "minutes": round((time.time() - arm_started) / 60, 1),
+                               "replies": completions}
+        print(f"{arm}: {json.dumps(figures)}", flush=True)
+    result.update(
+        prompts=len(rows), distractor_first=sum(bool(r["triplets"]) and r["triplets"][0]["distractor"] for r in rows),
+        tokens=args.tokens, model="gemma3-270m (base), greedy",
+        same_answer_as_current={arm: sum(a == b for a, b in zip(answers[arm], answers["current"])) / len(rows)
+                                for arm in ARMS if arm != "current"},
+        minutes=round((time.time() - started) / 60, 1),
+        command=" ".join(["python", "benches/learning/citation_example.py", *sys.argv[1:]]))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
