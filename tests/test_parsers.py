@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benches.reliability.cases_parsers import adversarial_inputs
+from benches.reliability.cases_parsers import MB, adversarial_inputs
 from benches.reliability.linear_time import superlinear
 from ermedrag.agents import respondent
 from ermedrag.agents.base import fold_case
@@ -124,9 +124,6 @@ def test_parsers_stay_fast_on_deep_brackets(depth):
 # ------------------------------------------------------------------------------------ linear time at 1 MB
 # Every parser of untrusted text is held to `linear_time`'s rule on `adversarial_inputs` by the reliability
 # bench's parser cases, which CI runs in tests/test_reliability.py. Here: that the rule itself can tell.
-
-MB = 1_000_000
-
 
 def test_the_linear_rule_flags_a_quadratic_parser_and_passes_a_linear_one():
     def rescanning(text: str) -> list[int]:  # rescans the rest of the text from every 1000th character

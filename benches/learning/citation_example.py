@@ -18,7 +18,7 @@ numbered citations split into those of a relevant triplet and those of a distrac
 copying a number shows as such.
 
     .venv/bin/python benches/learning/learning_signal.py --parts grpo     # first: records the held-out prompts
-    .venv/bin/python benches/learning/citation_example.py                 # ≈ 15 min on 2 cores
+    .venv/bin/python benches/learning/citation_example.py                 # 65 min on 2 cores shared with a training
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from learning_signal import REPO, generate, respondent_metrics  # also puts the library offline
+from learning_signal import REPO, command_line, generate, respondent_metrics  # also puts the library offline
 
 from datasets import load_from_disk
 
@@ -111,7 +111,7 @@ def main() -> None:
         same_answer_as_current={arm: sum(a == b for a, b in zip(answers[arm], answers["current"])) / len(rows)
                                 for arm in ARMS if arm != "current"},
         minutes=round((time.time() - started) / 60, 1),
-        command=" ".join(["python", "benches/learning/citation_example.py", *sys.argv[1:]]))
+        command=command_line())
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
