@@ -125,6 +125,7 @@ def test_parsers_stay_fast_on_deep_brackets(depth):
 # Every parser of untrusted text is held to `linear_time`'s rule on `adversarial_inputs` by the reliability
 # bench's parser cases, which CI runs in tests/test_reliability.py. Here: that the rule itself can tell.
 
+
 def test_the_linear_rule_flags_a_quadratic_parser_and_passes_a_linear_one():
     def rescanning(text: str) -> list[int]:  # rescans the rest of the text from every 1000th character
         return [text.count("<", start) for start in range(0, len(text), 1000)]
