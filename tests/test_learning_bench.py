@@ -199,3 +199,17 @@ def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
                                                    "grpo-temperature0.9-prompts2")
     prompts_arm = grpo_arm(options(prompts=2))[1]
     assert (prompts_arm.generations, prompts_arm.temperature, prompts_arm.prompts_per_step) == (4, 0.7, 2)
+
+
+def test_citation_bench_splits_numbered_citations_into_relevant_and_distractor() -> None:
+    citations = bench_module("citation_example").citations
+    evidence = [{"condition": "c", "relation": "r", "conclusion": "x", "snippet_id": "s1", "distractor": True},
+                {"condition": "c", "relation": "r", "conclusion": "y", "snippet_id": "s2", "distractor": False}]
+    row = {"options": None, "triplets": evidence}
+    replies = ["<think>Evidence 1 says so.</think><answer>yes</answer>",  # a distractor
+               "<think>Evidence 2 says so.</think><answer>yes</answer>",  # the relevant line
+               "<think>Evidence 1 and evidence 2 agree.</think><answer>yes</answer>",  # both
+               "<think>Evidence 7 says so.</think><answer>yes</answer>",  # a number the prompt never showed
+               "<think>The evidence says so.</think><answer>yes</answer>"]  # no number
+    assert citations(replies, [row] * len(replies)) == {
+        "cites_a_number": 3 / 5, "cites_relevant_number": 2 / 5, "cites_distractor_number": 2 / 5}

@@ -243,6 +243,20 @@ def test_evidence_use_ignores_distractors_and_restated_questions():
         assert score(evidence_use_reward, completion, **yes_no_cols()) == 0.0, completion
 
 
+def test_evidence_use_refuses_a_reply_that_names_a_distractor_beside_the_evidence():
+    # copying a worked example's "Evidence 1" must not pay when 1 is a distractor (benches citation_example)
+    for completion in ("<think>Evidence 1 and evidence 2 say so.</think><answer>no</answer>",
+                       "<think>[1] is unrelated; [2] reports the opposite.</think><answer>no</answer>",
+                       "<think>pubmed-9@0-80 and evidence 2 agree.</think><answer>no</answer>",
+                       "<think>Reduced eGFR showed a higher incidence (Evidence 1).</think><answer>no</answer>"):
+        assert score(evidence_use_reward, completion, **yes_no_cols()) == 0.0, completion
+    # naming only the relevant one still pays, with the distractor listed first or second
+    assert score(evidence_use_reward, "<think>Evidence 2 says so.</think><answer>no</answer>", **yes_no_cols()) == 1.0
+    swapped = yes_no_cols(triplets=[list(reversed(YES_NO_TRIPLETS))])
+    assert score(evidence_use_reward, "<think>Evidence 1 says so.</think><answer>no</answer>", **swapped) == 1.0
+    assert score(evidence_use_reward, "<think>Evidence 2 says so.</think><answer>no</answer>", **swapped) == 0.0
+
+
 def test_evidence_numbers_are_the_prompts_even_after_an_item_that_is_not_a_triplet():
     shown = ["not a triplet", *YES_NO_TRIPLETS]  # the prompt showed the real triplet as number 3
     columns = yes_no_cols(triplets=[shown])

@@ -19,7 +19,7 @@ evidence the respondent was shown: dicts with condition/relation/conclusion/snip
 | `well_formed_correctness_reward` | correctness | 1.0 if the completion is well formed and its answer equals `gold`, else 0.0 |
 | `format_reward` | format | 1.0 well formed, else 0.0 (no partial credit: see below) |
 | `length_penalty` | length | 0.0 up to `soft_chars`, linearly down to -`max_penalty` at `max_chars` and beyond |
-| `evidence_use_reward` | evidence | 1.0 if correct and the reasoning refers to a triplet that is not a distractor, else 0.0 |
+| `evidence_use_reward` | evidence | 1.0 if correct, the reasoning refers to a relevant triplet and names no distractor |
 
 `correctness_reward` (no format gate) is what evaluation counts; benches report it, training does not use it.
 It reads a search rollout's `answer_text` (an answer the system had to ask for counts, as in the graph);
@@ -46,6 +46,11 @@ every other reward reads only what the model wrote, so a forced answer earns no 
   neither the question's nor the answer's own (restating the question or naming the answer is not using the
   evidence). The rule asks nothing of the answer's wording, so it fires on yes/no/maybe questions too: an earlier
   rule asked the answer's tokens to appear in the triplet and never fired on PubMedQA (issue 15).
+  A reply that names a distractor (its number or snippet id) scores 0.0 even when it also names a relevant
+  triplet: with a worked example that cites "Evidence 1", a third to a half of the base model's replies copied
+  the number whatever it pointed at, and a reward that paid them would teach copying (benches/learning
+  `citation_example.py`). Setting a distractor aside by number ("evidence 1 is unrelated") is refused too: the
+  rule cannot tell dismissing from relying, and a reply that uses the right evidence needs no distractor named.
 """
 
 from __future__ import annotations
@@ -245,9 +250,14 @@ def cited_numbers(reasoning: str) -> set[int]:
     return {int(number) for number in NUMBERED_REFERENCE.findall(reasoning)}
 
 
+def _cited(triplet: dict[str, Any], numbers: set[int], reasoning: str) -> bool:
+    """The reasoning names this triplet: its number in the evidence list or its snippet id."""
+    return triplet["number"] in numbers or _cites(reasoning, triplet["snippet_id"])
+
+
 def uses_evidence(parsed: dict[str, Any], options: dict[str, str] | None, triplets: list[dict[str, Any]],
                   question: str = "") -> bool:
-    """The reasoning refers to some triplet that is not a distractor (module docstring)."""
+    """The reasoning refers to some triplet that is not a distractor and names no distractor (module docstring)."""
     answer = parsed.get("answer")
     if answer is None:
         return False
@@ -256,10 +266,12 @@ def uses_evidence(parsed: dict[str, Any], options: dict[str, str] | None, triple
     own = set(content_tokens(answer_text)) | set(content_tokens(question))
     reasoning_tokens = set(content_tokens(reasoning))
     numbers = cited_numbers(reasoning)
+    if any(_cited(triplet, numbers, reasoning) for triplet in triplets if triplet["distractor"]):
+        return False
     for triplet in triplets:
         if triplet["distractor"]:
             continue
-        if triplet["number"] in numbers or _cites(reasoning, triplet["snippet_id"]):
+        if _cited(triplet, numbers, reasoning):
             return True
         distinctive = set(content_tokens(" ".join(triplet[name] for name in FIELDS))) - own
         if len(reasoning_tokens & distinctive) >= MIN_SHARED_TOKENS:

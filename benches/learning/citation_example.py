@@ -19,6 +19,10 @@ copying a number shows as such.
 
     .venv/bin/python benches/learning/learning_signal.py --parts grpo     # first: records the held-out prompts
     .venv/bin/python benches/learning/citation_example.py                 # 65 min on 2 cores shared with a training
+    .venv/bin/python benches/learning/citation_example.py --rescore       # the recorded replies, today's rewards
+
+`--rescore` scores the replies a recorded result holds with the rewards as they are now (seconds, no model), so a
+change to a reward shows on the very same replies.
 """
 
 from __future__ import annotations
@@ -82,6 +86,23 @@ def citations(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, f
     return {name: count / max(len(rows), 1) for name, count in counts.items()}
 
 
+def arm_figures(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
+    return {**respondent_metrics(completions, rows), **citations(completions, rows)}
+
+
+def rescore(result: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The recorded result with each arm's figures computed again from its recorded replies."""
+    arms = {}
+    for arm, recorded in result["arms"].items():
+        if len(recorded["replies"]) != len(rows):
+            sys.exit(f"error: arm {arm} recorded {len(recorded['replies'])} replies for {len(rows)} prompts: "
+                     "these are not the prompts it was run on")
+        figures = arm_figures(recorded["replies"], rows)
+        arms[arm] = {**recorded, **figures}
+        print(f"{arm}: {json.dumps(figures)}", flush=True)
+    return {**result, "arms": arms, "rescored": {"date": time.strftime("%Y-%m-%d"), "command": command_line()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "learning" / "full"),
@@ -89,18 +110,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=Context().respondent_max_new_tokens,
                         help="respondent tokens (default: the graph's respondent_max_new_tokens)")
     parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("--rescore", action="store_true",
+                        help="score the replies recorded in --out again with the current rewards (no model)")
     args = parser.parse_args()
     dataset = Path(args.work) / "grpo-eval" / "dataset"
     if not dataset.exists():
         sys.exit(f"error: no held-out prompts at {dataset}: run benches/learning/learning_signal.py --parts grpo "
                  "first (or give its --work)")
     rows = [dict(row) for row in load_from_disk(str(dataset))]
+    if args.rescore:
+        result = rescore(json.loads(Path(args.out).read_text()), rows)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return
     model = f"hf:{offline_model_dir()}"
     started, result, answers = time.time(), {"arms": {}}, {}
     for arm, rewrite in ARMS.items():
         arm_started = time.time()
         completions = generate(model, [rewrite(row["prompt"]) for row in rows], args.tokens, respondent.STOP)
-        figures = {**respondent_metrics(completions, rows), **citations(completions, rows)}
+        figures = arm_figures(completions, rows)
         answers[arm] = [respondent.parse_answer(c, row["options"]).get("answer") for c, row in zip(completions, rows)]
         result["arms"][arm] = {**figures, "minutes": round((time.time() - arm_started) / 60, 1),
                                "replies": completions}
