@@ -178,9 +178,10 @@ def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
 
     grpo_arm = bench_module("learning_signal").grpo_arm
 
-    def options(evidence=None, tokens=None, generations=4, temperature=0.7, prompts=1) -> Namespace:
+    def options(evidence=None, tokens=None, generations=4, temperature=0.7, prompts=1, example="current"):
         return Namespace(grpo_evidence_weight=evidence, grpo_respond_tokens=tokens, respond_tokens=96,
-                         grpo_generations=generations, grpo_temperature=temperature, grpo_prompts_per_step=prompts)
+                         grpo_generations=generations, grpo_temperature=temperature, grpo_prompts_per_step=prompts,
+                         grpo_example=example)
 
     def arm(*args, **kwargs):
         key, settings = grpo_arm(options(*args, **kwargs))
@@ -213,3 +214,30 @@ def test_citation_bench_splits_numbered_citations_into_relevant_and_distractor()
                "<think>The evidence says so.</think><answer>yes</answer>"]  # no number
     assert citations(replies, [row] * len(replies)) == {
         "cites_a_number": 3 / 5, "cites_relevant_number": 2 / 5, "cites_distractor_number": 2 / 5}
+
+
+def test_a_worked_example_arm_trains_on_its_own_rewritten_copy_of_the_export(tmp_path: Path) -> None:
+    from argparse import Namespace
+
+    from datasets import Dataset, load_from_disk
+
+    from ermedrag.agents import respondent
+    from ermedrag.agents.base import to_chat
+
+    learning_signal = bench_module("learning_signal")
+    prompt = to_chat(respondent.build_messages("Is it yes?", None, "1. [s1] a — causes — b"))  # as the export
+    exported = tmp_path / "grpo-train" / "dataset"
+    Dataset.from_list([{"prompt": prompt, "gold": "yes"}]).save_to_disk(str(exported))
+    options = Namespace(grpo_evidence_weight=None, grpo_respond_tokens=192, respond_tokens=96, grpo_generations=4,
+                        grpo_temperature=0.7, grpo_prompts_per_step=1, grpo_example="cites_number")
+    key, arm = learning_signal.grpo_arm(options)
+    assert key == "grpo_respondent_tokens_192_example_cites_number"
+    assert arm.folder == "grpo-tokens192-examplecites_number"
+
+    rows = load_from_disk(str(arm.train_dataset(tmp_path)))
+    assert arm.train_dataset(tmp_path) == tmp_path / "grpo-tokens192-examplecites_number-train" / "dataset"
+    example_reply, question = rows[0]["prompt"][2]["content"], rows[0]["prompt"][-1]["content"]
+    assert "Evidence 1 says" in example_reply and question == prompt[-1]["content"] and rows[0]["gold"] == "yes"
+    assert not [p.name for p in exported.iterdir() if p.name.startswith("cache-")]  # the export is left as it was
+    default = learning_signal.grpo_arm(Namespace(**{**vars(options), "grpo_example": "current"}))[1]
+    assert default.train_dataset(tmp_path) == exported  # the default arm trains on the export itself

@@ -32,7 +32,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from learning_signal import REPO, command_line, generate, respondent_metrics  # also puts the library offline
 
@@ -42,34 +42,9 @@ from ermedrag.agents import respondent
 from ermedrag.graphs.common import Context
 from ermedrag.tools.offline_model import offline_model_dir
 from ermedrag.training.answer_rewards import cited_numbers
+from worked_examples import EXAMPLES
 
 RESULT = REPO / "benches" / "results" / "citation_example.json"
-Messages = list[dict[str, str]]
-
-EXAMPLE_EVIDENCE = respondent.EXAMPLE_EVIDENCE
-EXAMPLE_REASONING = "The evidence says vitamin D deficiency causes rickets, which fits bowed legs"
-TWO_LINES = ("1. [ex-1] vitamin C deficiency — causes — scurvy\n"
-             "2. [ex-2] vitamin D deficiency in children — causes — rickets")
-
-
-def swapped(prompt: Messages, user_old: str, user_new: str, reply_old: str, reply_new: str) -> Messages:
-    """The prompt with its worked example's evidence and reasoning replaced (system, example user, example
-    assistant, question), refusing a prompt whose example is not the one this bench knows."""
-    system, user, reply, *question = prompt
-    if user_old not in user["content"] or reply_old not in reply["content"]:
-        raise ValueError(f"a recorded prompt's worked example is not agents.respondent's: {reply['content'][:120]!r}")
-    return [system, {**user, "content": user["content"].replace(user_old, user_new)},
-            {**reply, "content": reply["content"].replace(reply_old, reply_new)}, *question]
-
-
-ARMS: dict[str, Callable[[Messages], Messages]] = {
-    "current": lambda prompt: prompt,
-    "cites_number": lambda prompt: swapped(prompt, EXAMPLE_EVIDENCE, EXAMPLE_EVIDENCE, EXAMPLE_REASONING,
-                                           EXAMPLE_REASONING.replace("The evidence says", "Evidence 1 says")),
-    "cites_among_two": lambda prompt: swapped(
-        prompt, EXAMPLE_EVIDENCE, TWO_LINES, EXAMPLE_REASONING,
-        "Evidence 2 says vitamin D deficiency causes rickets, which fits bowed legs; evidence 1, on scurvy, does not"),
-}
 
 
 def citations(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -124,7 +99,7 @@ def main() -> None:
         return
     model = f"hf:{offline_model_dir()}"
     started, result, answers = time.time(), {"arms": {}}, {}
-    for arm, rewrite in ARMS.items():
+    for arm, rewrite in EXAMPLES.items():
         arm_started = time.time()
         completions = generate(model, [rewrite(row["prompt"]) for row in rows], args.tokens, respondent.STOP)
         figures = arm_figures(completions, rows)
@@ -136,7 +111,7 @@ def main() -> None:
         prompts=len(rows), distractor_first=sum(bool(r["triplets"]) and r["triplets"][0]["distractor"] for r in rows),
         tokens=args.tokens, model="gemma3-270m (base), greedy",
         same_answer_as_current={arm: sum(a == b for a, b in zip(answers[arm], answers["current"])) / len(rows)
-                                for arm in ARMS if arm != "current"},
+                                for arm in EXAMPLES if arm != "current"},
         minutes=round((time.time() - started) / 60, 1),
         command=command_line())
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

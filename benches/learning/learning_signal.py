@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
 # The default GRPO arm's sampling; a lever arm that changes one is recorded under its own key.
-GRPO_DEFAULTS = {"generations": 4, "temperature": 0.7, "prompts": 1}  # "prompts": per optimizer step
+GRPO_DEFAULTS = {"generations": 4, "temperature": 0.7, "prompts": 1,  # "prompts": per optimizer step
+                 "example": "current"}  # the respondent's worked example (worked_examples.EXAMPLES)
 # Steps between checkpoints: a training killed part way goes on from its last checkpoint when rerun with --reuse.
 CHECKPOINT_STEPS = 10
 
@@ -66,6 +67,7 @@ from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
+from worked_examples import EXAMPLES  # noqa: E402
 from seeds import (RUN_FILE, accuracy_interval, afters_from_summary, allocator_env, gain, over_seeds,  # noqa: E402
                    record_trained, trained_earlier)
 
@@ -189,6 +191,10 @@ def main() -> None:
                         help="train and measure the respondent with this token budget instead of --respond-tokens "
                              "(a lever arm, recorded as grpo_respondent_tokens_N; the graph's own default is 192: a "
                              "smaller budget cuts long reasoning, and GRPO then rewards being short)")
+    parser.add_argument("--grpo-example", choices=sorted(EXAMPLES), default=GRPO_DEFAULTS["example"],
+                        help="the respondent's worked example in the training and held-out prompts (current: as "
+                             "recorded; cites_number: its reasoning cites 'Evidence 1'; a lever arm, "
+                             "grpo_respondent_example_NAME, with its own before and training dataset)")
     parser.add_argument("--grpo-evidence-weight", type=float, default=None,
                         help="train the respondent with this weight on evidence_use_reward instead of the default "
                              f"{RESPONDENT_REWARDS['evidence']} (a lever arm, recorded as grpo_respondent_evidence_W; "
@@ -244,7 +250,6 @@ def main() -> None:
     arms = dpo_arms(args, work, train_db) if "dpo" in parts else {}
 
     eval_rows = [dict(r) for r in load_from_disk(str(work / "grpo-eval" / "dataset"))]
-    eval_prompts = [r["prompt"] for r in eval_rows]
     eval_events = list(TraceStore(eval_db).events(agent="extractor"))
     extract_prompts = [to_chat(e["messages"]) for e in eval_events]
     out = Path(args.out) if not args.smoke else work / "learning.json"
@@ -261,6 +266,7 @@ def main() -> None:
 
     if "grpo" in parts:
         key, arm = grpo_arm(args)
+        eval_prompts = [EXAMPLES[arm.example](r["prompt"]) for r in eval_rows]
         before = respondent_metrics(generate(model, eval_prompts, arm.tokens, respondent.STOP), eval_rows)
         log(f"before: respondent {before}")
         prior = recorded_afters(key, before)
@@ -272,7 +278,7 @@ def main() -> None:
             **training_time(seeds, runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
             "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
             "num_generations": arm.generations, "temperature": arm.temperature,
-            "prompts_per_step": arm.prompts_per_step,
+            "prompts_per_step": arm.prompts_per_step, "worked_example": arm.example,
             "reward_weights": {**RESPONDENT_REWARDS, **arm.weights}, "respond_tokens": arm.tokens,
             "command": command_line(),
             "zero_variance_steps": earlier.get("zero_variance_steps", [])[:args.first_seed]
@@ -314,14 +320,28 @@ def main() -> None:
 class GRPOArm:
     """One GRPO arm: its reward weights over the respondent's defaults (empty: the defaults), the respondent's
     token budget in training and in the held-out before and after, its sampling (completions per prompt,
-    temperature, prompts per optimizer step), and its folders' prefix."""
+    temperature, prompts per optimizer step), the worked example in its prompts, and its folders' prefix."""
 
     weights: dict[str, float]
     tokens: int
     generations: int
     temperature: float
     prompts_per_step: int
+    example: str
     folder: str
+
+    def train_dataset(self, work: Path) -> Path:
+        """The training prompts: the exported ones, or a copy with this arm's worked example."""
+        exported = work / "grpo-train" / "dataset"
+        if self.example == GRPO_DEFAULTS["example"]:
+            return exported
+        rewritten = work / f"{self.folder}-train" / "dataset"
+        if not rewritten.exists():
+            rewrite = EXAMPLES[self.example]
+            exported_rows = load_from_disk(str(exported))  # in memory: no cache files in the shared export
+            exported_rows.map(lambda row: {"prompt": rewrite(row["prompt"])}, keep_in_memory=True).save_to_disk(
+                str(rewritten))
+        return rewritten
 
 
 def grpo_arm(args: argparse.Namespace) -> tuple[str, GRPOArm]:
@@ -330,17 +350,20 @@ def grpo_arm(args: argparse.Namespace) -> tuple[str, GRPOArm]:
     weights = {} if args.grpo_evidence_weight is None else {"evidence": args.grpo_evidence_weight}
     tokens = args.respond_tokens if args.grpo_respond_tokens is None else args.grpo_respond_tokens
     settings = {"evidence": weights.get("evidence"), "tokens": tokens, "generations": args.grpo_generations,
-                "temperature": args.grpo_temperature, "prompts": args.grpo_prompts_per_step}
+                "temperature": args.grpo_temperature, "prompts": args.grpo_prompts_per_step,
+                "example": args.grpo_example}
     defaults = {"evidence": None, "tokens": args.respond_tokens, **GRPO_DEFAULTS}
     levers = [(name, exact_label(value)) for name, value in settings.items() if value != defaults[name]]
     key = "grpo_respondent" + "".join(f"_{name}_{value}" for name, value in levers)
     folder = "grpo" + "".join(f"-{name}{value}" for name, value in levers)
     return key, GRPOArm(weights, tokens, args.grpo_generations, args.grpo_temperature, args.grpo_prompts_per_step,
-                        folder)
+                        args.grpo_example, folder)
 
 
-def exact_label(value: float) -> str:
-    """A number as short as it reads back exactly (1.0 → "1", 0.7 → "0.7", 0.7000001 stays itself)."""
+def exact_label(value: float | str) -> str:
+    """A number as short as it reads back exactly (1.0 → "1", 0.7 → "0.7", 0.7000001 stays itself); a name as is."""
+    if isinstance(value, str):
+        return value
     short = f"{value:g}"
     return short if float(short) == value else repr(value)
 
@@ -349,7 +372,7 @@ def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts
              seed: int, arm: GRPOArm) -> dict[str, Any]:
     """Train the respondent with GRPO from the base model (one seed) and measure it on the held-out prompts."""
     config = GRPOTrainingConfig(
-        model=model_path, dataset=str(work / "grpo-train" / "dataset"),
+        model=model_path, dataset=str(arm.train_dataset(work)),
         output_dir=str(work / f"{arm.folder}-out-s{seed}"),
         max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=arm.generations,
         per_device_train_batch_size=arm.generations, gradient_accumulation_steps=arm.prompts_per_step,
