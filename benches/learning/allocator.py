@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from seeds import allocator_env
+from seeds import LEARNING_RUN, allocator_env
 
 from ermedrag.offline import offline_env
 
@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "learning" / "full"))
+    parser.add_argument("--work", default=str(LEARNING_RUN))
     parser.add_argument("--out", default=str(REPO / "benches" / "results" / "allocator.json"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)

@@ -42,6 +42,7 @@ from ermedrag.agents import respondent
 from ermedrag.graphs.common import Context
 from ermedrag.tools.offline_model import offline_model_dir
 from ermedrag.training.answer_rewards import cited_numbers
+from seeds import LEARNING_RUN
 from worked_examples import EXAMPLES
 
 RESULT = REPO / "benches" / "results" / "citation_example.json"
@@ -80,7 +81,7 @@ def rescore(result: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "learning" / "full"),
+    parser.add_argument("--work", default=str(LEARNING_RUN),
                         help="the learning bench's work folder (its grpo-eval/dataset holds the held-out prompts)")
     parser.add_argument("--tokens", type=int, default=Context().respondent_max_new_tokens,
                         help="respondent tokens (default: the graph's respondent_max_new_tokens)")

@@ -67,9 +67,9 @@ from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
+from seeds import (LEARNING_RUN, LEARNING_WORK, RUN_FILE, accuracy_interval, afters_from_summary,  # noqa: E402
+                   allocator_env, gain, over_seeds, record_trained, trained_earlier)
 from worked_examples import EXAMPLES  # noqa: E402
-from seeds import (RUN_FILE, accuracy_interval, afters_from_summary, allocator_env, gain, over_seeds,  # noqa: E402
-                   record_trained, trained_earlier)
 
 
 def log(message: str) -> None:
@@ -159,7 +159,7 @@ def merged_model(adapter_dir: str, base: str, out: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
-    parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "learning"))
+    parser.add_argument("--work", default=str(LEARNING_WORK))
     parser.add_argument("--out", help="results JSON (default: benches/results/learning.json; with "
                                       "--grpo-evidence-weight or --grpo-respond-tokens, learning_grpo_levers.json "
                                       "beside it)")
@@ -228,7 +228,7 @@ def main() -> None:
         parser.error(f"--parts {args.parts!r}: expected grpo, dpo or grpo,dpo")
     started = time.time()
 
-    work = Path(args.work) / ("smoke" if args.smoke else "full")
+    work = Path(args.work) / ("smoke" if args.smoke else LEARNING_RUN.name)
     if not args.reuse:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)

@@ -104,6 +104,8 @@ def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count
 
 
 RUN_FILE = "bench_run.json"  # written into a seed's folder (a merged model, a chain of stages) once it is complete
+LEARNING_WORK = Path.home() / ".cache" / "ermedrag" / "bench" / "learning"  # learning_signal.py's --work
+LEARNING_RUN = LEARNING_WORK / "full"  # its real-model run (exports, held-out prompts), read by the other benches
 
 
 def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:
