@@ -38,6 +38,7 @@ Question: {question}
 EXAMPLE_EVIDENCE = "1. [ex-1] vitamin D deficiency in children — causes — rickets"
 EXAMPLE_QUESTION = "A toddler with bowed legs and poor bone mineralisation most likely lacks which vitamin?"
 EXAMPLE_ANSWER_TEXT = "Vitamin D"
+EXAMPLE_REASONING = "The evidence says vitamin D deficiency causes rickets, which fits bowed legs"
 EXAMPLE_DISTRACTORS = ("Vitamin C", "Vitamin B12", "Vitamin K", "Vitamin A", "Vitamin E", "Iron", "Zinc", "Folate",
                        "Iodine")
 MAX_EXAMPLE_OPTIONS = len(EXAMPLE_DISTRACTORS) + 1  # a question with more options shows its first ten
@@ -61,8 +62,7 @@ def example(question: str, options: dict[str, str] | None) -> tuple[str, str]:
     user = USER_TEMPLATE.format(evidence=EXAMPLE_EVIDENCE, question=EXAMPLE_QUESTION,
                                 options=format_options(shown)).rstrip()
     because = f": option {answer}" if shown else ""
-    return user, (f"<think>The evidence says vitamin D deficiency causes rickets, which fits bowed legs{because}."
-                  f"</think><answer>{answer}</answer>")
+    return user, f"<think>{EXAMPLE_REASONING}{because}.</think><answer>{answer}</answer>"
 
 
 MAX_PARSE_CHARS = 1_000_000  # a completion is parsed up to here (1 MB): far beyond any generation budget

@@ -234,10 +234,20 @@ def test_a_worked_example_arm_trains_on_its_own_rewritten_copy_of_the_export(tmp
     assert key == "grpo_respondent_tokens_192_example_cites_number"
     assert arm.folder == "grpo-tokens192-examplecites_number"
 
-    rows = load_from_disk(str(arm.train_dataset(tmp_path)))
-    assert arm.train_dataset(tmp_path) == tmp_path / "grpo-tokens192-examplecites_number-train" / "dataset"
+    rows = load_from_disk(str(arm.prepare_train_dataset(tmp_path)))
+    assert arm.prepare_train_dataset(tmp_path) == tmp_path / "grpo-tokens192-examplecites_number-train" / "dataset"
     example_reply, question = rows[0]["prompt"][2]["content"], rows[0]["prompt"][-1]["content"]
     assert "Evidence 1 says" in example_reply and question == prompt[-1]["content"] and rows[0]["gold"] == "yes"
     assert not [p.name for p in exported.iterdir() if p.name.startswith("cache-")]  # the export is left as it was
     default = learning_signal.grpo_arm(Namespace(**{**vars(options), "grpo_example": "current"}))[1]
-    assert default.train_dataset(tmp_path) == exported  # the default arm trains on the export itself
+    assert default.prepare_train_dataset(tmp_path) == exported  # the default arm trains on the export itself
+
+
+def test_rescoring_refuses_replies_recorded_on_other_held_out_prompts() -> None:
+    citation_example = bench_module("citation_example")
+    rows = [{"question": "Q?", "options": None, "gold": "yes", "triplets": []}]
+    recorded = {"prompts_sha256": citation_example.prompts_sha256(rows),
+                "arms": {"current": {"replies": ["<think>The evidence says so.</think><answer>yes</answer>"]}}}
+    assert citation_example.rescore(recorded, rows)["arms"]["current"]["accuracy"] == 1.0
+    with pytest.raises(SystemExit, match="not the ones the recorded replies answered"):
+        citation_example.rescore(recorded, [{**rows[0], "gold": "no"}])

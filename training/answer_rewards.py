@@ -220,7 +220,7 @@ class LengthPenalty:
 length_penalty = LengthPenalty()
 
 
-def _triplets(value: Any) -> list[dict[str, Any]]:
+def numbered_triplets(value: Any) -> list[dict[str, Any]]:
     """The evidence list, each triplet with the number the prompt showed it under (1-based; an item that is not a
     triplet keeps its place in the numbering), at most 64, each field a string."""
     if not isinstance(value, (list, tuple)):
@@ -280,11 +280,11 @@ def uses_evidence(parsed: dict[str, Any], options: dict[str, str] | None, triple
 
 
 def evidence_use_reward(completions: list, **kwargs: Any) -> list[float]:
-    """1.0 when the answer is correct and the reasoning refers to a triplet that is not a distractor; 0.0
-    otherwise, including rows without triplets."""
+    """1.0 when the answer is correct and the reasoning refers to a triplet that is not a distractor and names no
+    distractor; 0.0 otherwise, including rows without triplets."""
     rewards = []
     for i, completion in enumerate(completions):
-        triplets = _triplets(column(kwargs, "triplets", i))
+        triplets = numbered_triplets(column(kwargs, "triplets", i))
         if not triplets:
             rewards.append(0.0)
             continue

@@ -1,11 +1,11 @@
 """Does the respondent's worked example make the model cite its evidence? Three examples on the same prompts.
 
 The GRPO evidence reward (`training.answer_rewards.evidence_use_reward`) pays a correct answer whose reasoning
-refers to a triplet that is not a distractor. Before training, the offline 270M base model does so in about 1
-reply of 48, so the reward rarely fires and GRPO has little to reinforce (benches/README, issue 15). The model
-copies its worked example closely (`benches/prompt_bias`), so the example is a lever on that base rate. Arms, on
-the learning bench's held-out respondent prompts (recorded ER-MedRAG runs with distractor triplets), differing
-only in the worked example:
+refers to a triplet that is not a distractor and names no distractor. Before training, the offline 270M base model
+does so in about 1 reply of 48, so the reward rarely fires and GRPO has little to reinforce (benches/README, issue
+15). The model copies its worked example closely (`benches/prompt_bias`), so the example is a lever on that base
+rate. Arms (`worked_examples.EXAMPLES`), on the learning bench's held-out respondent prompts (recorded ER-MedRAG
+runs with distractor triplets), differing only in the worked example:
 
 - `current`: the prompts as recorded (`agents.respondent.example`: "The evidence says vitamin D deficiency ...");
 - `cites_number`: the same example citing its evidence line by number ("Evidence 1 says ...");
@@ -22,12 +22,14 @@ copying a number shows as such.
     .venv/bin/python benches/learning/citation_example.py --rescore       # the recorded replies, today's rewards
 
 `--rescore` scores the replies a recorded result holds with the rewards as they are now (seconds, no model), so a
-change to a reward shows on the very same replies.
+change to a reward shows on the very same replies; it refuses held-out prompts other than those the replies answered
+(`prompts_sha256`: a rerun of the learning bench without `--reuse` exports new ones).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -41,7 +43,7 @@ from datasets import load_from_disk
 from ermedrag.agents import respondent
 from ermedrag.graphs.common import Context
 from ermedrag.tools.offline_model import offline_model_dir
-from ermedrag.training.answer_rewards import cited_numbers
+from ermedrag.training.answer_rewards import cited_numbers, numbered_triplets
 from seeds import LEARNING_RUN
 from worked_examples import EXAMPLES
 
@@ -54,7 +56,7 @@ def citations(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, f
     for completion, row in zip(completions, rows):
         reasoning = str(respondent.parse_answer(completion, row["options"]).get("reasoning") or "")
         numbers = cited_numbers(reasoning)
-        shown = {number: bool(t.get("distractor")) for number, t in enumerate(row["triplets"], 1)}
+        shown = {t["number"]: t["distractor"] for t in numbered_triplets(row["triplets"])}
         cited_distractor = [shown[n] for n in numbers if n in shown]
         counts["cites_a_number"] += bool(cited_distractor)
         counts["cites_relevant_number"] += not all(cited_distractor)
@@ -62,17 +64,29 @@ def citations(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, f
     return {name: count / max(len(rows), 1) for name, count in counts.items()}
 
 
+def distractor_first(row: dict[str, Any]) -> bool:
+    """Evidence line 1 is a distractor: where copying an example's "Evidence 1" cites one."""
+    shown = numbered_triplets(row["triplets"])
+    return bool(shown) and shown[0]["number"] == 1 and shown[0]["distractor"]
+
+
 def arm_figures(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
     return {**respondent_metrics(completions, rows), **citations(completions, rows)}
 
 
+def prompts_sha256(rows: list[dict[str, Any]]) -> str:
+    """A fingerprint of the held-out rows a result answered: what each reply is scored against."""
+    scored = [[row.get(key) for key in ("question", "options", "gold", "triplets")] for row in rows]
+    return hashlib.sha256(json.dumps(scored, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def rescore(result: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The recorded result with each arm's figures computed again from its recorded replies."""
+    if result.get("prompts_sha256") != prompts_sha256(rows):
+        sys.exit("error: the held-out prompts in --work are not the ones the recorded replies answered "
+                 f"(prompts_sha256 {result.get('prompts_sha256')} recorded, {prompts_sha256(rows)} now)")
     arms = {}
     for arm, recorded in result["arms"].items():
-        if len(recorded["replies"]) != len(rows):
-            sys.exit(f"error: arm {arm} recorded {len(recorded['replies'])} replies for {len(rows)} prompts: "
-                     "these are not the prompts it was run on")
         figures = arm_figures(recorded["replies"], rows)
         arms[arm] = {**recorded, **figures}
         print(f"{arm}: {json.dumps(figures)}", flush=True)
@@ -109,7 +123,8 @@ def main() -> None:
                                "replies": completions}
         print(f"{arm}: {json.dumps(figures)}", flush=True)
     result.update(
-        prompts=len(rows), distractor_first=sum(bool(r["triplets"]) and r["triplets"][0]["distractor"] for r in rows),
+        prompts=len(rows), prompts_sha256=prompts_sha256(rows),
+        distractor_first=sum(map(distractor_first, rows)),
         tokens=args.tokens, model="gemma3-270m (base), greedy",
         same_answer_as_current={arm: sum(a == b for a, b in zip(answers[arm], answers["current"])) / len(rows)
                                 for arm in EXAMPLES if arm != "current"},

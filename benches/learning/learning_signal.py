@@ -160,9 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
     parser.add_argument("--work", default=str(LEARNING_WORK))
-    parser.add_argument("--out", help="results JSON (default: benches/results/learning.json; with "
-                                      "--grpo-evidence-weight or --grpo-respond-tokens, learning_grpo_levers.json "
-                                      "beside it)")
+    parser.add_argument("--out", help="results JSON (default: benches/results/learning.json; for a GRPO lever arm, "
+                                      "any --grpo-* setting off its default, learning_grpo_levers.json beside it)")
     parser.add_argument("--parts", default="grpo,dpo", help="which trainings to run: grpo, dpo or both")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the work folder's index, traces and exports from an earlier run (same sizes)")
@@ -193,8 +192,9 @@ def main() -> None:
                              "smaller budget cuts long reasoning, and GRPO then rewards being short)")
     parser.add_argument("--grpo-example", choices=sorted(EXAMPLES), default=GRPO_DEFAULTS["example"],
                         help="the respondent's worked example in the training and held-out prompts (current: as "
-                             "recorded; cites_number: its reasoning cites 'Evidence 1'; a lever arm, "
-                             "grpo_respondent_example_NAME, with its own before and training dataset)")
+                             "recorded; cites_number: its reasoning cites 'Evidence 1'; cites_among_two: two "
+                             "evidence lines, citing the second; worked_examples.py). Other than current: a lever "
+                             "arm, grpo_respondent_example_NAME, with its own before and training copy")
     parser.add_argument("--grpo-evidence-weight", type=float, default=None,
                         help="train the respondent with this weight on evidence_use_reward instead of the default "
                              f"{RESPONDENT_REWARDS['evidence']} (a lever arm, recorded as grpo_respondent_evidence_W; "
@@ -330,17 +330,21 @@ class GRPOArm:
     example: str
     folder: str
 
-    def train_dataset(self, work: Path) -> Path:
-        """The training prompts: the exported ones, or a copy with this arm's worked example."""
+    def prepare_train_dataset(self, work: Path) -> Path:
+        """The training prompts: the exported ones, or a copy with this arm's worked example (written once, whole:
+        a killed write leaves no folder to reuse; a new export empties `work`, copies included)."""
         exported = work / "grpo-train" / "dataset"
         if self.example == GRPO_DEFAULTS["example"]:
             return exported
         rewritten = work / f"{self.folder}-train" / "dataset"
         if not rewritten.exists():
             rewrite = EXAMPLES[self.example]
+            partial = rewritten.with_name("dataset.partial")
+            shutil.rmtree(partial, ignore_errors=True)
             exported_rows = load_from_disk(str(exported))  # in memory: no cache files in the shared export
             exported_rows.map(lambda row: {"prompt": rewrite(row["prompt"])}, keep_in_memory=True).save_to_disk(
-                str(rewritten))
+                str(partial))
+            partial.rename(rewritten)
         return rewritten
 
 
@@ -372,7 +376,7 @@ def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts
              seed: int, arm: GRPOArm) -> dict[str, Any]:
     """Train the respondent with GRPO from the base model (one seed) and measure it on the held-out prompts."""
     config = GRPOTrainingConfig(
-        model=model_path, dataset=str(arm.train_dataset(work)),
+        model=model_path, dataset=str(arm.prepare_train_dataset(work)),
         output_dir=str(work / f"{arm.folder}-out-s{seed}"),
         max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=arm.generations,
         per_device_train_batch_size=arm.generations, gradient_accumulation_steps=arm.prompts_per_step,

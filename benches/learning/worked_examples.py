@@ -13,7 +13,6 @@ from ermedrag.agents import respondent
 
 Messages = list[dict[str, str]]
 
-EXAMPLE_REASONING = "The evidence says vitamin D deficiency causes rickets, which fits bowed legs"
 TWO_LINES = ("1. [ex-1] vitamin C deficiency — causes — scurvy\n"
              "2. [ex-2] vitamin D deficiency in children — causes — rickets")
 
@@ -33,10 +32,10 @@ EXAMPLES: dict[str, Callable[[Messages], Messages]] = {
     "current": lambda prompt: prompt,
     # the same example citing its evidence line by number
     "cites_number": lambda prompt: swapped(
-        prompt, respondent.EXAMPLE_EVIDENCE, respondent.EXAMPLE_EVIDENCE, EXAMPLE_REASONING,
-        EXAMPLE_REASONING.replace("The evidence says", "Evidence 1 says")),
+        prompt, respondent.EXAMPLE_EVIDENCE, respondent.EXAMPLE_EVIDENCE, respondent.EXAMPLE_REASONING,
+        respondent.EXAMPLE_REASONING.replace("The evidence says", "Evidence 1 says")),
     # two evidence lines, citing the relevant second one by number and setting the first aside
     "cites_among_two": lambda prompt: swapped(
-        prompt, respondent.EXAMPLE_EVIDENCE, TWO_LINES, EXAMPLE_REASONING,
+        prompt, respondent.EXAMPLE_EVIDENCE, TWO_LINES, respondent.EXAMPLE_REASONING,
         "Evidence 2 says vitamin D deficiency causes rickets, which fits bowed legs; evidence 1, on scurvy, does not"),
 }
