@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
-# The default GRPO arm's sampling; a lever arm that changes one is recorded under its own key.
+# The default GRPO arm's sampling and worked example; a lever arm that changes one is recorded under its own key.
 GRPO_DEFAULTS = {"generations": 4, "temperature": 0.7, "prompts": 1,  # "prompts": per optimizer step
                  "example": "current"}  # the respondent's worked example (worked_examples.EXAMPLES)
 # Steps between checkpoints: a training killed part way goes on from its last checkpoint when rerun with --reuse.
