@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,15 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     assert 0 <= low <= grpo["accuracy_before"]["accuracy"] <= high <= 1
     assert len(grpo["zero_variance_share"]) == 2 and all(0 <= s <= 1 for s in grpo["zero_variance_share"])
     assert [z["logged_steps"] for z in result["grpo_respondent"]["zero_variance_steps"]] == [2, 2]
+    for metric in ("cites_relevant_number", "cites_distractor_number"):  # evidence use split by what is cited
+        assert len(grpo[metric]["after"]["values"]) == 2, metric
+    # every measurement keeps the held-out replies it scored, so a metric added later needs no model
+    kept = {folder: json.loads((tmp_path / "smoke" / folder / "heldout_replies.json").read_text())
+            for folder in ("grpo-before", "grpo-merged-s0", "grpo-merged-s1", "extractor-before",
+                           "dpo-train-closed-merged-s1")}
+    prompts = {"grpo": result["grpo_respondent"]["eval_prompts"], "dpo": result["dpo_extractor"]["eval_prompts"]}
+    assert all(len(kept[f]["replies"]) == prompts["grpo" if f.startswith("grpo") else "dpo"] for f in kept)
+    assert len({kept[f]["prompts_sha256"] for f in kept if f.startswith("grpo")}) == 1  # the same prompts
 
     for arm in ("dpo_extractor", "dpo_extractor_close_cut"):  # both settings, on the same sampled candidates
         dpo = seeds[arm]
@@ -202,8 +212,8 @@ def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
     assert (prompts_arm.generations, prompts_arm.temperature, prompts_arm.prompts_per_step) == (4, 0.7, 2)
 
 
-def test_citation_bench_splits_numbered_citations_into_relevant_and_distractor() -> None:
-    citations = bench_module("citation_example").citations
+def test_respondent_metrics_split_numbered_citations_into_relevant_and_distractor() -> None:
+    respondent_metrics = bench_module("learning_signal").respondent_metrics
     evidence = [{"condition": "c", "relation": "r", "conclusion": "x", "snippet_id": "s1", "distractor": True},
                 {"condition": "c", "relation": "r", "conclusion": "y", "snippet_id": "s2", "distractor": False}]
     row = {"options": None, "triplets": evidence}
@@ -212,8 +222,9 @@ def test_citation_bench_splits_numbered_citations_into_relevant_and_distractor()
                "<think>Evidence 1 and evidence 2 agree.</think><answer>yes</answer>",  # both
                "<think>Evidence 7 says so.</think><answer>yes</answer>",  # a number the prompt never showed
                "<think>The evidence says so.</think><answer>yes</answer>"]  # no number
-    assert citations(replies, [row] * len(replies)) == {
-        "cites_a_number": 3 / 5, "cites_relevant_number": 2 / 5, "cites_distractor_number": 2 / 5}
+    metrics = respondent_metrics(replies, [{**row, "gold": "yes", "question": "Q?"}] * len(replies))
+    assert {name: metrics[name] for name in ("cites_a_number", "cites_relevant_number", "cites_distractor_number")} \
+        == {"cites_a_number": 3 / 5, "cites_relevant_number": 2 / 5, "cites_distractor_number": 2 / 5}
 
 
 def test_a_worked_example_arm_trains_on_its_own_rewritten_copy_of_the_export(tmp_path: Path) -> None:
@@ -241,6 +252,40 @@ def test_a_worked_example_arm_trains_on_its_own_rewritten_copy_of_the_export(tmp
     assert not [p.name for p in exported.iterdir() if p.name.startswith("cache-")]  # the export is left as it was
     default = learning_signal.grpo_arm(Namespace(**{**vars(options), "grpo_example": "current"}))[1]
     assert default.prepare_train_dataset(tmp_path) == exported  # the default arm trains on the export itself
+
+
+def test_an_example_copy_from_another_example_text_is_written_again_and_its_seeds_retrained(tmp_path: Path) -> None:
+    from argparse import Namespace
+
+    from datasets import Dataset, load_from_disk
+
+    from ermedrag.agents import respondent
+    from ermedrag.agents.base import to_chat
+
+    learning_signal = bench_module("learning_signal")
+    prompt = to_chat(respondent.build_messages("Is it yes?", None, "1. [s1] a — causes — b"))
+    Dataset.from_list([{"prompt": prompt, "gold": "yes"}]).save_to_disk(str(tmp_path / "grpo-train" / "dataset"))
+    options = Namespace(grpo_evidence_weight=None, grpo_respond_tokens=192, respond_tokens=96, grpo_generations=4,
+                        grpo_temperature=0.7, grpo_prompts_per_step=1, grpo_example="cites_number")
+    arm = learning_signal.grpo_arm(options)[1]
+    copy = arm.prepare_train_dataset(tmp_path)
+    # a copy written when the example read otherwise, and a seed trained on it (finished, with checkpoints)
+    stale = [[*row[:2], {**row[2], "content": row[2]["content"].replace("Evidence 1", "Line 1")}, *row[3:]]
+             for row in load_from_disk(str(copy))["prompt"]]
+    Dataset.from_list([{"prompt": p, "gold": "yes"} for p in stale]).save_to_disk(str(copy) + ".old")
+    shutil.rmtree(copy)
+    Path(str(copy) + ".old").rename(copy)
+    merged, checkpoints = tmp_path / f"{arm.folder}-merged-s0", tmp_path / f"{arm.folder}-out-s0" / "checkpoint-50"
+    checkpoints.mkdir(parents=True)
+    merged.mkdir()
+    (merged / "bench_run.json").write_text("{}")
+
+    assert arm.prepare_train_dataset(tmp_path) == copy
+    assert "Evidence 1 says" in load_from_disk(str(copy))[0]["prompt"][2]["content"]
+    assert not (merged / "bench_run.json").exists() and not checkpoints.parent.exists()  # trained again, from 0
+    (merged / "bench_run.json").write_text("{}")
+    arm.prepare_train_dataset(tmp_path)  # an up-to-date copy is kept, with its seeds
+    assert (merged / "bench_run.json").exists()
 
 
 def test_rescoring_refuses_replies_recorded_on_other_held_out_prompts() -> None:

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from seeds import LEARNING_RUN, allocator_env
+from seeds import LEARNING_WORK, allocator_env, grpo_prompts, learning_run
 
 from ermedrag.offline import offline_env
 
@@ -34,14 +34,14 @@ REPO = Path(__file__).resolve().parents[2]
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30)}
 
 
-def child(steps: int, work: Path, out: Path) -> None:
+def child(steps: int, run: Path, out: Path) -> None:
     """One arm: a short GRPO run; prints one RESULT line."""
     from ermedrag.tools.offline_model import offline_model_dir
     from ermedrag.training.config import GRPOTrainingConfig
     from ermedrag.training.trainers import train_grpo
 
     config = GRPOTrainingConfig(
-        model=str(offline_model_dir()), dataset=str(work / "grpo-train" / "dataset"), output_dir=str(out),
+        model=str(offline_model_dir()), dataset=str(grpo_prompts(run, "train")), output_dir=str(out),
         max_steps=steps, learning_rate=1e-4, num_generations=4, per_device_train_batch_size=4,
         max_completion_length=96, temperature=0.7, save_steps=10_000, seed=0)
     started = time.perf_counter()
@@ -55,7 +55,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, float]:
     callers = allocator_env()  # the plain arm runs with glibc's defaults
     inherited = {k: v for k, v in os.environ.items() if k not in callers}
     env = offline_env(KEEP_FREED_MEMORY if arm == "keep" else {}, base=inherited)
-    out = Path(args.work) / f"allocator-{arm}"
+    out = learning_run(Path(args.work)) / f"allocator-{arm}"
     proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps), "--work", args.work,
                            "--child-out", str(out)], env=env, capture_output=True, text=True, cwd=REPO)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--work", default=str(LEARNING_RUN))
+    parser.add_argument("--work", default=str(LEARNING_WORK), help="learning_signal.py's --work")
     parser.add_argument("--out", default=str(REPO / "benches" / "results" / "allocator.json"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -77,10 +77,12 @@ def main() -> None:
         parser.error("--steps and --pairs must be at least 1")
     if args.child and not args.child_out:
         parser.error("--child needs --child-out")
-    if not (Path(args.work) / "grpo-train" / "dataset").exists():
-        parser.error(f"no exported GRPO prompts in {args.work}/grpo-train: run learning_signal.py first (or --work)")
+    run = learning_run(Path(args.work))
+    if not grpo_prompts(run, "train").exists():
+        parser.error(f"no exported GRPO prompts at {grpo_prompts(run, 'train')}: run learning_signal.py first "
+                     "(or give its --work)")
     if args.child:
-        child(args.steps, Path(args.work), Path(args.child_out))
+        child(args.steps, run, Path(args.child_out))
         return
     runs = {"plain": [], "keep": []}
     for _ in range(args.pairs):

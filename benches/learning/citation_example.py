@@ -43,35 +43,17 @@ from datasets import load_from_disk
 from ermedrag.agents import respondent
 from ermedrag.graphs.common import Context
 from ermedrag.tools.offline_model import offline_model_dir
-from ermedrag.training.answer_rewards import cited_numbers, numbered_triplets
-from seeds import LEARNING_RUN
+from ermedrag.training.answer_rewards import numbered_triplets
+from seeds import LEARNING_WORK, grpo_prompts, learning_run
 from worked_examples import EXAMPLES
 
 RESULT = REPO / "benches" / "results" / "citation_example.json"
-
-
-def citations(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Shares of replies whose reasoning cites by number some evidence line, a relevant one, a distractor."""
-    counts = {"cites_a_number": 0, "cites_relevant_number": 0, "cites_distractor_number": 0}
-    for completion, row in zip(completions, rows):
-        reasoning = str(respondent.parse_answer(completion, row["options"]).get("reasoning") or "")
-        numbers = cited_numbers(reasoning)
-        shown = {t["number"]: t["distractor"] for t in numbered_triplets(row["triplets"])}
-        cited_distractor = [shown[n] for n in numbers if n in shown]
-        counts["cites_a_number"] += bool(cited_distractor)
-        counts["cites_relevant_number"] += not all(cited_distractor)
-        counts["cites_distractor_number"] += any(cited_distractor)
-    return {name: count / max(len(rows), 1) for name, count in counts.items()}
 
 
 def distractor_first(row: dict[str, Any]) -> bool:
     """Evidence line 1 is a distractor: where copying an example's "Evidence 1" cites one."""
     shown = numbered_triplets(row["triplets"])
     return bool(shown) and shown[0]["number"] == 1 and shown[0]["distractor"]
-
-
-def arm_figures(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
-    return {**respondent_metrics(completions, rows), **citations(completions, rows)}
 
 
 def prompts_sha256(rows: list[dict[str, Any]]) -> str:
@@ -87,7 +69,7 @@ def rescore(result: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any
                  f"(prompts_sha256 {result.get('prompts_sha256')} recorded, {prompts_sha256(rows)} now)")
     arms = {}
     for arm, recorded in result["arms"].items():
-        figures = arm_figures(recorded["replies"], rows)
+        figures = respondent_metrics(recorded["replies"], rows)
         arms[arm] = {**recorded, **figures}
         print(f"{arm}: {json.dumps(figures)}", flush=True)
     return {**result, "arms": arms, "rescored": {"date": time.strftime("%Y-%m-%d"), "command": command_line()}}
@@ -95,15 +77,15 @@ def rescore(result: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", default=str(LEARNING_RUN),
-                        help="the learning bench's work folder (its grpo-eval/dataset holds the held-out prompts)")
+    parser.add_argument("--work", default=str(LEARNING_WORK),
+                        help="learning_signal.py's --work (its run folder holds the held-out prompts)")
     parser.add_argument("--tokens", type=int, default=Context().respondent_max_new_tokens,
                         help="respondent tokens (default: the graph's respondent_max_new_tokens)")
     parser.add_argument("--out", default=str(RESULT))
     parser.add_argument("--rescore", action="store_true",
                         help="score the replies recorded in --out again with the current rewards (no model)")
     args = parser.parse_args()
-    dataset = Path(args.work) / "grpo-eval" / "dataset"
+    dataset = grpo_prompts(learning_run(Path(args.work)), "eval")
     if not dataset.exists():
         sys.exit(f"error: no held-out prompts at {dataset}: run benches/learning/learning_signal.py --parts grpo "
                  "first (or give its --work)")
@@ -117,7 +99,7 @@ def main() -> None:
     for arm, rewrite in EXAMPLES.items():
         arm_started = time.time()
         completions = generate(model, [rewrite(row["prompt"]) for row in rows], args.tokens, respondent.STOP)
-        figures = arm_figures(completions, rows)
+        figures = respondent_metrics(completions, rows)
         answers[arm] = [respondent.parse_answer(c, row["options"]).get("answer") for c, row in zip(completions, rows)]
         result["arms"][arm] = {**figures, "minutes": round((time.time() - arm_started) / 60, 1),
                                "replies": completions}

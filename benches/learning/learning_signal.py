@@ -20,11 +20,14 @@ each metric's mean ± sd after, per-seed values and how many seeds improved it. 
 `--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them).
 `--reuse-trained` measures again each seed whose merged model an earlier run finished with the same training
 config (`seeds.RUN_FILE` marks it), so that adding a seed, or a metric, costs no retraining of the others.
+Each measurement keeps the held-out replies it scored (`heldout_replies.json` in the seed's merged model, and in
+`<arm>-before` / `extractor-before` for the base model), so a metric added later can be read off them.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -39,6 +42,8 @@ REPO = Path(__file__).resolve().parents[2]
 # The default GRPO arm's sampling and worked example; a lever arm that changes one is recorded under its own key.
 GRPO_DEFAULTS = {"generations": 4, "temperature": 0.7, "prompts": 1,  # "prompts": per optimizer step
                  "example": "current"}  # the respondent's worked example (worked_examples.EXAMPLES)
+# Beside each measurement (a merged seed, a before): the held-out replies it scored.
+REPLIES_FILE = "heldout_replies.json"
 # Steps between checkpoints: a training killed part way goes on from its last checkpoint when rerun with --reuse.
 CHECKPOINT_STEPS = 10
 
@@ -58,7 +63,7 @@ from ermedrag.tools.corpus import Document  # noqa: E402
 from ermedrag.tools.index import build_index  # noqa: E402
 from ermedrag.tools.jsonl import read_records  # noqa: E402
 from ermedrag.tools.traces import TraceStore  # noqa: E402
-from ermedrag.training.answer_rewards import correctness_reward  # noqa: E402
+from ermedrag.training.answer_rewards import cited_numbers, correctness_reward, numbered_triplets  # noqa: E402
 from ermedrag.training.checkpoints import resume_checkpoint  # noqa: E402
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
 from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo,  # noqa: E402
@@ -67,8 +72,8 @@ from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
-from seeds import (LEARNING_RUN, LEARNING_WORK, RUN_FILE, accuracy_interval, afters_from_summary,  # noqa: E402
-                   allocator_env, gain, over_seeds, record_trained, trained_earlier)
+from seeds import (LEARNING_WORK, RUN_FILE, accuracy_interval, afters_from_summary, allocator_env,  # noqa: E402
+                   gain, grpo_prompts, learning_run, over_seeds, record_trained, trained_earlier)
 from worked_examples import EXAMPLES  # noqa: E402
 
 
@@ -102,6 +107,18 @@ def generate(model_spec: str, prompts: list[list[dict[str, str]]], max_new_token
     return [text_with_stop(reply, stop) for reply in replies]
 
 
+def generate_kept(model_spec: str, prompts: list[list[dict[str, str]]], max_new_tokens: int, stop: list[str],
+                  folder: Path) -> list[str]:
+    """`generate`, keeping the replies in `folder/REPLIES_FILE` with a fingerprint of their prompts, so that a metric
+    added later can be read off the very replies a recorded figure came from."""
+    replies = generate(model_spec, prompts, max_new_tokens, stop)
+    folder.mkdir(parents=True, exist_ok=True)
+    fingerprint = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()
+    (folder / REPLIES_FILE).write_text(json.dumps({"model": model_spec, "max_new_tokens": max_new_tokens,
+                                                   "prompts_sha256": fingerprint, "replies": replies}, indent=1))
+    return replies
+
+
 def answer_parsed_rate(texts: list[str], options: list[dict[str, str] | None]) -> float:
     """Share of texts from which the app's answer parser reads an answer, well formed or not."""
     return sum(respondent.parse_answer(t, o)["ok"] for t, o in zip(texts, options)) / max(len(texts), 1)
@@ -125,7 +142,21 @@ def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> di
         **{f"reward/{name}": sum(values) / n for name, values in scores.items()},
         "mean_chars": sum(len(c) for c in completions) / n,
         "mean_reasoning_chars": sum(len(p.get("reasoning") or "") for p in parsed) / n,
+        **citations(parsed, columns["triplets"]),
     }
+
+
+def citations(parsed: list[dict[str, Any]], triplets: list[Any]) -> dict[str, float]:
+    """Shares of replies whose reasoning cites by number some evidence line shown, a relevant one, a distractor:
+    evidence use gained by copying the worked example's "Evidence 1" shows as distractors cited."""
+    counts = {"cites_a_number": 0, "cites_relevant_number": 0, "cites_distractor_number": 0}
+    for reply, shown_triplets in zip(parsed, triplets):
+        shown = {t["number"]: t["distractor"] for t in numbered_triplets(shown_triplets)}
+        distractor_flags = [shown[n] for n in cited_numbers(str(reply.get("reasoning") or "")) if n in shown]
+        counts["cites_a_number"] += bool(distractor_flags)
+        counts["cites_relevant_number"] += not all(distractor_flags)
+        counts["cites_distractor_number"] += any(distractor_flags)
+    return {name: count / max(len(parsed), 1) for name, count in counts.items()}
 
 
 def extractor_metrics(completions: list[str], events: list[dict[str, Any]]) -> dict[str, float]:
@@ -228,7 +259,7 @@ def main() -> None:
         parser.error(f"--parts {args.parts!r}: expected grpo, dpo or grpo,dpo")
     started = time.time()
 
-    work = Path(args.work) / ("smoke" if args.smoke else LEARNING_RUN.name)
+    work = learning_run(Path(args.work), args.smoke)
     if not args.reuse:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -245,11 +276,11 @@ def main() -> None:
     model = f"hf:{model_path}"
 
     train_db, eval_db = work / "traces-train.sqlite", work / "traces-eval.sqlite"
-    if not (args.reuse and (work / "grpo-eval" / "dataset").exists()):
+    if not (args.reuse and grpo_prompts(work, "eval").exists()):
         prepare(args, work, model, train_db, eval_db)
     arms = dpo_arms(args, work, train_db) if "dpo" in parts else {}
 
-    eval_rows = [dict(r) for r in load_from_disk(str(work / "grpo-eval" / "dataset"))]
+    eval_rows = [dict(r) for r in load_from_disk(str(grpo_prompts(work, "eval")))]
     eval_events = list(TraceStore(eval_db).events(agent="extractor"))
     extract_prompts = [to_chat(e["messages"]) for e in eval_events]
     out = Path(args.out) if not args.smoke else work / "learning.json"
@@ -267,7 +298,8 @@ def main() -> None:
     if "grpo" in parts:
         key, arm = grpo_arm(args)
         eval_prompts = [EXAMPLES[arm.example](r["prompt"]) for r in eval_rows]
-        before = respondent_metrics(generate(model, eval_prompts, arm.tokens, respondent.STOP), eval_rows)
+        before = respondent_metrics(
+            generate_kept(model, eval_prompts, arm.tokens, respondent.STOP, work / f"{arm.folder}-before"), eval_rows)
         log(f"before: respondent {before}")
         prior = recorded_afters(key, before)
         runs = [grpo_run(args, work, model_path, eval_prompts, eval_rows, seed, arm) for seed in seeds]
@@ -292,7 +324,8 @@ def main() -> None:
         copy_curves(runs, args, results_dir / f"learning_{key}_curves.png")
 
     if arms:
-        before = extractor_metrics(generate(model, extract_prompts, args.extract_tokens, extractor.STOP), eval_events)
+        before = extractor_metrics(generate_kept(model, extract_prompts, args.extract_tokens, extractor.STOP,
+                                                 work / "extractor-before"), eval_events)
         log(f"before: extractor {before}")
     for key, dpo_dir in arms.items():
         prior = recorded_afters(key, before)
@@ -331,20 +364,31 @@ class GRPOArm:
     folder: str
 
     def prepare_train_dataset(self, work: Path) -> Path:
-        """The training prompts: the exported ones, or a copy with this arm's worked example (written once, whole:
-        a killed write leaves no folder to reuse; a new export empties `work`, copies included)."""
-        exported = work / "grpo-train" / "dataset"
+        """The training prompts: the exported ones, or a copy with this arm's worked example (written whole or not
+        at all: a killed write leaves no folder to reuse). A copy whose prompts are no longer the export rewritten
+        by today's `EXAMPLES` entry is written again, and the seeds trained on it are no longer reused."""
+        exported = grpo_prompts(work, "train")
         if self.example == GRPO_DEFAULTS["example"]:
             return exported
         rewritten = work / f"{self.folder}-train" / "dataset"
-        if not rewritten.exists():
-            rewrite = EXAMPLES[self.example]
-            partial = rewritten.with_name("dataset.partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            exported_rows = load_from_disk(str(exported))  # in memory: no cache files in the shared export
-            exported_rows.map(lambda row: {"prompt": rewrite(row["prompt"])}, keep_in_memory=True).save_to_disk(
-                str(partial))
-            partial.rename(rewritten)
+        rewrite = EXAMPLES[self.example]
+        exported_rows = load_from_disk(str(exported))  # in memory: no cache files in the shared export
+        expected = [rewrite(prompt) for prompt in exported_rows["prompt"]]
+        if rewritten.exists() and load_from_disk(str(rewritten))["prompt"] == expected:
+            return rewritten
+        if rewritten.exists():
+            log(f"{rewritten.parent.name}: its worked example is not today's {self.example!r}: written again, "
+                "its trained seeds retrained")
+            for marker in work.glob(f"{self.folder}-merged-s*/{RUN_FILE}"):
+                marker.unlink()
+            for checkpoints in work.glob(f"{self.folder}-out-s*"):  # else a rerun resumes at their last step
+                shutil.rmtree(checkpoints)
+        partial = rewritten.with_name("dataset.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        exported_rows.map(lambda row: {"prompt": rewrite(row["prompt"])}, keep_in_memory=True).save_to_disk(
+            str(partial))
+        shutil.rmtree(rewritten, ignore_errors=True)
+        partial.rename(rewritten)
         return rewritten
 
 
@@ -383,7 +427,8 @@ def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts
         max_completion_length=arm.tokens, temperature=arm.temperature, save_steps=CHECKPOINT_STEPS, resume=True,
         seed=seed, rewards=arm.weights or None)
     run = trained(args, config, work / f"{arm.folder}-merged-s{seed}", train_grpo)
-    after = respondent_metrics(generate(f"hf:{run['merged']}", eval_prompts, arm.tokens, respondent.STOP), eval_rows)
+    after = respondent_metrics(generate_kept(f"hf:{run['merged']}", eval_prompts, arm.tokens, respondent.STOP,
+                                             Path(run["merged"])), eval_rows)
     log(f"after grpo (seed {seed}): {after} ({run['minutes']} min; {run.get('zero_variance_steps')})")
     return {"after": after, **run}
 
@@ -396,8 +441,8 @@ def dpo_run(args: argparse.Namespace, dpo_dir: Path, work: Path, model_path: str
         max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
         save_steps=CHECKPOINT_STEPS, resume=True, seed=seed)
     run = trained(args, config, work / f"{dpo_dir.name}-merged-s{seed}", train_dpo)
-    after = extractor_metrics(generate(f"hf:{run['merged']}", extract_prompts, args.extract_tokens, extractor.STOP),
-                              eval_events)
+    after = extractor_metrics(generate_kept(f"hf:{run['merged']}", extract_prompts, args.extract_tokens, extractor.STOP,
+                                            Path(run["merged"])), eval_events)
     log(f"after dpo (seed {seed}): {after} ({run['minutes']} min)")
     return {"after": after, **run}
 
@@ -446,7 +491,7 @@ def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, ev
     record(train_q, model, index_dir, train_db, work, args)
     record(eval_q, model, index_dir, eval_db, work, args)
     for name, db in (("train", train_db), ("eval", eval_db)):
-        counts = export_grpo(GRPOExportConfig(traces=str(db), out=str(work / f"grpo-{name}")), progress=False)
+        counts = export_grpo(GRPOExportConfig(traces=str(db), out=str(grpo_prompts(work, name).parent)), progress=False)
         log(f"grpo export {name}: {counts}")
 
 

@@ -104,8 +104,18 @@ def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count
 
 
 RUN_FILE = "bench_run.json"  # written into a seed's folder (a merged model, a chain of stages) once it is complete
-LEARNING_WORK = Path.home() / ".cache" / "ermedrag" / "bench" / "learning"  # learning_signal.py's --work
-LEARNING_RUN = LEARNING_WORK / "full"  # its real-model run (exports, held-out prompts), read by the other benches
+LEARNING_WORK = Path.home() / ".cache" / "ermedrag" / "bench" / "learning"  # the learning benches' --work
+
+
+def learning_run(work: Path, smoke: bool = False) -> Path:
+    """learning_signal.py's run folder in its --work (exports, held-out prompts, trained seeds), which the other
+    learning benches read: one folder for the real model, another for `--smoke`'s tiny one."""
+    return work / ("smoke" if smoke else "full")
+
+
+def grpo_prompts(run: Path, split: str) -> Path:
+    """The respondent prompts exported from a run's recorded traces: `train` ones, or the held-out `eval` ones."""
+    return run / f"grpo-{split}" / "dataset"
 
 
 def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:
