@@ -556,8 +556,9 @@ def training_time(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any
 
 def command_line() -> str:
     """This run's command, recorded at the top and in each arm it writes: a levers file holds several runs' arms."""
-    script = Path(sys.argv[0]).resolve().relative_to(REPO)
-    return " ".join(["python", str(script), *sys.argv[1:]])
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(REPO) if script.is_relative_to(REPO) else script  # a caller outside: pytest's
+    return " ".join(["python", str(shown), *sys.argv[1:]])
 
 
 def write_result(result: dict[str, Any], out: Path, started: float) -> None:
