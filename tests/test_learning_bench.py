@@ -133,6 +133,9 @@ def test_seeds_added_later_extend_the_recorded_ones_against_the_same_before() ->
     grown = seeds.over_seeds(before, [*earlier, {"mean_reward": 0.8, "strict_json_rate": 0.3}])
     assert grown["n"] == 3 and grown["mean_reward"]["after"]["values"] == [0.6, 0.4, 0.8]
     assert grown["mean_reward"]["seeds_higher_after"] == 2
+    newer = seeds.over_seeds({**before, "cites": 0.2}, [*earlier, {"mean_reward": 0.8, "strict_json_rate": 0.3,
+                                                                "cites": 0.4}])
+    assert "cites" not in newer  # measured in the added seed only: no mean over 1 seed under n = 3
     with pytest.raises(ValueError, match="another before"):
         seeds.afters_from_summary(recorded, {**before, "mean_reward": 0.45}, 2)
     with pytest.raises(ValueError, match="holds 2 seeds"):

@@ -22,12 +22,13 @@ from ermedrag.evals.metrics import wilson_interval
 def over_seeds(before: dict[str, float], afters: Sequence[dict[str, float]]) -> dict[str, Any]:
     """Per numeric metric of `before`: its value before, and after training its mean ± sd over the seeds, each
     seed's value, and in how many seeds it ended higher than before (better for rates and rewards, not for
-    lengths)."""
+    lengths). A metric some seeds lack (added after they were recorded, `--first-seed`) is left out: its mean
+    would be over fewer seeds than `n` says."""
     summary: dict[str, Any] = {"n": len(afters)}
     before, afters = flat(before), [flat(after) for after in afters]
     for name, value in before.items():
         values = [after[name] for after in afters if isinstance(after.get(name), (int, float))]
-        if not isinstance(value, (int, float)) or not values:
+        if not isinstance(value, (int, float)) or not values or len(values) < len(afters):
             continue
         summary[name] = {"before": round(value, 4), "after": spread(values),
                          "seeds_higher_after": sum(v > value for v in values)}
