@@ -161,6 +161,11 @@ def test_a_seed_is_reused_only_when_its_merge_finished_with_the_same_config(tmp_
     assert seeds.trained_earlier(config, merged) == run
     assert seeds.trained_earlier(dataclasses.replace(config, seed=1), merged) is None  # another config
     marker = merged / seeds.RUN_FILE
+    recorded = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**recorded, "rewards_sha256": "0" * 64}))
+    assert seeds.trained_earlier(config, merged) is None  # trained under other reward code
+    marker.write_text(json.dumps(recorded))
+    assert seeds.trained_earlier(config, merged) == run
     marker.write_text(marker.read_text()[:20])  # a kill while the marker was written
     assert seeds.trained_earlier(config, merged) is None
     marker.unlink()  # what a new training of the seed does first
@@ -228,6 +233,10 @@ def test_respondent_metrics_split_numbered_citations_into_relevant_and_distracto
     metrics = respondent_metrics(replies, [{**row, "gold": "yes", "question": "Q?"}] * len(replies))
     assert {name: metrics[name] for name in ("cites_a_number", "cites_relevant_number", "cites_distractor_number")} \
         == {"cites_a_number": 3 / 5, "cites_relevant_number": 2 / 5, "cites_distractor_number": 2 / 5}
+    assert metrics["names_unused_line"] == 3 / 5  # "says so" uses no line's words
+    # with line 2's words: only the reply naming line 1 for them, and the one naming both with no words, remain
+    with_words = [reply.replace("says so", "says y holds") for reply in replies]
+    assert respondent_metrics(with_words, [{**row, "gold": "yes", "question": "Q?"}] * 5)["names_unused_line"] == 2 / 5
 
 
 def test_a_worked_example_arm_trains_on_its_own_rewritten_copy_of_the_export(tmp_path: Path) -> None:

@@ -185,8 +185,9 @@ def test_length_penalty_thresholds():
 def test_evidence_use_positive_when_correct_supported_and_cited():
     columns = cols(triplets=TRIPLETS)
     assert score(evidence_use_reward, GOOD, **columns) == 1.0
-    by_id = "<think>Per [kb-7], option B.</think><answer>B</answer>"
+    by_id = "<think>Per [kb-7], rickets: option B.</think><answer>B</answer>"
     assert score(evidence_use_reward, by_id, **columns) == 1.0
+    assert score(evidence_use_reward, by_id.replace(", rickets", ""), **columns) == 0.0  # a bare name, nothing used
 
 
 def test_evidence_use_negative_cases():
@@ -225,9 +226,9 @@ def yes_no_cols(**extra) -> dict:
 
 def test_evidence_use_fires_on_yes_no_questions_when_the_reasoning_uses_a_triplet():
     restates = "<think>Reduced eGFR showed a higher incidence with metformin, so it does not lower it.</think><answer>no</answer>"
-    by_number = "<think>Evidence 2 says the opposite.</think><answer>no</answer>"
-    by_bracket = "<think>As [2] reports, it does not.</think><answer>no</answer>"
-    by_id = "<think>pubmed-1@0-120 reports the opposite.</think><answer>no</answer>"
+    by_number = "<think>Evidence 2 says the opposite: a higher incidence.</think><answer>no</answer>"
+    by_bracket = "<think>As [2] reports for reduced eGFR, it does not.</think><answer>no</answer>"
+    by_id = "<think>pubmed-1@0-120 reports a higher incidence.</think><answer>no</answer>"
     for completion in (restates, by_number, by_bracket, by_id):
         assert score(evidence_use_reward, completion, **yes_no_cols()) == 1.0, completion
     assert score(evidence_use_reward, restates.replace(">no<", ">yes<"), **yes_no_cols()) == 0.0  # wrong answer
@@ -251,23 +252,39 @@ def test_evidence_use_refuses_a_reply_that_names_a_distractor_beside_the_evidenc
                        "<think>Reduced eGFR showed a higher incidence (Evidence 1).</think><answer>no</answer>"):
         assert score(evidence_use_reward, completion, **yes_no_cols()) == 0.0, completion
     # naming only the relevant one still pays, with the distractor listed first or second
-    assert score(evidence_use_reward, "<think>Evidence 2 says so.</think><answer>no</answer>", **yes_no_cols()) == 1.0
+    says = "<think>Evidence {} says the incidence is higher.</think><answer>no</answer>"
+    assert score(evidence_use_reward, says.format(2), **yes_no_cols()) == 1.0
     swapped = yes_no_cols(triplets=[list(reversed(YES_NO_TRIPLETS))])
-    assert score(evidence_use_reward, "<think>Evidence 1 says so.</think><answer>no</answer>", **swapped) == 1.0
-    assert score(evidence_use_reward, "<think>Evidence 2 says so.</think><answer>no</answer>", **swapped) == 0.0
+    assert score(evidence_use_reward, says.format(1), **swapped) == 1.0
+    assert score(evidence_use_reward, says.format(2), **swapped) == 0.0
+
+
+def test_evidence_use_refuses_a_name_that_does_not_agree_with_what_the_reasoning_says():
+    # GRPO with a worked example citing "Evidence 1" taught the model to write "Evidence 1 says" before whatever
+    # it restated: a name pays only beside the named triplet's own words
+    relevant_first = yes_no_cols(triplets=[[
+        {"condition": "metformin in chronic kidney disease", "relation": "associated with",
+         "conclusion": "stable bicarbonate levels", "snippet_id": "pubmed-3@0-90", "distractor": False},
+        *reversed(YES_NO_TRIPLETS)]])
+    mislabelled = "<think>Evidence 1 says reduced eGFR showed a higher incidence.</think><answer>no</answer>"
+    assert score(evidence_use_reward, mislabelled, **relevant_first) == 0.0  # line 2's words under line 1's name
+    assert score(evidence_use_reward, mislabelled.replace("Evidence 1", "Evidence 2"), **relevant_first) == 1.0
+    assert score(evidence_use_reward, mislabelled.replace("Evidence 1 says ", ""), **relevant_first) == 1.0
+    assert score(evidence_use_reward, "<think>Evidence 1 says so.</think><answer>no</answer>", **relevant_first) == 0.0
 
 
 def test_evidence_numbers_are_the_prompts_even_after_an_item_that_is_not_a_triplet():
     shown = ["not a triplet", *YES_NO_TRIPLETS]  # the prompt showed the real triplet as number 3
     columns = yes_no_cols(triplets=[shown])
-    assert score(evidence_use_reward, "<think>Evidence 3 says so.</think><answer>no</answer>", **columns) == 1.0
-    assert score(evidence_use_reward, "<think>Evidence 2 says so.</think><answer>no</answer>", **columns) == 0.0
+    says = "<think>Evidence {} says the incidence is higher.</think><answer>no</answer>"
+    assert score(evidence_use_reward, says.format(3), **columns) == 1.0
+    assert score(evidence_use_reward, says.format(2), **columns) == 0.0
 
 
 def test_evidence_use_on_options_cites_by_number_or_content():
     columns = cols(triplets=TRIPLETS) | {"question": ["A child has bowed legs. Which deficiency?"]}
-    assert score(evidence_use_reward, "<think>Triplet #1 fits.</think><answer>B</answer>", **columns) == 1.0
-    assert score(evidence_use_reward, "<think>Triplet #2 fits.</think><answer>B</answer>", **columns) == 0.0  # no 2
+    assert score(evidence_use_reward, "<think>Triplet #1, rickets, fits.</think><answer>B</answer>", **columns) == 1.0
+    assert score(evidence_use_reward, "<think>Triplet #2, rickets, fits.</think><answer>B</answer>", **columns) == 0.0
     assert score(evidence_use_reward, "<think>A child with bowed legs.</think><answer>B</answer>", **columns) == 0.0
 
 

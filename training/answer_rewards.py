@@ -19,7 +19,7 @@ evidence the respondent was shown: dicts with condition/relation/conclusion/snip
 | `well_formed_correctness_reward` | correctness | 1.0 if the completion is well formed and its answer equals `gold`, else 0.0 |
 | `format_reward` | format | 1.0 well formed, else 0.0 (no partial credit: see below) |
 | `length_penalty` | length | 0.0 up to `soft_chars`, linearly down to -`max_penalty` at `max_chars` and beyond |
-| `evidence_use_reward` | evidence | 1.0 if correct, the reasoning refers to a relevant triplet and names no distractor |
+| `evidence_use_reward` | evidence | 1.0 if correct and the reasoning restates a relevant triplet, naming none but those |
 
 `correctness_reward` (no format gate) is what evaluation counts; benches report it, training does not use it.
 It reads a search rollout's `answer_text` (an answer the system had to ask for counts, as in the graph);
@@ -40,17 +40,22 @@ every other reward reads only what the model wrote, so a forced answer earns no 
 - Length is counted in characters (`LengthPenalty(max_chars=1500, max_penalty=1.0, soft_chars=None)`;
   `soft_chars` defaults to two thirds of `max_chars`, i.e. 1000; Med-R³ sets `max_chars` from its config).
 - Evidence use: 0.0 unless the answer is correct and `triplets` is non-empty. Then 1.0 when the reasoning (the
-  `<think>` text) refers to a triplet that is not a distractor (`distractor: true`, the export's noise from
-  other runs): it cites the triplet's number in the evidence list ("evidence 2", "triplet #2", "fact 2", "[2]") or its
-  snippet id, or restates it: shares at least `MIN_SHARED_TOKENS` content tokens with the triplet that are
-  neither the question's nor the answer's own (restating the question or naming the answer is not using the
-  evidence). The rule asks nothing of the answer's wording, so it fires on yes/no/maybe questions too: an earlier
-  rule asked the answer's tokens to appear in the triplet and never fired on PubMedQA (issue 15).
-  A reply that names a distractor (its number or snippet id) scores 0.0 even when it also names a relevant
-  triplet: with a worked example that cites "Evidence 1", a third to a half of the base model's replies copied
-  the number whatever it pointed at, and a reward that paid them would teach copying (benches/learning
-  `citation_example.py`). Setting a distractor aside by number ("evidence 1 is unrelated") is refused too: the
-  rule cannot tell dismissing from relying, and a reply that uses the right evidence needs no distractor named.
+  `<think>` text) restates a triplet that is not a distractor (`distractor: true`, the export's noise from other
+  runs), and every triplet it names is such a triplet and is restated by it. Restating means using the triplet's
+  own content tokens, those that are neither the question's nor the answer's (restating the question or naming
+  the answer is not using the evidence): at least `MIN_SHARED_TOKENS` (2), or `MIN_NAMED_TOKENS` (1) for a
+  triplet the reasoning also names. Naming means citing its number in the evidence list ("evidence 2", "triplet
+  #2", "fact 2", "[2]") or its snippet id. The rule asks nothing of the answer's wording, so it fires on
+  yes/no/maybe questions too: an earlier rule asked the answer's tokens to appear in the triplet and never
+  fired on PubMedQA (issue 15).
+  A name must agree with what the reasoning says. An earlier rule paid a bare "Evidence 1": with a worked example
+  that cites "Evidence 1", GRPO taught the 270M model to write "Evidence 1 says ..." in 48 of 48 held-out replies
+  whatever line 1 held, mostly before another line's content, and the reward paid it whenever line 1 happened to
+  be relevant (benches/learning, `learning_signal.py --grpo-example cites_number`). A reply that names a
+  distractor scores 0.0 even when it also uses a relevant triplet: a third to a half of the base model's replies
+  copied the number whatever it pointed at (`citation_example.py`). Setting a distractor aside by number
+  ("evidence 1 is unrelated") is refused too: the rule cannot tell dismissing from relying, and a reply that
+  uses the right evidence needs no distractor named.
 """
 
 from __future__ import annotations
@@ -234,6 +239,9 @@ def numbered_triplets(value: Any) -> list[dict[str, Any]]:
 
 
 MIN_SHARED_TOKENS = 2  # one shared word is often a coincidence ("patient", "risk"); two rarely are
+# A named triplet (its number or id) needs one of its own words beside the name: the name and a word together
+# rarely coincide, while a name alone is what a model copies from its worked example whatever it points at.
+MIN_NAMED_TOKENS = 1
 # "evidence 2", "triplets #3", "fact no. 1", "[2]": a number the reasoning gives an evidence line. Only words that
 # name the evidence list: a model numbering its own thoughts ("Point 1:", "Finding 2:") cites nothing. Bounded
 # digits and literal alternatives: linear in the reasoning's length.
@@ -255,28 +263,43 @@ def _cited(triplet: dict[str, Any], numbers: set[int], reasoning: str) -> bool:
     return triplet["number"] in numbers or _cites(reasoning, triplet["snippet_id"])
 
 
-def uses_evidence(parsed: dict[str, Any], options: dict[str, str] | None, triplets: list[dict[str, Any]],
-                  question: str = "") -> bool:
-    """The reasoning refers to some triplet that is not a distractor and names no distractor (module docstring)."""
-    answer = parsed.get("answer")
-    if answer is None:
-        return False
+@dataclass(frozen=True)
+class Reference:
+    """How a reasoning refers to one triplet of its evidence list: by name (number or snippet id) or not, and how
+    many of the triplet's own words (not the question's, not the answer's) it uses."""
+
+    triplet: dict[str, Any]
+    named: bool
+    shared_tokens: int
+
+    @property
+    def restated(self) -> bool:
+        return self.shared_tokens >= (MIN_NAMED_TOKENS if self.named else MIN_SHARED_TOKENS)
+
+
+def evidence_references(parsed: dict[str, Any], options: dict[str, str] | None, triplets: list[dict[str, Any]],
+                        question: str = "") -> list[Reference]:
+    """Each triplet of `numbered_triplets` as the parsed reply's reasoning refers to it."""
     reasoning = str(parsed.get("reasoning") or "")
-    answer_text = options.get(answer, answer) if options else answer
-    own = set(content_tokens(answer_text)) | set(content_tokens(question))
+    answer = parsed.get("answer") or ""
+    own = set(content_tokens(options.get(answer, answer) if options else answer)) | set(content_tokens(question))
     reasoning_tokens = set(content_tokens(reasoning))
     numbers = cited_numbers(reasoning)
-    if any(_cited(triplet, numbers, reasoning) for triplet in triplets if triplet["distractor"]):
+    return [Reference(triplet, _cited(triplet, numbers, reasoning),
+                      len(reasoning_tokens & (set(content_tokens(" ".join(triplet[name] for name in FIELDS))) - own)))
+            for triplet in triplets]
+
+
+def uses_evidence(parsed: dict[str, Any], options: dict[str, str] | None, triplets: list[dict[str, Any]],
+                  question: str = "") -> bool:
+    """The reasoning restates a triplet that is not a distractor, and every triplet it names (number or snippet id)
+    is one of those and is restated by it (module docstring)."""
+    if parsed.get("answer") is None:
         return False
-    for triplet in triplets:
-        if triplet["distractor"]:
-            continue
-        if _cited(triplet, numbers, reasoning):
-            return True
-        distinctive = set(content_tokens(" ".join(triplet[name] for name in FIELDS))) - own
-        if len(reasoning_tokens & distinctive) >= MIN_SHARED_TOKENS:
-            return True
-    return False
+    references = evidence_references(parsed, options, triplets, question)
+    if any(ref.named and (ref.triplet["distractor"] or not ref.restated) for ref in references):
+        return False
+    return any(ref.restated and not ref.triplet["distractor"] for ref in references)
 
 
 def evidence_use_reward(completions: list, **kwargs: Any) -> list[float]:

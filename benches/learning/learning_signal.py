@@ -63,7 +63,8 @@ from ermedrag.tools.corpus import Document  # noqa: E402
 from ermedrag.tools.index import build_index  # noqa: E402
 from ermedrag.tools.jsonl import read_records  # noqa: E402
 from ermedrag.tools.traces import TraceStore  # noqa: E402
-from ermedrag.training.answer_rewards import cited_numbers, correctness_reward, numbered_triplets  # noqa: E402
+from ermedrag.training.answer_rewards import (cited_numbers, correctness_reward, evidence_references,  # noqa: E402
+                                              numbered_triplets)
 from ermedrag.training.checkpoints import resume_checkpoint  # noqa: E402
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
 from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo,  # noqa: E402
@@ -142,20 +143,24 @@ def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> di
         **{f"reward/{name}": sum(values) / n for name, values in scores.items()},
         "mean_chars": sum(len(c) for c in completions) / n,
         "mean_reasoning_chars": sum(len(p.get("reasoning") or "") for p in parsed) / n,
-        **citations(parsed, columns["triplets"]),
+        **citations(parsed, rows),
     }
 
 
-def citations(parsed: list[dict[str, Any]], triplets: list[Any]) -> dict[str, float]:
-    """Shares of replies whose reasoning cites by number some evidence line shown, a relevant one, a distractor:
-    evidence use gained by copying the worked example's "Evidence 1" shows as distractors cited."""
-    counts = {"cites_a_number": 0, "cites_relevant_number": 0, "cites_distractor_number": 0}
-    for reply, shown_triplets in zip(parsed, triplets):
-        shown = {t["number"]: t["distractor"] for t in numbered_triplets(shown_triplets)}
+def citations(parsed: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Shares of replies whose reasoning cites by number some evidence line shown, a relevant one, a distractor,
+    and that names a line (number or snippet id) without using its words: evidence use gained by copying the
+    worked example's "Evidence 1" shows in the last two."""
+    counts = {"cites_a_number": 0, "cites_relevant_number": 0, "cites_distractor_number": 0, "names_unused_line": 0}
+    for reply, row in zip(parsed, rows):
+        triplets = numbered_triplets(row["triplets"])
+        shown = {t["number"]: t["distractor"] for t in triplets}
         distractor_flags = [shown[n] for n in cited_numbers(str(reply.get("reasoning") or "")) if n in shown]
         counts["cites_a_number"] += bool(distractor_flags)
         counts["cites_relevant_number"] += not all(distractor_flags)
         counts["cites_distractor_number"] += any(distractor_flags)
+        references = evidence_references(reply, row.get("options"), triplets, str(row.get("question") or ""))
+        counts["names_unused_line"] += any(ref.named and not ref.restated for ref in references)
     return {name: count / max(len(parsed), 1) for name, count in counts.items()}
 
 

@@ -119,21 +119,35 @@ def grpo_prompts(run: Path, split: str) -> Path:
     return run / f"grpo-{split}" / "dataset"
 
 
+def rewards_sha256() -> str:
+    """A fingerprint of the reward functions' source: a seed trained under other rewards is another training,
+    though its config reads the same (a reward's rule is code, not a setting). Any edit of these files counts."""
+    from ermedrag.training import answer_rewards, extractor_reward, reward_text, rewards, search_rewards
+
+    digest = hashlib.sha256()
+    for module in (answer_rewards, extractor_reward, reward_text, rewards, search_rewards):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()
+
+
 def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:
-    """Mark a seed's merged model (or chain of stages) complete, with the training config and what the run
-    reported."""
-    (merged / RUN_FILE).write_text(json.dumps({"training_config": _as_json(config), **run}, indent=2, default=str))
+    """Mark a seed's merged model (or chain of stages) complete, with the training config, the rewards it was
+    trained under and what the run reported."""
+    marker = {"training_config": _as_json(config), "rewards_sha256": rewards_sha256(), **run}
+    (merged / RUN_FILE).write_text(json.dumps(marker, indent=2, default=str))
 
 
 def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
     """What an earlier run recorded for a seed trained with this very config (`--reuse-trained`, `--reuse`): for a
-    merged model its steps, minutes and zero-variance steps, for a chain its stages; None when the config differs
-    or the run never finished (or its marker)."""
+    merged model its steps, minutes and zero-variance steps, for a chain its stages; None when the config or the
+    rewards differ or the run never finished (or its marker)."""
     try:
         run = json.loads((merged / RUN_FILE).read_text())
     except (OSError, ValueError):  # missing, or cut short by a kill while it was written
         return None
-    return run if isinstance(run, dict) and run.pop("training_config", None) == _as_json(config) else None
+    if not isinstance(run, dict) or run.pop("rewards_sha256", None) != rewards_sha256():
+        return None
+    return run if run.pop("training_config", None) == _as_json(config) else None
 
 
 def allocator_env() -> dict[str, str]:
