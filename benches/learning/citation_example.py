@@ -1,7 +1,7 @@
 """Does the respondent's worked example make the model cite its evidence? Three examples on the same prompts.
 
 The GRPO evidence reward (`training.answer_rewards.evidence_use_reward`) pays a correct answer whose reasoning
-refers to a triplet that is not a distractor and names no distractor. Before training, the offline 270M base model
+restates a triplet that is not a distractor and names none but the lines it restates. Before training, the offline 270M base model
 does so in about 1 reply of 48, so the reward rarely fires and GRPO has little to reinforce (benches/README, issue
 15). The model copies its worked example closely (`benches/prompt_bias`), so the example is a lever on that base
 rate. Arms (`worked_examples.EXAMPLES`), on the learning bench's held-out respondent prompts (recorded ER-MedRAG
@@ -14,8 +14,8 @@ runs with distractor triplets), differing only in the worked example:
   first (17 of the 48 prompts).
 
 Per arm, greedy at the graph's respondent budget: every reward component, accuracy, reasoning length, and the
-numbered citations split into those of a relevant triplet and those of a distractor, so that a reward gained by
-copying a number shows as such.
+numbered citations split into those of a relevant triplet and those of a distractor, and the replies that name a
+line without using its words, so that a reward gained by copying a number shows as such.
 
     .venv/bin/python benches/learning/learning_signal.py --parts grpo     # first: records the held-out prompts
     .venv/bin/python benches/learning/citation_example.py                 # 65 min on 2 cores shared with a training
