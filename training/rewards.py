@@ -6,7 +6,7 @@ weights into the reward functions and weights a `GRPOTrainer` takes.
 | correctness | `well_formed_correctness_reward` | the answer equals `gold`, in a well-formed reply | `answer_rewards` |
 | format | `format_reward` | one `<think>` then one `<answer>`, nothing else | `answer_rewards` |
 | length | `length_penalty` | characters beyond two thirds of `max_chars` (≤ 0) | `answer_rewards` |
-| evidence | `evidence_use_reward` | a correct answer grounded in a triplet the reasoning cites | `answer_rewards` |
+| evidence | `evidence_use_reward` | a correct answer grounded in a triplet the reasoning restates | `answer_rewards` |
 | retrieval_hit | `retrieval_hit_reward` | share of the gold evidence the searches retrieved | `search_rewards` |
 | search_format | `search_format_reward` | share of well-formed searches | `search_rewards` |
 | penalties | `med_r3_penalties` | bad search, forged document, overlong, long thinking (≤ 0) | `search_rewards` |
