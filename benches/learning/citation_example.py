@@ -42,6 +42,7 @@ from datasets import load_from_disk
 
 from ermedrag.agents import respondent
 from ermedrag.graphs.common import Context
+from ermedrag.tools.jsonl import replace_text
 from ermedrag.tools.offline_model import offline_model_dir
 from ermedrag.training.answer_rewards import numbered_triplets
 from seeds import LEARNING_WORK, grpo_prompts, learning_run
@@ -92,7 +93,7 @@ def main() -> None:
     rows = [dict(row) for row in load_from_disk(str(dataset))]
     if args.rescore:
         result = rescore(json.loads(Path(args.out).read_text()), rows)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        replace_text(Path(args.out), json.dumps(result, indent=2) + "\n")
         return
     model = f"hf:{offline_model_dir()}"
     started, result, answers = time.time(), {"arms": {}}, {}
@@ -112,7 +113,7 @@ def main() -> None:
                                 for arm in EXAMPLES if arm != "current"},
         minutes=round((time.time() - started) / 60, 1),
         command=command_line())
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    replace_text(Path(args.out), json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
 from ermedrag.tools.chat_models import load_chat_model  # noqa: E402
 from ermedrag.tools.corpus import Document  # noqa: E402
 from ermedrag.tools.index import build_index  # noqa: E402
-from ermedrag.tools.jsonl import read_records  # noqa: E402
+from ermedrag.tools.jsonl import read_records, replace_text  # noqa: E402
 from ermedrag.tools.traces import TraceStore  # noqa: E402
 from ermedrag.training.answer_rewards import (cited_numbers, correctness_reward, evidence_references,  # noqa: E402
                                               numbered_triplets)
@@ -118,8 +118,8 @@ def generate_kept(model_spec: str, prompts: list[list[dict[str, str]]], max_new_
     replies = generate(model_spec, prompts, max_new_tokens, stop)
     folder.mkdir(parents=True, exist_ok=True)
     fingerprint = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()
-    (folder / REPLIES_FILE).write_text(json.dumps({"model": model_spec, "max_new_tokens": max_new_tokens,
-                                                   "prompts_sha256": fingerprint, "replies": replies}, indent=1))
+    replace_text(folder / REPLIES_FILE, json.dumps({"model": model_spec, "max_new_tokens": max_new_tokens,
+                                                    "prompts_sha256": fingerprint, "replies": replies}, indent=1))
     return replies
 
 
@@ -578,7 +578,7 @@ def write_result(result: dict[str, Any], out: Path, started: float) -> None:
     result.update(total_minutes=round((time.time() - started) / 60, 1), command=command_line())
     if allocator := allocator_env():
         result["allocator_env"] = allocator
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    replace_text(out, json.dumps(result, indent=2) + "\n")  # a kill never cuts the other arms' record
     print(json.dumps(result, indent=2))
 
 

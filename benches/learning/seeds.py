@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ermedrag.evals.metrics import wilson_interval
+from ermedrag.tools.jsonl import replace_text
 
 
 def over_seeds(before: dict[str, float], afters: Sequence[dict[str, float]]) -> dict[str, Any]:
@@ -134,7 +135,7 @@ def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:
     """Mark a seed's merged model (or chain of stages) complete, with the training config, the rewards it was
     trained under and what the run reported."""
     marker = {"training_config": _as_json(config), "rewards_sha256": rewards_sha256(), **run}
-    (merged / RUN_FILE).write_text(json.dumps(marker, indent=2, default=str))
+    replace_text(merged / RUN_FILE, json.dumps(marker, indent=2, default=str))
 
 
 def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
