@@ -1,11 +1,11 @@
 """Does the respondent's worked example make the model cite its evidence? Three examples on the same prompts.
 
 The GRPO evidence reward (`training.answer_rewards.evidence_use_reward`) pays a correct answer whose reasoning
-restates a triplet that is not a distractor and names none but the lines it restates. Before training, the offline 270M base model
-does so in about 1 reply of 48, so the reward rarely fires and GRPO has little to reinforce (benches/README, issue
-15). The model copies its worked example closely (`benches/prompt_bias`), so the example is a lever on that base
-rate. Arms (`worked_examples.EXAMPLES`), on the learning bench's held-out respondent prompts (recorded ER-MedRAG
-runs with distractor triplets), differing only in the worked example:
+restates a triplet that is not a distractor and names none but the lines it restates. Before training, the offline
+270M base model does so in about 1 reply of 48, so the reward rarely fires and GRPO has little to reinforce
+(benches/README, issue 15). The model copies its worked example closely (`benches/prompt_bias`), so the example is
+a lever on that base rate. Arms (`worked_examples.EXAMPLES`), on the learning bench's held-out respondent prompts
+(recorded ER-MedRAG runs with distractor triplets), differing only in the worked example:
 
 - `current`: the prompts as recorded (`agents.respondent.example`: "The evidence says vitamin D deficiency ...");
 - `cites_number`: the same example citing its evidence line by number ("Evidence 1 says ...");

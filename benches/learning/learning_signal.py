@@ -466,11 +466,12 @@ def trained(args: argparse.Namespace, config: Any, merged: Path,
         return {**earlier, "reused": True, "merged": str(merged), "plot_path": None}
     rewards_stamp = Path(config.output_dir) / REWARDS_STAMP  # checkpoints are resumed under the same rewards only
     stamped = rewards_stamp.read_text() if rewards_stamp.exists() else None
-    if (merged / RUN_FILE).exists() or not resumable(config) or stamped != rewards_sha256():
+    rewards = rewards_sha256()
+    if (merged / RUN_FILE).exists() or not resumable(config) or stamped != rewards:
         shutil.rmtree(config.output_dir, ignore_errors=True)  # finished, or checkpoints of other settings or rewards
         (merged / RUN_FILE).unlink(missing_ok=True)
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-    rewards_stamp.write_text(rewards_sha256())
+    rewards_stamp.write_text(rewards)
     started = time.time()
     summary = train(config)
     if summary["resumed_from_step"]:
