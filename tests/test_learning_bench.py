@@ -56,7 +56,7 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     assert 0 <= low <= grpo["accuracy_before"]["accuracy"] <= high <= 1
     assert len(grpo["zero_variance_share"]) == 2 and all(0 <= s <= 1 for s in grpo["zero_variance_share"])
     assert [z["logged_steps"] for z in result["grpo_respondent"]["zero_variance_steps"]] == [2, 2]
-    for metric in ("cites_relevant_number", "cites_distractor_number"):  # evidence use split by what is cited
+    for metric in ("cites_relevant_number", "cites_distractor_number", "cites_first_line"):  # what is cited
         assert len(grpo[metric]["after"]["values"]) == 2, metric
     # every measurement keeps the held-out replies it scored, so a metric added later needs no model
     kept = {folder: json.loads((tmp_path / "smoke" / folder / "heldout_replies.json").read_text())
@@ -233,6 +233,7 @@ def test_respondent_metrics_split_numbered_citations_into_relevant_and_distracto
     metrics = respondent_metrics(replies, [{**row, "gold": "yes", "question": "Q?"}] * len(replies))
     assert {name: metrics[name] for name in ("cites_a_number", "cites_relevant_number", "cites_distractor_number")} \
         == {"cites_a_number": 3 / 5, "cites_relevant_number": 2 / 5, "cites_distractor_number": 2 / 5}
+    assert metrics["cites_first_line"] == 2 / 5  # a position habit shows whatever line 1 holds
     assert metrics["names_unused_line"] == 3 / 5  # "says so" uses no line's words
     # with line 2's words: only the reply naming line 1 for them, and the one naming both with no words, remain
     with_words = [reply.replace("says so", "says y holds") for reply in replies]

@@ -152,14 +152,17 @@ def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> di
 
 def citations(parsed: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, float]:
     """Shares of replies whose reasoning cites by number some evidence line shown, a relevant one, a distractor,
-    and that names a line (number or snippet id) without using its words: evidence use gained by copying the
-    worked example's "Evidence 1" shows in the last two."""
-    counts = {"cites_a_number": 0, "cites_relevant_number": 0, "cites_distractor_number": 0, "names_unused_line": 0}
+    the first line, and that names a line (number or snippet id) without using its words. Evidence use gained by
+    copying the worked example's "Evidence 1" shows in the last two: line 1 is cited whatever it holds."""
+    counts = {"cites_a_number": 0, "cites_relevant_number": 0, "cites_distractor_number": 0, "cites_first_line": 0,
+              "names_unused_line": 0}
     for reply, row in zip(parsed, rows):
         triplets = numbered_triplets(row["triplets"])
         shown = {t["number"]: t["distractor"] for t in triplets}
-        distractor_flags = [shown[n] for n in cited_numbers(str(reply.get("reasoning") or "")) if n in shown]
+        cited = [n for n in cited_numbers(str(reply.get("reasoning") or "")) if n in shown]
+        distractor_flags = [shown[n] for n in cited]
         counts["cites_a_number"] += bool(distractor_flags)
+        counts["cites_first_line"] += 1 in cited
         counts["cites_relevant_number"] += not all(distractor_flags)
         counts["cites_distractor_number"] += any(distractor_flags)
         references = evidence_references(reply, row.get("options"), triplets, str(row.get("question") or ""))
