@@ -162,7 +162,7 @@ def test_a_seed_is_reused_only_when_its_merge_finished_with_the_same_config(tmp_
     assert seeds.trained_earlier(dataclasses.replace(config, seed=1), merged) is None  # another config
     marker = merged / seeds.RUN_FILE
     recorded = json.loads(marker.read_text())
-    marker.write_text(json.dumps({**recorded, "rewards_sha256": "0" * 64}))
+    marker.write_text(json.dumps({**recorded, "reward_code_sha256": "0" * 64}))
     assert seeds.trained_earlier(config, merged) is None  # trained under other reward code
     marker.write_text(json.dumps(recorded))
     assert seeds.trained_earlier(config, merged) == run

@@ -547,3 +547,17 @@ def test_no_reward_raises_on_random_text(text, gold, options, triplets, snippet,
     for value in (reward.structure, reward.faithfulness, reward.conciseness, reward.total):
         assert 0.0 <= value <= 1.0
     assert reward.usefulness is None or 0.0 <= reward.usefulness <= 1.0
+
+
+def test_the_reward_code_fingerprint_follows_the_code_and_not_its_docs():
+    from ermedrag.training.rewards import code_sha256, reward_code_sha256
+
+    rule = 'def reward(text):\n    """Pays a cited line."""\n    return 0.2 if "Evidence" in text else 0.0\n'
+    documented = ('"""Rewards."""\n# why: the reasoning must cite\ndef reward(text):\n    """Pays a cited line,'
+                  ' restated."""\n\n    return 0.2 if "Evidence" in text else 0.0  # a bare label\n')
+    assert code_sha256([rule]) == code_sha256([documented])  # docstrings, comments and layout are not the rule
+    for changed in (rule.replace("0.2", "0.3"), rule.replace('"Evidence"', '"evidence"'),
+                    rule.replace("text)", "text, question)")):
+        assert code_sha256([changed]) != code_sha256([rule]), changed
+    assert code_sha256([rule, rule]) != code_sha256([rule])  # every module counts
+    assert reward_code_sha256() == reward_code_sha256() and len(reward_code_sha256()) == 64

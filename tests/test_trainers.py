@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from ermedrag.testing import build_tiny_causal_lm
+from ermedrag.training.checkpoints import SETTINGS_FILE
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, load_config
+from ermedrag.training.rewards import reward_code_sha256
 from ermedrag.training.trainers import METRICS_FILE, PLOT_FILE, train_dpo, train_grpo
 
 REPO = Path(__file__).resolve().parents[1]
@@ -284,6 +286,13 @@ def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grp
     # the checkpoints belong to this run's settings: resuming them under others is refused, naming what differs
     with pytest.raises(ValueError, match=r"other settings \(checkpoint-4: learning_rate differ\)"):
         train_grpo(dataclasses.replace(config, resume=True, learning_rate=5e-4), [has_answer_tag, length_score])
+    # and to the reward code they were trained under (a reward's rule is code, not a setting)
+    for settings_file in output_dir.glob(f"checkpoint-*/{SETTINGS_FILE}"):  # the complete checkpoints
+        settings = json.loads(settings_file.read_text())
+        assert settings["reward_code_sha256"] == reward_code_sha256()
+        settings_file.write_text(json.dumps({**settings, "reward_code_sha256": "0" * 64}))
+    with pytest.raises(ValueError, match=r"checkpoint-4: reward_code_sha256 differ"):
+        train_grpo(dataclasses.replace(config, resume=True), [has_answer_tag, length_score])
 
 
 def test_a_new_run_in_a_folder_resumes_its_own_checkpoints_not_the_earlier_runs(tiny_model, grpo_dataset, tmp_path,

@@ -20,6 +20,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ermedrag.tools.jsonl import replace_text
+from ermedrag.training.config import GRPOTrainingConfig
+from ermedrag.training.rewards import reward_code_sha256
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +62,19 @@ def check_resumable(trl_args: Any) -> None:
 
 
 def settings_record(config: Any) -> dict[str, Any]:
-    """The config as JSON reads it back, with local paths absolute, the number of processes, and the precision it
+    """The config as JSON reads it back, with local paths absolute, the number of processes, the precision it
     resolves to on this machine (`bf16: null` means bf16 on CUDA only: a GPU run resumed on a CPU would change it
-    silently)."""
+    silently) and, for a GRPO run, the reward code it trains under (an upgrade that changes a reward's rule would
+    otherwise go on training one model under two objectives)."""
     from accelerate import PartialState
 
     record = json.loads(json.dumps(dataclasses.asdict(config), default=str))
     for name in PATH_FIELDS:  # the same folder however it is named (relative, through a link, not yet created)
         if isinstance(record.get(name), str) and (name != "model" or Path(record[name]).exists()):
             record[name] = str(Path(record[name]).resolve())
+    rewards = {"reward_code_sha256": reward_code_sha256()} if isinstance(config, GRPOTrainingConfig) else {}
     return {**record, "resolved_bf16": config.resolved_bf16(), "resolved_dtype": config.resolved_dtype(),
-            "processes": PartialState().num_processes}
+            "processes": PartialState().num_processes, **rewards}
 
 
 def differing_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:

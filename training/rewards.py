@@ -17,14 +17,21 @@ unset) and each Med-R³ stage's `stage_overrides.N.rewards` (on top of `training
 name not among them adds that reward, weight 0 drops one. A reward with parameters is a frozen dataclass
 (`LengthPenalty`, `MedR3Penalties`); the trainer's `reward_settings()` (for Med-R³: `max_chars`,
 `max_think_chars`, `max_searches`) set the fields of the same names. Every reward here is picklable.
+
+`reward_code_sha256` fingerprints the code behind these rewards: a GRPO checkpoint records it, and a resume
+under other reward code is refused (a reward's rule is code, not a setting).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import hashlib
+import importlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ermedrag.training.answer_rewards import (
@@ -35,6 +42,9 @@ from ermedrag.training.answer_rewards import (
 )
 from ermedrag.training.reward_text import RewardFunc
 from ermedrag.training.search_rewards import med_r3_penalties, retrieval_hit_reward, search_format_reward
+
+# The modules whose code the registry's rewards run (their rules and the text helpers they share).
+REWARD_MODULES = ("answer_rewards", "extractor_reward", "reward_text", "rewards", "search_rewards")
 
 REWARDS: dict[str, RewardFunc] = {
     "correctness": well_formed_correctness_reward,
@@ -104,3 +114,29 @@ def _configured(reward: RewardFunc, settings: Mapping[str, Any]) -> RewardFunc:
     own = {f.name for f in dataclasses.fields(reward)}
     chosen = {name: value for name, value in settings.items() if name in own}
     return dataclasses.replace(reward, **chosen) if chosen else reward
+
+
+def reward_code_sha256() -> str:
+    """A fingerprint of the code of `REWARD_MODULES` (the rewards' rules, not their docs)."""
+    modules = [importlib.import_module(f"ermedrag.training.{name}") for name in REWARD_MODULES]
+    return code_sha256(Path(module.__file__).read_text(encoding="utf-8") for module in modules)
+
+
+def code_sha256(sources: Iterable[str]) -> str:
+    """A fingerprint of Python sources' syntax trees without docstrings: editing a comment, a docstring or the
+    layout keeps it; any change to what runs (a statement, a constant, a name) changes it."""
+    digest = hashlib.sha256()
+    for source in sources:
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.body and _is_docstring(node.body[0]):
+                node.body = node.body[1:] or [ast.Pass()]
+        digest.update(ast.dump(tree).encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _is_docstring(statement: ast.stmt) -> bool:
+    return isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) \
+        and isinstance(statement.value.value, str)

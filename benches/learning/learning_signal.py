@@ -44,8 +44,6 @@ GRPO_DEFAULTS = {"generations": 4, "temperature": 0.7, "prompts": 1,  # "prompts
                  "example": "current"}  # the respondent's worked example (worked_examples.EXAMPLES)
 # Beside each measurement (a merged seed, a before): the held-out replies it scored.
 REPLIES_FILE = "heldout_replies.json"
-# In a training's output folder: the reward code its checkpoints were trained under (seeds.rewards_sha256).
-REWARDS_STAMP = "bench_rewards_sha256"
 # Steps between checkpoints: a training killed part way goes on from its last checkpoint when rerun with --reuse.
 CHECKPOINT_STEPS = 10
 
@@ -76,8 +74,7 @@ from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noq
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
 from seeds import (LEARNING_WORK, RUN_FILE, accuracy_interval, afters_from_summary, allocator_env,  # noqa: E402
-                   gain, grpo_prompts, learning_run, over_seeds, record_trained, rewards_sha256,
-                   trained_earlier)
+                   gain, grpo_prompts, learning_run, over_seeds, record_trained, trained_earlier)
 from worked_examples import EXAMPLES  # noqa: E402
 
 
@@ -467,14 +464,9 @@ def trained(args: argparse.Namespace, config: Any, merged: Path,
     if earlier:
         log(f"reusing {merged.name}: trained earlier with this config ({earlier['steps']} steps)")
         return {**earlier, "reused": True, "merged": str(merged), "plot_path": None}
-    rewards_stamp = Path(config.output_dir) / REWARDS_STAMP  # checkpoints are resumed under the same rewards only
-    stamped = rewards_stamp.read_text() if rewards_stamp.exists() else None
-    rewards = rewards_sha256()
-    if (merged / RUN_FILE).exists() or not resumable(config) or stamped != rewards:
+    if (merged / RUN_FILE).exists() or not resumable(config):
         shutil.rmtree(config.output_dir, ignore_errors=True)  # finished, or checkpoints of other settings or rewards
         (merged / RUN_FILE).unlink(missing_ok=True)
-    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-    rewards_stamp.write_text(rewards)
     started = time.time()
     summary = train(config)
     if summary["resumed_from_step"]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ermedrag.evals.metrics import wilson_interval
 from ermedrag.tools.jsonl import replace_text
+from ermedrag.training.rewards import reward_code_sha256
 
 
 def over_seeds(before: dict[str, float], afters: Sequence[dict[str, float]]) -> dict[str, Any]:
@@ -120,21 +121,10 @@ def grpo_prompts(run: Path, split: str) -> Path:
     return run / f"grpo-{split}" / "dataset"
 
 
-def rewards_sha256() -> str:
-    """A fingerprint of the reward functions' source: a seed trained under other rewards is another training,
-    though its config reads the same (a reward's rule is code, not a setting). Any edit of these files counts."""
-    from ermedrag.training import answer_rewards, extractor_reward, reward_text, rewards, search_rewards
-
-    digest = hashlib.sha256()
-    for module in (answer_rewards, extractor_reward, reward_text, rewards, search_rewards):
-        digest.update(Path(module.__file__).read_bytes())
-    return digest.hexdigest()
-
-
 def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:
     """Mark a seed's merged model (or chain of stages) complete, with the training config, the rewards it was
     trained under and what the run reported."""
-    marker = {"training_config": _as_json(config), "rewards_sha256": rewards_sha256(), **run}
+    marker = {"training_config": _as_json(config), "reward_code_sha256": reward_code_sha256(), **run}
     replace_text(merged / RUN_FILE, json.dumps(marker, indent=2, default=str))
 
 
@@ -146,7 +136,7 @@ def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
         run = json.loads((merged / RUN_FILE).read_text())
     except (OSError, ValueError):  # missing, or cut short by a kill while it was written
         return None
-    if not isinstance(run, dict) or run.pop("rewards_sha256", None) != rewards_sha256():
+    if not isinstance(run, dict) or run.pop("reward_code_sha256", None) != reward_code_sha256():
         return None
     return run if run.pop("training_config", None) == _as_json(config) else None
 
