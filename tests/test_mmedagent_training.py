@@ -25,9 +25,8 @@ from ermedrag.training.mmedagent import (
     stage_config,
     stage_rewards,
     train_mmedagent,
-    triage_correctness_reward,
-    well_formed_triage_correctness_reward,
 )
+from ermedrag.training.triage_rewards import triage_correctness_reward, well_formed_triage_correctness_reward
 from ermedrag.tools.specialties import (
     MEDMCQA_SUBJECT_SPECIALTY,
     MEDXPERTQA_BODY_SYSTEM_SPECIALTY,

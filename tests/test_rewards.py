@@ -561,3 +561,15 @@ def test_the_reward_code_fingerprint_follows_the_code_and_not_its_docs():
         assert code_sha256([changed]) != code_sha256([rule]), changed
     assert code_sha256([rule, rule]) != code_sha256([rule])  # every module counts
     assert reward_code_sha256() == reward_code_sha256() and len(reward_code_sha256()) == 64
+
+
+def test_the_reward_code_includes_the_parsers_the_rewards_read_replies_with():
+    from ermedrag.training.rewards import REWARD_MODULES, reward_modules
+
+    modules = reward_modules()
+    assert set(REWARD_MODULES) <= set(modules)
+    # the parsers behind correctness, triplet structure, searches and triage are part of the rule
+    assert {"ermedrag.agents.respondent", "ermedrag.agents.extractor", "ermedrag.agents.reasoner",
+            "ermedrag.agents.mmedagent"} <= set(modules)
+    # the trainers, configs and package __init__ files (a version bump) are not
+    assert not {"ermedrag", "ermedrag.agents", "ermedrag.training.trainers", "ermedrag.training.config"} & set(modules)

@@ -113,7 +113,7 @@ def resume_checkpoint(config: Any) -> Path | None:
         newest, recorded = checkpoints[0]
         raise ValueError(f"{output_dir} holds checkpoints of a run with other settings ({newest.name}: "
                          f"{', '.join(differing_settings(recorded, current))} differ): resume with that run's "
-                         "config, or train into another output_dir")
+                         "config and reward code, or train into another output_dir")
     return None
 
 

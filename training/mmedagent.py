@@ -30,8 +30,8 @@ Rewards (curves `rewards/<function>/mean`), by config name:
 
 | name | function | used by |
 |---|---|---|
-| `triage_correctness_ungated` | `triage_correctness_reward`: the specialty parsed from the reply (`agents.mmedagent.parse_triage`) is `gold_specialty` | triage, paper |
-| `triage_correctness` | `well_formed_triage_correctness_reward`: the same, in a well-formed reply only | triage, gated |
+| `triage_correctness_ungated` | `triage_rewards.triage_correctness_reward`: the specialty parsed from the reply (`agents.mmedagent.parse_triage`) is `gold_specialty` | triage, paper |
+| `triage_correctness` | `triage_rewards.well_formed_triage_correctness_reward`: the same, in a well-formed reply only | triage, gated |
 | `correctness_ungated` | `answer_rewards.correctness_reward`: the answer is `gold` | attending, paper |
 | `correctness` | `answer_rewards.well_formed_correctness_reward`: the same, in a well-formed reply only | attending, gated |
 | `format` | `answer_rewards.format_reward`: one `<think>…</think>` then one `<answer>…</answer>` (weight 0.5) | both |
@@ -57,14 +57,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ermedrag.agents import mmedagent as roles
 from ermedrag.tools.jsonl import read_records
-from ermedrag.training.answer_rewards import correctness_reward, format_reward, is_well_formed, length_penalty, \
+from ermedrag.training.answer_rewards import correctness_reward, format_reward, length_penalty, \
     well_formed_correctness_reward
 from ermedrag.training.config import MMedAgentTrainingConfig, config_from_dict, load_config, resolve_model
 from ermedrag.training.stages import recorded_stage_model, refuse_resume, stage_model, write_stage_record
-from ermedrag.training.reward_text import MAX_TEXT_CHARS, RewardFunc, column, own_text
+from ermedrag.training.reward_text import RewardFunc
 from ermedrag.training.rewards import WeightedReward, resolve_rewards
+from ermedrag.training.triage_rewards import triage_correctness_reward, well_formed_triage_correctness_reward
 from ermedrag.training.trainers import run_grpo
 
 logger = logging.getLogger(__name__)
@@ -76,36 +76,6 @@ Role = Literal["triage", "attending"]
 
 
 # -------------------------------------------------------------------------------------------- rewards
-
-
-def _triage_hit(text: str, kwargs: Mapping[str, Any], index: int) -> bool:
-    """The reply names the row's `gold_specialty` among the row's `specialties` (`agents.mmedagent.parse_triage`)."""
-    listed = column(kwargs, "specialties", index)
-    names = [s for s in listed[:roles.MAX_SPECIALTIES] if isinstance(s, str) and s.strip()] \
-        if isinstance(listed, (list, tuple)) else []
-    gold = roles.canonical_specialty(column(kwargs, "gold_specialty", index), names) if names else None
-    if gold is None:
-        return False
-    try:
-        parsed = roles.parse_triage(text[:MAX_TEXT_CHARS], names, fallback=names[0])
-    except Exception:  # parse_triage is meant never to raise; a reward must not depend on it
-        logger.warning("parse_triage raised; scoring the triage reply as wrong", exc_info=True)
-        return False
-    return parsed["ok"] and parsed["specialty"] == gold
-
-
-def triage_correctness_reward(completions: list, **kwargs: Any) -> list[float]:
-    """1.0 when the specialty the reply names is the row's `gold_specialty`, else 0.0 (the paper's)."""
-    return [1.0 if _triage_hit(own_text(c, kwargs, i), kwargs, i) else 0.0 for i, c in enumerate(completions)]
-
-
-def well_formed_triage_correctness_reward(completions: list, **kwargs: Any) -> list[float]:
-    """`triage_correctness_reward`, but 0.0 for a reply that is not well formed (`is_well_formed`)."""
-    rewards = []
-    for i, completion in enumerate(completions):
-        text = own_text(completion, kwargs, i)
-        rewards.append(1.0 if is_well_formed(text) and _triage_hit(text, kwargs, i) else 0.0)
-    return rewards
 
 
 ROLE_REWARDS: dict[Role, dict[str, RewardFunc]] = {

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
-import importlib
+import importlib.util
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -43,8 +43,10 @@ from ermedrag.training.answer_rewards import (
 from ermedrag.training.reward_text import RewardFunc
 from ermedrag.training.search_rewards import med_r3_penalties, retrieval_hit_reward, search_format_reward
 
-# The modules whose code the registry's rewards run (their rules and the text helpers they share).
-REWARD_MODULES = ("answer_rewards", "extractor_reward", "reward_text", "rewards", "search_rewards")
+# The modules that define rewards (this registry's, the extractor's, MMedAgent's triage); with the parsers they
+# call, they are what `reward_code_sha256` fingerprints.
+REWARD_MODULES = tuple(f"ermedrag.training.{name}" for name in
+                       ("rewards", "answer_rewards", "extractor_reward", "search_rewards", "triage_rewards"))
 
 REWARDS: dict[str, RewardFunc] = {
     "correctness": well_formed_correctness_reward,
@@ -117,9 +119,46 @@ def _configured(reward: RewardFunc, settings: Mapping[str, Any]) -> RewardFunc:
 
 
 def reward_code_sha256() -> str:
-    """A fingerprint of the code of `REWARD_MODULES` (the rewards' rules, not their docs)."""
-    modules = [importlib.import_module(f"ermedrag.training.{name}") for name in REWARD_MODULES]
-    return code_sha256(Path(module.__file__).read_text(encoding="utf-8") for module in modules)
+    """A fingerprint of the rewards' rules: the code of `REWARD_MODULES` and of every ermedrag module they import,
+    directly or not (the parsers that read a reply are part of its reward); docstrings and comments do not count,
+    nor do package `__init__` files (a version bump is not a new rule)."""
+    return code_sha256(Path(_module_file(name)).read_text(encoding="utf-8") for name in reward_modules())
+
+
+def reward_modules() -> list[str]:
+    """`REWARD_MODULES` and the ermedrag modules they import, recursively, in a stable order."""
+    seen, pending = set(), list(REWARD_MODULES)
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        pending.extend(_imported_modules(ast.parse(Path(_module_file(name)).read_text(encoding="utf-8"))))
+    return sorted(seen)
+
+
+def _imported_modules(tree: ast.Module) -> list[str]:
+    """The ermedrag modules (not packages) an import statement anywhere in `tree` names."""
+    candidates = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            candidates += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            candidates += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return [name for name in candidates if name.startswith("ermedrag.") and _is_module(name)]
+
+
+def _is_module(name: str) -> bool:
+    """A module file of the package (`from ermedrag.agents import reasoner` names one; `ermedrag.agents` does not)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin is not None and not spec.origin.endswith("__init__.py")
+
+
+def _module_file(name: str) -> str:
+    return importlib.util.find_spec(name).origin
 
 
 def code_sha256(sources: Iterable[str]) -> str:

@@ -267,7 +267,8 @@ def _weighted_total(rewards, completions, columns) -> tuple[dict[str, float], fl
 def evaluate_triage(model_dir: str, rows: Sequence[dict[str, Any]], staged, args: argparse.Namespace) -> dict:
     from ermedrag.agents import mmedagent as roles
     from ermedrag.training.answer_rewards import format_reward
-    from ermedrag.training.mmedagent import stage_rewards, triage_correctness_reward
+    from ermedrag.training.mmedagent import stage_rewards
+    from ermedrag.training.triage_rewards import triage_correctness_reward
 
     texts, tokens = greedy_rollouts(model_dir, [r["prompt"] for r in rows], staged.max_completion_length,
                                     staged.stop_strings, args.eval_batch)
