@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -309,3 +310,22 @@ def test_rescoring_refuses_replies_recorded_on_other_held_out_prompts() -> None:
     assert citation_example.rescore(recorded, rows)["arms"]["current"]["accuracy"] == 1.0
     with pytest.raises(SystemExit, match="not the ones the recorded replies answered"):
         citation_example.rescore(recorded, [{**rows[0], "gold": "no"}])
+
+
+def test_a_second_run_on_a_work_folder_in_use_stops_naming_the_first(tmp_path: Path) -> None:
+    seeds = bench_module("seeds")
+    work = tmp_path / "full"
+    holder = subprocess.Popen(  # a bench run holding the folder, until its stdin closes
+        [sys.executable, "-c", "import sys; from pathlib import Path; from seeds import hold_work_folder; "
+         f"hold_work_folder(Path({str(work)!r})); print('held', flush=True); sys.stdin.read()"],
+        cwd=SCRIPT.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        in_use = rf"{re.escape(str(work))} is in use by another bench run \(pid {holder.pid}: -c\)"
+        with pytest.raises(SystemExit, match=in_use):
+            seeds.hold_work_folder(work)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    seeds.hold_work_folder(work)  # free once that run has exited
+    seeds.hold_work_folder(work)  # and this process may claim it again

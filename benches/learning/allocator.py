@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from seeds import LEARNING_WORK, allocator_env, grpo_prompts, learning_run
+from seeds import LEARNING_WORK, allocator_env, grpo_prompts, hold_work_folder, learning_run
 
 from ermedrag.offline import offline_env
 
@@ -84,6 +84,7 @@ def main() -> None:
     if args.child:
         child(args.steps, run, Path(args.child_out))
         return
+    hold_work_folder(run)  # its arms write into learning_signal.py's run folder
     runs = {"plain": [], "keep": []}
     for _ in range(args.pairs):
         for arm in runs:

@@ -74,7 +74,7 @@ from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noq
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
 from seeds import (LEARNING_WORK, RUN_FILE, accuracy_interval, afters_from_summary, allocator_env,  # noqa: E402
-                   gain, grpo_prompts, learning_run, over_seeds, record_trained, trained_earlier)
+                   gain, grpo_prompts, hold_work_folder, learning_run, over_seeds, record_trained, trained_earlier)
 from worked_examples import EXAMPLES  # noqa: E402
 
 
@@ -268,6 +268,7 @@ def main() -> None:
     started = time.time()
 
     work = learning_run(Path(args.work), args.smoke)
+    hold_work_folder(work)
     if not args.reuse:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 from learning_signal import abstracts_as_documents, answer_parsed_rate, log, write_result  # noqa: E402
-from seeds import inputs_key, part_over_seeds, run_or_reuse  # noqa: E402
+from seeds import hold_work_folder, inputs_key, part_over_seeds, run_or_reuse  # noqa: E402
 
 from ermedrag.tools.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.index import build_index, open_index  # noqa: E402
@@ -161,6 +161,7 @@ def main() -> None:
     started = time.time()
 
     work = Path(args.work) / ("smoke" if args.smoke else "full")
+    hold_work_folder(work)
     for old in [] if args.reuse else work.glob("train*"):
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     work.mkdir(parents=True, exist_ok=True)

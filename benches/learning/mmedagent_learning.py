@@ -630,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     import torch
-    from seeds import allocator_env, inputs_key, run_or_reuse
+    from seeds import allocator_env, hold_work_folder, inputs_key, run_or_reuse
 
     from ermedrag.training.mmedagent import stage_start_model
 
@@ -639,6 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ermedrag.training.config import resolve_model
 
     work = Path(args.work) / ("smoke" if args.smoke else "full")
+    hold_work_folder(work)
     for stale in [] if args.reuse else work.glob("train*"):
         shutil.rmtree(stale, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)

@@ -7,11 +7,13 @@ the spread over seeds is the training's own (LoRA initialisation, data order, sa
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,32 @@ def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count
 
 RUN_FILE = "bench_run.json"  # written into a seed's folder (a merged model, a chain of stages) once it is complete
 LEARNING_WORK = Path.home() / ".cache" / "ermedrag" / "bench" / "learning"  # the learning benches' --work
+
+
+_HELD: dict[Path, Any] = {}  # the open lock file of each work folder this process holds, until it exits
+
+
+def hold_work_folder(work: Path) -> None:
+    """Claim a bench's work folder until this process exits. A second run on the same folder would delete the
+    seeds this one is training, or reuse them half written: it stops at once, naming the run that holds it."""
+    lock = work.parent / f"{work.name}.lock"  # beside the folder: a run without --reuse deletes the folder
+    if lock.resolve() in _HELD:
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    handle = lock.open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise SystemExit(f"{work} is in use by another bench run ({holder}): wait for it to finish, or pass "
+                         "another --work") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}: {' '.join(sys.argv)}\n")
+    handle.flush()
+    _HELD[lock.resolve()] = handle
 
 
 def learning_run(work: Path, smoke: bool = False) -> Path:
