@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_index_durability import HashVectors
-from ermedrag.tools.corpus import CorpusError, Document, chunk_documents, read_corpus, read_documents
+from ermedrag.tools.corpus import CorpusError, Document, chunk_documents, read_corpus, read_documents, sections
 from ermedrag.tools.index import build_index, open_index
 from ermedrag.tools.retrieval import bm25_search
 
@@ -73,6 +73,20 @@ def test_a_long_document_is_indexed_whole(tmp_path: Path, chars: int) -> None:
     chunk = index.chunks([hit.chunk_id])[hit.chunk_id]
     assert chunk.start > 2_000_000 and "Zorbitine" in chunk.text == text[chunk.start:chunk.end]
     print(f"{len(text):,} characters: {stats['chunks_total']} chunks, build {seconds:.1f}s without the encoder")
+
+
+def test_a_long_text_reaches_the_sentence_splitter_in_sections_that_join_back_to_it() -> None:
+    """nltk's sentence regexes run under a 5 s wall-clock limit over what they are given: a 5 MB document in one
+    piece timed out on 2 busy cores. Sections are bounded, cut at a paragraph, else a line, else a blank."""
+    text = _long_text(50_000)
+    cuts = list(sections(text, limit=4_000))
+    assert "".join(cuts) == text and all(len(c) <= 4_000 for c in cuts) and len(cuts) > 12
+    assert all(c.endswith("\n\n") for c in cuts[:-1])  # every paragraph here is shorter than half a section
+    one_line = " ".join(["word"] * 3_000)
+    assert all(c.endswith(" ") for c in list(sections(one_line, limit=1_000))[:-1])
+    unbroken = "x" * 2_500
+    assert list(sections(unbroken, limit=1_000)) == ["x" * 1_000, "x" * 1_000, "x" * 500]
+    assert list(sections(text)) == [text] and list(sections("")) == [""]  # shorter than the default: one section
 
 
 def test_chunk_offsets_are_exact_in_text_without_spaces_or_sentences() -> None:

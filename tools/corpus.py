@@ -29,6 +29,9 @@ CONTROL_CHARS = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x9f]")
 BINARY_SAMPLE = 65536  # bytes of an undecodable file looked at to tell binary from another encoding
 UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 NON_BLANK = re.compile(r"\S")
+# The splitter's sentence tokenizer (nltk punkt) runs each regex under a 5 s wall-clock limit over the text it is
+# given: a 5 MB document timed out on 2 busy cores. It gets pieces this long at most, cut at a paragraph or line.
+SPLIT_PIECE_CHARS = 100_000
 EXAMPLES_KEPT = 3  # renamed ids shown as examples
 
 
@@ -322,15 +325,16 @@ def iter_chunks(documents: Iterable[Document], chunk_size: int = 256, chunk_over
     """Token-bounded chunks of each whole document (llama-index SentenceSplitter), with exact offsets.
 
     The splitter is linear in the text (a 5 MB document: 5-15 s), so documents are not cut to a maximum
-    length. Its pieces are stripped spans of the text; each is found in a window after the previous one
-    (`_locate`; bounded, so a long document stays linear)."""
+    length; it is given a long document in consecutive sections (`sections`), and no chunk spans two. Its
+    pieces are stripped spans of the text; each is found in a window after the previous one (`_locate`;
+    bounded, so a long document stays linear)."""
     from llama_index.core.node_parser import SentenceSplitter
 
     splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=chunk_overlap)
     for doc in documents:
         try:
-            pieces = splitter.split_text(doc.text)
-        except ValueError as err:  # "Single token exceeded chunk size" and the like
+            pieces = [piece for section in sections(doc.text) for piece in splitter.split_text(section)]
+        except (ValueError, TimeoutError) as err:  # "Single token exceeded chunk size"; a regex over its limit
             raise CorpusError(f"{doc.origin or doc.id}: cannot be chunked ({err})") from err
         previous_start, previous_end = -1, 0
         for piece in pieces:
@@ -339,6 +343,20 @@ def iter_chunks(documents: Iterable[Document], chunk_size: int = 256, chunk_over
             previous_start, previous_end = start, end
             yield Chunk(id=f"{doc.id}#{start}-{end}", doc_id=doc.id, text=piece, title=doc.title,
                         source=doc.source, start=start, end=end)
+
+
+def sections(text: str, limit: int = SPLIT_PIECE_CHARS) -> Iterator[str]:
+    """Consecutive pieces of `text` that join back to it, each at most `limit` characters: cut after the last
+    paragraph break in the second half of the window, else the last line break, else the last blank, else at
+    the limit."""
+    start = 0
+    while len(text) - start > limit:
+        low, high = start + limit // 2, start + limit
+        cut = next((found + len(separator) for separator in ("\n\n", "\n", " ")
+                    if (found := text.rfind(separator, low, high - len(separator) + 1)) >= 0), high)
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def _locate(doc: Document, piece: str, previous_start: int, previous_end: int) -> int:
