@@ -102,6 +102,16 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     proc = run_smoke(shared_data, tmp_path, "--reuse", "--parts", "grpo", "--seeds", "1")
     assert proc.returncode == 0 and "went on from" not in proc.stderr + proc.stdout
 
+    # seeds recorded against another before (other traces: another kind of CPU) are not added to: one clear line
+    assert json.loads(out.read_text())["grpo_respondent"]["cpu"] == bench_module("seeds").cpu_model()
+    recorded = json.loads(out.read_text())
+    recorded["seeds"]["grpo_respondent"]["accuracy"]["before"] += 0.5
+    out.write_text(json.dumps(recorded))
+    proc = run_smoke(shared_data, tmp_path, "--reuse", "--parts", "grpo", "--first-seed", "1", "--seeds", "1")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "--first-seed 1 cannot add to grpo_respondent" in proc.stderr and "accuracy differ" in proc.stderr
+    assert "Recorded on CPU" in proc.stderr and "grpo-merged-s1" not in proc.stderr  # stopped before training
+
 
 def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> None:
     seeds = bench_module("seeds")

@@ -74,7 +74,8 @@ from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noq
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
 from seeds import (LEARNING_WORK, RUN_FILE, accuracy_interval, afters_from_summary, allocator_env,  # noqa: E402
-                   gain, grpo_prompts, hold_work_folder, learning_run, over_seeds, record_trained, trained_earlier)
+                   cpu_model, gain, grpo_prompts, hold_work_folder, learning_run, over_seeds, record_trained,
+                   trained_earlier)
 from worked_examples import EXAMPLES  # noqa: E402
 
 
@@ -302,7 +303,12 @@ def main() -> None:
 
     def recorded_afters(key: str, before: dict[str, float]) -> list[dict[str, float]]:
         """The seeds recorded before --first-seed (read before training: a different before stops the run)."""
-        return afters_from_summary(recorded.get(key, {}), before, args.first_seed) if args.first_seed else []
+        try:
+            return afters_from_summary(recorded.get(key, {}), before, args.first_seed) if args.first_seed else []
+        except ValueError as err:
+            raise SystemExit(f"--first-seed {args.first_seed} cannot add to {key} in {out}: {err}. Recorded on CPU "
+                             f"{result.get(key, {}).get('cpu', '(not recorded)')}; this machine's: {cpu_model()} "
+                             "(see benches/README: seeds add up only on the same kind of CPU)") from None
 
     if "grpo" in parts:
         key, arm = grpo_arm(args)
@@ -321,7 +327,7 @@ def main() -> None:
             "num_generations": arm.generations, "temperature": arm.temperature,
             "prompts_per_step": arm.prompts_per_step, "worked_example": arm.example,
             "reward_weights": {**RESPONDENT_REWARDS, **arm.weights}, "respond_tokens": arm.tokens,
-            "command": command_line(),
+            "command": command_line(), "cpu": cpu_model(),
             "zero_variance_steps": earlier.get("zero_variance_steps", [])[:args.first_seed]
             + [r["zero_variance_steps"] for r in runs]}
         result["seeds"][key] = {
@@ -346,7 +352,7 @@ def main() -> None:
                        "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": len(eval_events),
                        "pair_composition": pair_composition(dpo_dir / "log.jsonl"),
                        "samples": args.dpo_samples, "sampling_temperature": args.dpo_temperature,
-                       "close_cut_lists": "close_cut" in key, "command": command_line()}
+                       "close_cut_lists": "close_cut" in key, "command": command_line(), "cpu": cpu_model()}
         summary = over_seeds(before, afters)
         result["seeds"][key] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
                                 "strict_json_rate": summary.get("strict_json_rate")}
