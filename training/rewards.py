@@ -122,19 +122,19 @@ def reward_code_sha256() -> str:
     """A fingerprint of the rewards' rules: the code of `REWARD_MODULES` and of every ermedrag module they import,
     directly or not (the parsers that read a reply are part of its reward); docstrings and comments do not count,
     nor do package `__init__` files (a version bump is not a new rule)."""
-    return code_sha256(Path(_module_file(name)).read_text(encoding="utf-8") for name in reward_modules())
+    return code_sha256(reward_modules().values())
 
 
-def reward_modules() -> list[str]:
-    """`REWARD_MODULES` and the ermedrag modules they import, recursively, in a stable order."""
-    seen, pending = set(), list(REWARD_MODULES)
+def reward_modules() -> dict[str, str]:
+    """`REWARD_MODULES` and the ermedrag modules they import, recursively: name → source, in a stable order."""
+    sources, pending = {}, list(REWARD_MODULES)
     while pending:
         name = pending.pop()
-        if name in seen:
+        if name in sources:
             continue
-        seen.add(name)
-        pending.extend(_imported_modules(ast.parse(Path(_module_file(name)).read_text(encoding="utf-8"))))
-    return sorted(seen)
+        sources[name] = Path(_module_file(name)).read_text(encoding="utf-8")
+        pending.extend(_imported_modules(ast.parse(sources[name])))
+    return dict(sorted(sources.items()))
 
 
 def _imported_modules(tree: ast.Module) -> list[str]:
