@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ermedrag.offline import offline_env
+from ermedrag.tools.machine import describe_machine
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -326,7 +326,7 @@ def main() -> None:
         print(json.dumps(child(args.child.split(","), args.quick)))
         return
     started = time.perf_counter()
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    at_start = describe_machine()
     names = args.only.split(",") if args.only else list(CONFIGURATIONS)
     results = {name: run_child(name, *CONFIGURATIONS[name], args.quick) for name in names}
     greedy = {name: result.pop("greedy_ids") for name, result in results.items() if "greedy_ids" in result}
@@ -346,7 +346,7 @@ def main() -> None:
             record.setdefault("summary", {})[name] = compared(results, greedy, name)
     record.update(command="python benches/cpu_inference.py" + (" --quick" if args.quick else ""),
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  machine=f"{platform.machine()}, {os.cpu_count()} cores, load average {load} at start",
+                  machine=at_start,
                   seconds=round(time.perf_counter() - started, 1))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 from ermedrag.tools.benchmarks import Question  # noqa: E402
 from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
 from ermedrag.graphs.registry import load_graph  # noqa: E402
+from ermedrag.tools.machine import describe_machine  # noqa: E402
 
 
 def free_port() -> int:
@@ -64,7 +65,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benches" / "results" / "eval_concurrency.json"))
     args = parser.parse_args()
 
-    load_at_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    at_start = describe_machine()
     server, base_url = start_server(args.reply_seconds)
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -107,7 +108,7 @@ def main() -> None:
         "sequential_seconds": round(sequential_s, 3),
         "sequential_ratio_to_ideal": round(sequential_ideal / sequential_s, 3),
         "command": "python benches/eval_concurrency.py " + " ".join(sys.argv[1:]),
-        "machine": f"{os.cpu_count()} cores, load average {load_at_start} at start",
+        "machine": at_start,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

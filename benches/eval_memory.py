@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ermedrag.offline import offline_env
+from ermedrag.tools.machine import describe_machine
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_MB = 2560
@@ -68,18 +68,6 @@ def run_measured(command: list[str], env: dict[str, str], timeout_s: float) -> t
         log.seek(0)
         tail = log.read()[-3000:]
     return proc.returncode, rss_mb(usage.ru_maxrss), round(seconds, 1), tail
-
-
-def machine() -> str:
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    memory = ""
-    try:
-        total_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                        if line.startswith("MemTotal:"))
-        memory = f", {total_kb / 1024 / 1024:.0f} GiB RAM"
-    except (OSError, StopIteration, ValueError):
-        pass
-    return f"{platform.machine()}, {os.cpu_count()} cores{memory}, load average {load} at start"
 
 
 def measure_eval(args: argparse.Namespace) -> dict:
@@ -224,7 +212,7 @@ def main() -> None:
         return
 
     result: dict = {}
-    at_start = machine()
+    at_start = describe_machine()
     if not args.no_eval:
         result |= measure_eval(args)
     result |= {"target_mb": TARGET_MB, "before_mb": BEFORE_MB,

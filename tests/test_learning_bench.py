@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ermedrag.tools.machine import cpu_model
 from tests.conftest import REPO
 
 SCRIPT = REPO / "benches" / "learning" / "learning_signal.py"
@@ -103,7 +104,7 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     assert proc.returncode == 0 and "went on from" not in proc.stderr + proc.stdout
 
     # seeds recorded against another before (other traces: another kind of CPU) are not added to: one clear line
-    assert json.loads(out.read_text())["grpo_respondent"]["cpu"] == bench_module("seeds").cpu_model()
+    assert json.loads(out.read_text())["grpo_respondent"]["cpu"] == cpu_model()
     recorded = json.loads(out.read_text())
     recorded["seeds"]["grpo_respondent"]["accuracy"]["before"] += 0.5
     out.write_text(json.dumps(recorded))

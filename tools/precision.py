@@ -14,8 +14,9 @@ bfloat16 only where the CPU computes it natively (AVX512-BF16 / AMX: emulated it
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from typing import Any
+
+from ermedrag.tools.machine import cpu_flags
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
@@ -41,23 +42,9 @@ NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX512-BF16 / AMX
 
 
 def cpu_has_native_bf16() -> bool:
-    """The CPU has bfloat16 instructions (read from /proc/cpuinfo's flags; False where that file is missing).
+    """The CPU has bfloat16 instructions (its /proc/cpuinfo flags; False where that file is missing).
     oneDNN's own check says yes on any AVX-512 CPU, where it emulates bfloat16 more slowly than float32."""
     return bool(NATIVE_BF16_FLAGS & cpu_flags())
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
-    except OSError:
-        return frozenset()
-    flags: set[str] = set()
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            flags.update(value.split())
-    return frozenset(flags)
 
 
 def checkpoint_dtype(source: str) -> str | None:

@@ -40,6 +40,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from ermedrag.offline import go_offline  # noqa: E402
+from ermedrag.tools.machine import cpu_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 go_offline()  # no network on the GPU machine: never let a library wait on a hub or a tracer
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     device = {
         "cuda": on_cuda,
-        "name": torch.cuda.get_device_name(0) if on_cuda else platform.processor() or platform.machine(),
+        "name": torch.cuda.get_device_name(0) if on_cuda else cpu_model(),
         "count": torch.cuda.device_count() if on_cuda else 0,
         "capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if on_cuda else None,
         "total_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if on_cuda else None,

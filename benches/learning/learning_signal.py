@@ -62,6 +62,7 @@ from ermedrag.tools.chat_models import load_chat_model  # noqa: E402
 from ermedrag.tools.corpus import Document  # noqa: E402
 from ermedrag.tools.index import build_index  # noqa: E402
 from ermedrag.tools.jsonl import read_records, replace_text  # noqa: E402
+from ermedrag.tools.machine import cpu_model  # noqa: E402
 from ermedrag.tools.traces import TraceStore  # noqa: E402
 from ermedrag.training.answer_rewards import (cited_numbers, correctness_reward, evidence_references,  # noqa: E402
                                               numbered_triplets)
@@ -74,7 +75,7 @@ from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noq
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
 from seeds import (LEARNING_WORK, RUN_FILE, accuracy_interval, afters_from_summary, allocator_env,  # noqa: E402
-                   cpu_model, gain, grpo_prompts, hold_work_folder, learning_run, over_seeds, record_trained,
+                   gain, grpo_prompts, hold_work_folder, learning_run, over_seeds, record_trained,
                    trained_earlier)
 from worked_examples import EXAMPLES  # noqa: E402
 

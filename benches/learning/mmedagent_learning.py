@@ -50,7 +50,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import sys
@@ -61,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from ermedrag.offline import go_offline
+from ermedrag.tools.machine import describe_machine
 
 REPO = Path(__file__).resolve().parents[2]
 go_offline()
@@ -444,12 +444,6 @@ def estimate_minutes(args: argparse.Namespace, stage_rows: dict[str, int]) -> fl
     return (train + evals + merges + 60) / 60
 
 
-def machine() -> str:
-    threads = os.environ.get("ERMEDRAG_TORCH_THREADS", "")
-    return (f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
-            f"python {platform.python_version()}" + (f", ERMEDRAG_TORCH_THREADS={threads}" if threads else ""))
-
-
 @dataclasses.dataclass
 class BenchData:
     """The split and every row the stages train on or are measured on."""
@@ -638,6 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ["ERMEDRAG_TORCH_THREADS"]))
     from ermedrag.training.config import resolve_model
 
+    at_start = describe_machine()
     work = Path(args.work) / ("smoke" if args.smoke else "full")
     hold_work_folder(work)
     for stale in [] if args.reuse else work.glob("train*"):
@@ -696,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if allocator := allocator_env():
         result["allocator_env"] = allocator
     result.update(settings=settings, seconds=round(time.time() - started, 1),
-                  date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), machine=machine(),
+                  date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), machine=at_start,
                   command=" ".join(["python", "benches/learning/mmedagent_learning.py",
                                     *(sys.argv[1:] if argv is None else argv)]))
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

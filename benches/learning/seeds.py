@@ -11,7 +11,6 @@ import fcntl
 import hashlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -137,17 +136,6 @@ def hold_work_folder(work: Path) -> None:
     handle.write(f"pid {os.getpid()}: {' '.join(sys.argv)}\n")
     handle.flush()
     _HELD[lock.resolve()] = handle
-
-
-def cpu_model() -> str:
-    """This machine's CPU as /proc/cpuinfo names it: recorded traces, hence a bench's before, repeat only on the
-    same kind of CPU (greedy float32 decoding goes another way near ties on other hardware)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
-                platform.processor() or platform.machine())
 
 
 def learning_run(work: Path, smoke: bool = False) -> Path:

@@ -20,9 +20,10 @@ import sys
 from pathlib import Path
 
 from learning_signal import generate  # also puts the library offline
-from seeds import LEARNING_WORK, cpu_model, learning_run
+from seeds import LEARNING_WORK, learning_run
 
 from ermedrag.agents import extractor
+from ermedrag.tools.machine import cpu_model
 from ermedrag.tools.traces import TraceStore
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ermedrag.offline import go_offline
+from ermedrag.tools.machine import describe_machine
 
 go_offline()
 
@@ -265,7 +265,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, questions: li
         "settings": {"benchmark": args.benchmark, "limit": args.limit, "seed": args.seed, "temperature": 0.0,
                      "respondent_max_new_tokens": 192, "concurrency": args.concurrency,
                      "ERMEDRAG_TORCH_THREADS": os.environ.get("ERMEDRAG_TORCH_THREADS"),
-                     "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"},
+                     "machine": describe_machine()},
         "n": len(questions),
         "arms": figures,
         "same_answer": agreement,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import shlex
@@ -32,6 +31,8 @@ from common import CACHE, DEFAULT_DATA, METRICS, REPO, chroma_server, run_system
 from data import SharedData, long_documents, load_passages, passage_vectors, single_passage_vectors, split_qrels
 from indexes import ensure_index, fingerprint
 from scoring import passage_metrics, snippet_metrics
+
+from ermedrag.tools.machine import describe_machine
 
 
 PASSAGE_CHUNK_SIZE = 1024  # tokens: 99.3% of passages stay one chunk (512 would split 1,720)
@@ -202,23 +203,13 @@ def batched_latency(index, questions: list[str], batch: int) -> dict:
 
 # ---------------------------------------------------------------- main
 
-def machine() -> str:
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "?")
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"nproc={os.cpu_count()}, {cpu}, no GPU used, torch {torch.__version__} threads={torch.get_num_threads()},"
-            f" Python {platform.python_version()}, load avg at start {load}")
-
-
 def main() -> None:
     args = parse_args()
     started = time.perf_counter()
     data = SharedData(Path(args.data).expanduser())
     data.check()
     set_threads(args.threads)
-    load_at_start = machine()
+    load_at_start = describe_machine()
     out_path = Path(args.out)
     out: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
     out.update({"command": shlex.join(["python", os.path.relpath(__file__, REPO), *sys.argv[1:]]),

@@ -37,6 +37,7 @@ from pathlib import Path
 from common import chroma_server, peak_rss_mb
 
 from ermedrag.offline import offline_env
+from ermedrag.tools.machine import describe_machine
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -206,6 +207,7 @@ def main() -> None:
         print(f"scale: skipped: no shared data with cached vectors at {data_root} (--data / ERMEDRAG_SHARED_DATA)")
         return
     started = time.perf_counter()
+    at_start = describe_machine()
     out = Path(args.out)
     record = json.loads(out.read_text()) if out.exists() else {}
     sizes = record.setdefault("sizes", {})
@@ -216,7 +218,7 @@ def main() -> None:
         out.write_text(json.dumps(record, indent=2) + "\n")
     record.update(command="python benches/retrieval/scale.py " + " ".join(sys.argv[1:]),
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  machine=f"{os.cpu_count()} cores, load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} at end",
+                  machine=at_start,
                   seconds=round(time.perf_counter() - started, 1))
     out.write_text(json.dumps(record, indent=2) + "\n")
     plot(sizes, out.with_suffix(".png"))
