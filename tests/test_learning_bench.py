@@ -132,6 +132,8 @@ def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> 
     part = seeds.part_over_seeds(runs, "stage1", eval_prompts=4)  # what each multi-stage bench records per part
     assert {k: v for k, v in part.items() if k != "accuracy_after"} == summary
     assert [a["accuracy"] for a in part["accuracy_after"]] == [0.5, 0.25] and part["accuracy_after"][0]["n"] == 4
+    befores[1]["rewards"] = {}  # a metric one seed lacks (recorded before it existed) has no mean over n seeds
+    assert "rewards/format" not in seeds.paired_over_seeds(befores, afters)
 
 
 def test_seeds_added_later_extend_the_recorded_ones_against_the_same_before() -> None:
@@ -152,6 +154,52 @@ def test_seeds_added_later_extend_the_recorded_ones_against_the_same_before() ->
         seeds.afters_from_summary(recorded, {**before, "mean_reward": 0.45}, 2)
     with pytest.raises(ValueError, match="holds 2 seeds"):
         seeds.afters_from_summary(recorded, before, 3)
+
+
+def arm_file(path: Path, before: dict, afters: list[dict], cpu: str, **settings) -> Path:
+    """A results file holding one run of an arm as learning_signal.py writes it."""
+    seeds = bench_module("seeds")
+    record = {"before": before, "after": afters[0], "steps": 50, "eval_prompts": 48, "temperature": 0.7,
+              "minutes": 50.0, "command": "python benches/learning/learning_signal.py", "cpu": cpu, **settings}
+    summary = {**seeds.over_seeds(before, afters), "zero_variance_share": [0.5] * len(afters)}
+    path.write_text(json.dumps({"arm": record, "seeds": {"arm": summary, "n": len(afters)}}))
+    return path
+
+
+def test_runs_with_their_own_befores_combine_into_paired_seeds(tmp_path: Path, capsys) -> None:
+    """Two machines' runs of one recipe (other traces, so other befores) join as paired seeds; a third run adds on;
+    another recipe is refused in one line."""
+    combine = bench_module("combine_runs")
+    first = arm_file(tmp_path / "a.json", {"accuracy": 0.3125, "rewards": {"format": 0.75}},
+                     [{"accuracy": 0.5, "rewards": {"format": 1.0}}], cpu="Xeon")
+    second = arm_file(tmp_path / "b.json", {"accuracy": 0.375, "rewards": {"format": 0.5}},
+                      [{"accuracy": 0.375, "rewards": {"format": 0.75}},
+                       {"accuracy": 0.5, "rewards": {"format": 1.0}}], cpu="EPYC")
+    assert combine.main(["--key", "arm", "--into", str(first), str(second)]) == 0
+    result = json.loads(first.read_text())
+    summary = result["seeds"]["arm"]
+    assert summary["n"] == 3 and result["seeds"]["n"] == 3
+    assert summary["runs"] == [{"cpu": "Xeon", "seeds": 1}, {"cpu": "EPYC", "seeds": 2}]
+    assert summary["accuracy"]["before"]["values"] == [0.3125, 0.375, 0.375]  # each seed beside its own run's
+    assert summary["accuracy"]["gain"]["values"] == [0.1875, 0.0, 0.125]
+    assert summary["accuracy"]["seeds_higher_after"] == 2
+    assert summary["rewards/format"]["gain"]["values"] == [0.25, 0.25, 0.5]
+    assert [a["accuracy"] for a in summary["accuracy_after"]] == [0.5, 0.375, 0.5]
+    assert len(summary["accuracy_before"]) == 2 and summary["zero_variance_share"] == [0.5, 0.5, 0.5]
+    assert [run["cpu"] for run in result["arm"]["runs"]] == ["Xeon", "EPYC"] and "before" not in result["arm"]
+
+    third = arm_file(tmp_path / "c.json", {"accuracy": 0.25, "rewards": {"format": 0.5}},
+                     [{"accuracy": 0.25, "rewards": {"format": 0.5}}], cpu="EPYC")
+    assert combine.main(["--key", "arm", "--into", str(first), str(third)]) == 0
+    assert json.loads(first.read_text())["seeds"]["arm"]["accuracy"]["gain"]["values"] == [0.1875, 0.0, 0.125, 0.0]
+
+    other = arm_file(tmp_path / "d.json", {"accuracy": 0.25}, [{"accuracy": 0.5}], cpu="EPYC", temperature=0.9)
+    kept = first.read_text()
+    capsys.readouterr()
+    assert combine.main(["--key", "arm", "--into", str(first), str(other)]) == 2
+    assert "trained another recipe: temperature differ" in capsys.readouterr().err and first.read_text() == kept
+    assert combine.main(["--key", "missing", "--into", str(first), str(other)]) == 2
+    assert "holds no arm 'missing'" in capsys.readouterr().err
 
 
 def test_a_seed_is_reused_only_when_its_merge_finished_with_the_same_config(tmp_path: Path) -> None:

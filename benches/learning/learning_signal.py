@@ -75,7 +75,7 @@ from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noq
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
 from seeds import (LEARNING_WORK, RUN_FILE, accuracy_interval, afters_from_summary, allocator_env,  # noqa: E402
-                   gain, grpo_prompts, hold_work_folder, learning_run, over_seeds, record_trained,
+                   common_seed_count, gain, grpo_prompts, hold_work_folder, learning_run, over_seeds, record_trained,
                    trained_earlier)
 from worked_examples import EXAMPLES  # noqa: E402
 
@@ -359,8 +359,7 @@ def main() -> None:
                                 "strict_json_rate": summary.get("strict_json_rate")}
         copy_curves(runs, args, results_dir / f"learning_{key}_curves.png")
 
-    # The seeds every recorded part has (parts may be recorded in different runs, with different counts).
-    result["seeds"]["n"] = min(part["n"] for part in result["seeds"].values() if isinstance(part, dict))
+    result["seeds"]["n"] = common_seed_count(result["seeds"])
     result["decoding"] = "greedy, same prompts and token budgets before and after"
     write_result(result, out, started)
 

@@ -42,13 +42,13 @@ def over_seeds(before: dict[str, float], afters: Sequence[dict[str, float]]) -> 
 def paired_over_seeds(befores: Sequence[dict[str, float]], afters: Sequence[dict[str, float]]) -> dict[str, Any]:
     """`over_seeds` for trainings that each start from their own model (a stage after a seed's earlier stage): per
     metric, before and after as mean ± sd with each seed's value, the gain after − before, and in how many seeds
-    it ended higher than its own before."""
+    it ended higher than its own before. A metric some seeds lack is left out, as in `over_seeds`."""
     summary: dict[str, Any] = {"n": len(afters)}
     befores, afters = [flat(before) for before in befores], [flat(after) for after in afters]
-    for name, value in befores[0].items():
+    for name in befores[0]:
         pairs = [(b[name], a[name]) for b, a in zip(befores, afters)
                  if isinstance(b.get(name), (int, float)) and isinstance(a.get(name), (int, float))]
-        if not isinstance(value, (int, float)) or not pairs:
+        if not pairs or len(pairs) < len(afters):
             continue
         summary[name] = {"before": spread([b for b, _ in pairs]), "after": spread([a for _, a in pairs]),
                          "gain": spread([a - b for b, a in pairs]),
@@ -75,6 +75,12 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
     return {"mean": round(statistics.fmean(values), 4),
             "sd": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
             "values": [round(v, 4) for v in values]}
+
+
+def common_seed_count(seeds: dict[str, Any]) -> int:
+    """The seeds every recorded part of a results file has (parts may be recorded in different runs, with
+    different counts)."""
+    return min(part["n"] for part in seeds.values() if isinstance(part, dict))
 
 
 def accuracy_interval(accuracy: float, n: int) -> dict[str, Any]:
