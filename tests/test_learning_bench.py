@@ -192,10 +192,11 @@ def test_runs_with_their_own_befores_combine_into_paired_seeds(tmp_path: Path, c
                      [{"accuracy": 0.25, "rewards": {"format": 0.5}}], cpu="EPYC")
     assert combine.main(["--key", "arm", "--into", str(first), str(third)]) == 0
     assert json.loads(first.read_text())["seeds"]["arm"]["accuracy"]["gain"]["values"] == [0.1875, 0.0, 0.125, 0.0]
+    kept = first.read_text()
+    assert combine.main(["--key", "arm", "--into", str(first), str(third)]) == 2  # run twice: nothing counts twice
+    assert "given twice" in capsys.readouterr().err and first.read_text() == kept
 
     other = arm_file(tmp_path / "d.json", {"accuracy": 0.25}, [{"accuracy": 0.5}], cpu="EPYC", temperature=0.9)
-    kept = first.read_text()
-    capsys.readouterr()
     assert combine.main(["--key", "arm", "--into", str(first), str(other)]) == 2
     assert "trained another recipe: temperature differ" in capsys.readouterr().err and first.read_text() == kept
     assert combine.main(["--key", "missing", "--into", str(first), str(other)]) == 2

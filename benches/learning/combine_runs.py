@@ -62,6 +62,9 @@ def combine(records: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> tuple[
             raise CombineError(f"{where} trained another recipe: {', '.join(differing)} differ from "
                                f"{records[0][0]}'s")
     runs = [run for where, record, summary in records for run in runs_of(record, summary, where)]
+    measured = [json.dumps([run["before"], run["afters"]], sort_keys=True) for run in runs]
+    if len(set(measured)) < len(measured):  # the same file given twice, or a run already in the combined record
+        raise CombineError("a run is given twice (the same before and afters): its seeds would count twice")
     befores = [run["before"] for run in runs for _ in run["afters"]]
     afters = [after for run in runs for after in run["afters"]]
     summary: dict[str, Any] = {**paired_over_seeds(befores, afters),
