@@ -39,6 +39,22 @@ def run_smoke(shared_data: Path, work: Path, *args: str) -> subprocess.Completed
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
 
 
+def run_smoke_until(shared_data: Path, work: Path, line: str, *args: str) -> bool:
+    """Start the bench's `--smoke` run with `args` and kill it once it logs `line` (True), as a user's kill would
+    stop it; False when it ended first."""
+    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
+    command = [sys.executable, str(SCRIPT), "--smoke", *args, "--data", str(shared_data), "--work", str(work)]
+    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        assert proc.stdout is not None
+        for output in proc.stdout:
+            if line in output:
+                proc.kill()
+                return True
+        proc.wait(timeout=SMOKE_TIMEOUT_S)
+    return False
+
+
 def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, tmp_path: Path) -> None:
     proc = run_smoke(shared_data, tmp_path, "--seeds", "2", "--dpo-close-cut", "both")
     out = tmp_path / "smoke" / "learning.json"
@@ -102,6 +118,24 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     # and a finished seed, rerun without --reuse-trained, is trained again from the start
     proc = run_smoke(shared_data, tmp_path, "--reuse", "--parts", "grpo", "--seeds", "1")
     assert proc.returncode == 0 and "went on from" not in proc.stderr + proc.stdout
+
+    # A multi-seed run records each seed as it finishes: killed while training seed 1, the file keeps seed 0
+    # (measured again from its merged model here) and says how far the run got; --first-seed 1 goes on.
+    shutil.rmtree(tmp_path / "smoke" / "grpo-out-s1")
+    (tmp_path / "smoke" / "grpo-merged-s1" / "bench_run.json").unlink()
+    seed_one_started = run_smoke_until(shared_data, tmp_path, "grpo_respondent seed 0: recorded",
+                                       "--reuse", "--reuse-trained", "--parts", "grpo", "--seeds", "2")
+    assert seed_one_started, "the run ended without recording seed 0"
+    stopped = json.loads(out.read_text())
+    assert stopped["progress"].startswith("grpo_respondent seed 0 recorded")
+    assert stopped["seeds"]["grpo_respondent"]["n"] == 1 and stopped["grpo_respondent"]["reused_seeds"] == [0]
+    proc = run_smoke(shared_data, tmp_path, "--reuse", "--reuse-trained", "--parts", "grpo", "--first-seed", "1",
+                     "--seeds", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finished = json.loads(out.read_text())
+    assert "progress" not in finished and finished["seeds"]["grpo_respondent"]["n"] == 2
+    assert finished["seeds"]["grpo_respondent"]["accuracy"]["after"]["values"][0] == \
+        stopped["seeds"]["grpo_respondent"]["accuracy"]["after"]["values"][0]
 
     # seeds recorded against another before (other traces: another kind of CPU) are not added to: one clear line
     assert json.loads(out.read_text())["grpo_respondent"]["cpu"] == cpu_model()

@@ -20,8 +20,10 @@ each metric's mean ± sd after, per-seed values and how many seeds improved it. 
 `--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them).
 `--reuse-trained` measures again each seed whose merged model an earlier run finished with the same training
 config (`seeds.RUN_FILE` marks it), so that adding a seed, or a metric, costs no retraining of the others.
-Each measurement keeps the held-out replies it scored (`heldout_replies.json` in the seed's merged model, and in
-`<arm>-before` / `extractor-before` for the base model), so a metric added later can be read off them.
+The results file is written after each seed: a run stopped part way keeps the seeds it finished (`progress` names
+the last one) and goes on with `--reuse --first-seed K`. Each measurement keeps the held-out replies it scored
+(`heldout_replies.json` in the seed's merged model, and in `<arm>-before` / `extractor-before` for the base
+model), so a metric added later can be read off them.
 """
 
 from __future__ import annotations
@@ -311,32 +313,24 @@ def main() -> None:
                              f"{result.get(key, {}).get('cpu', '(not recorded)')}; this machine's: {cpu_model()} "
                              "(see benches/README: seeds add up only on the same kind of CPU)") from None
 
+    def recorded_arm(key: str) -> dict[str, Any]:
+        """What the --out file held for the arm (its record and its seeds summary) that --first-seed adds to."""
+        return {"record": result.get(key, {}), "seeds": recorded.get(key, {})} if args.first_seed else {}
+
     if "grpo" in parts:
         key, arm = grpo_arm(args)
         eval_prompts = [EXAMPLES[arm.example](r["prompt"]) for r in eval_rows]
         before = respondent_metrics(
             generate_kept(model, eval_prompts, arm.tokens, respondent.STOP, work / f"{arm.folder}-before"), eval_rows)
         log(f"before: respondent {before}")
-        prior = recorded_afters(key, before)
-        runs = [grpo_run(args, work, model_path, eval_prompts, eval_rows, seed, arm) for seed in seeds]
-        afters = prior + [run["after"] for run in runs]
-        earlier = result.get(key, {}) if args.first_seed else {}
-        result[key] = {
-            "before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
-            **training_time(seeds, runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
-            "train_prompts": args.train_questions, "eval_prompts": len(eval_rows),
-            "num_generations": arm.generations, "temperature": arm.temperature,
-            "prompts_per_step": arm.prompts_per_step, "worked_example": arm.example,
-            "reward_weights": {**RESPONDENT_REWARDS, **arm.weights}, "respond_tokens": arm.tokens,
-            "command": command_line(), "cpu": cpu_model(),
-            "zero_variance_steps": earlier.get("zero_variance_steps", [])[:args.first_seed]
-            + [r["zero_variance_steps"] for r in runs]}
-        result["seeds"][key] = {
-            **over_seeds(before, afters),
-            "accuracy_before": accuracy_interval(before["accuracy"], len(eval_rows)),
-            "accuracy_after": [accuracy_interval(a["accuracy"], len(eval_rows)) for a in afters],
-            "zero_variance_share": recorded.get(key, {}).get("zero_variance_share", [])[:args.first_seed]
-            + [(r["zero_variance_steps"] or {}).get("share") for r in runs]}
+        prior, earlier = recorded_afters(key, before), recorded_arm(key)
+        runs = []
+        for seed in seeds:
+            runs.append(grpo_run(args, work, model_path, eval_prompts, eval_rows, seed, arm))
+            afters = prior + [r["after"] for r in runs]
+            result[key], result["seeds"][key] = grpo_records(args, arm, before, afters, runs, seeds, earlier,
+                                                             len(eval_rows))
+            write_progress(result, out, started, f"{key} seed {seed}", seeds)
         copy_curves(runs, args, results_dir / f"learning_{key}_curves.png")
 
     if arms:
@@ -344,23 +338,17 @@ def main() -> None:
                                                  work / "extractor-before"), eval_events)
         log(f"before: extractor {before}")
     for key, dpo_dir in arms.items():
-        prior = recorded_afters(key, before)
-        runs = [dpo_run(args, dpo_dir, work, model_path, extract_prompts, eval_events, seed) for seed in seeds]
-        afters = prior + [run["after"] for run in runs]
-        earlier = result.get(key, {}) if args.first_seed else {}
-        result[key] = {"before": before, "after": earlier.get("after", afters[0]), "steps": runs[0]["steps"],
-                       **training_time(seeds, runs),
-                       "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": len(eval_events),
-                       "pair_composition": pair_composition(dpo_dir / "log.jsonl"),
-                       "samples": args.dpo_samples, "sampling_temperature": args.dpo_temperature,
-                       "close_cut_lists": "close_cut" in key, "command": command_line(), "cpu": cpu_model()}
-        summary = over_seeds(before, afters)
-        result["seeds"][key] = {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
-                                "strict_json_rate": summary.get("strict_json_rate")}
+        prior, earlier = recorded_afters(key, before), recorded_arm(key)
+        runs = []
+        for seed in seeds:
+            runs.append(dpo_run(args, dpo_dir, work, model_path, extract_prompts, eval_events, seed))
+            afters = prior + [r["after"] for r in runs]
+            result[key], result["seeds"][key] = dpo_records(args, key, dpo_dir, before, afters, runs, seeds, earlier,
+                                                            len(eval_events))
+            write_progress(result, out, started, f"{key} seed {seed}", seeds)
         copy_curves(runs, args, results_dir / f"learning_{key}_curves.png")
 
-    result["seeds"]["n"] = common_seed_count(result["seeds"])
-    result["decoding"] = "greedy, same prompts and token budgets before and after"
+    result.pop("progress", None)  # every part's seeds are recorded
     write_result(result, out, started)
 
 
@@ -569,6 +557,56 @@ def training_time(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any
             "reused_seeds": [seed for seed, run in zip(seeds, runs) if run["reused"]]}
 
 
+def grpo_records(args: argparse.Namespace, arm: GRPOArm, before: dict[str, float], afters: list[dict[str, float]],
+                 runs: list[dict[str, Any]], seeds: list[int], earlier: dict[str, Any],
+                 eval_count: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A GRPO arm's record and its seeds summary: the seeds `earlier` holds (--first-seed) and this run's `runs` so
+    far, whose afters together are `afters`."""
+    record, summary = earlier.get("record", {}), earlier.get("seeds", {})
+    kept = args.first_seed
+    arm_record = {
+        "before": before, "after": record.get("after", afters[0]), "steps": runs[0]["steps"],
+        **training_time(seeds, runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
+        "train_prompts": args.train_questions, "eval_prompts": eval_count,
+        "num_generations": arm.generations, "temperature": arm.temperature,
+        "prompts_per_step": arm.prompts_per_step, "worked_example": arm.example,
+        "reward_weights": {**RESPONDENT_REWARDS, **arm.weights}, "respond_tokens": arm.tokens,
+        "command": command_line(), "cpu": cpu_model(),
+        "zero_variance_steps": record.get("zero_variance_steps", [])[:kept] + [r["zero_variance_steps"] for r in runs]}
+    seeds_summary = {
+        **over_seeds(before, afters),
+        "accuracy_before": accuracy_interval(before["accuracy"], eval_count),
+        "accuracy_after": [accuracy_interval(a["accuracy"], eval_count) for a in afters],
+        "zero_variance_share": summary.get("zero_variance_share", [])[:kept]
+        + [(r["zero_variance_steps"] or {}).get("share") for r in runs]}
+    return arm_record, seeds_summary
+
+
+def dpo_records(args: argparse.Namespace, key: str, dpo_dir: Path, before: dict[str, float],
+                afters: list[dict[str, float]], runs: list[dict[str, Any]], seeds: list[int], earlier: dict[str, Any],
+                eval_count: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A DPO arm's record and its seeds summary, as `grpo_records` for GRPO."""
+    arm_record = {"before": before, "after": earlier.get("record", {}).get("after", afters[0]),
+                  "steps": runs[0]["steps"], **training_time(seeds, runs),
+                  "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": eval_count,
+                  "pair_composition": pair_composition(dpo_dir / "log.jsonl"),
+                  "samples": args.dpo_samples, "sampling_temperature": args.dpo_temperature,
+                  "close_cut_lists": "close_cut" in key, "command": command_line(), "cpu": cpu_model()}
+    summary = over_seeds(before, afters)
+    return arm_record, {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
+                        "strict_json_rate": summary.get("strict_json_rate")}
+
+
+def write_progress(result: dict[str, Any], out: Path, started: float, done: str, seeds: list[int]) -> None:
+    """Write the record after each trained seed, so that a run stopped part way keeps the seeds it finished (go on
+    with --reuse --first-seed); `progress` says how far it got and is dropped when the run completes."""
+    result["seeds"]["n"] = common_seed_count(result["seeds"])
+    result["decoding"] = "greedy, same prompts and token budgets before and after"
+    result["progress"] = f"{done} recorded; this run trains seeds {seeds[0]}..{seeds[-1]} of each part"
+    write_result(result, out, started, show=False)
+    log(f"{done}: recorded in {out}")
+
+
 def command_line() -> str:
     """This run's command, recorded at the top and in each arm it writes: a levers file holds several runs' arms."""
     script = Path(sys.argv[0]).resolve()
@@ -576,13 +614,14 @@ def command_line() -> str:
     return " ".join(["python", str(shown), *sys.argv[1:]])
 
 
-def write_result(result: dict[str, Any], out: Path, started: float) -> None:
-    """Add the run's total minutes and command line, write the JSON and print it."""
+def write_result(result: dict[str, Any], out: Path, started: float, show: bool = True) -> None:
+    """Add the run's total minutes and command line, write the JSON and (`show`) print it."""
     result.update(total_minutes=round((time.time() - started) / 60, 1), command=command_line())
     if allocator := allocator_env():
         result["allocator_env"] = allocator
     replace_text(out, json.dumps(result, indent=2) + "\n")  # a kill never cuts the other arms' record
-    print(json.dumps(result, indent=2))
+    if show:
+        print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
