@@ -41,9 +41,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
-# The default GRPO arm's sampling and worked example; a lever arm that changes one is recorded under its own key.
-GRPO_DEFAULTS = {"generations": 4, "temperature": 0.7, "prompts": 1,  # "prompts": per optimizer step
+# The default GRPO arm's steps, sampling and worked example; a lever arm that changes one is recorded under its
+# own key.
+GRPO_DEFAULTS = {"steps": 50, "generations": 4, "temperature": 0.7, "prompts": 1,  # "prompts": per optimizer step
                  "example": "current"}  # the respondent's worked example (worked_examples.EXAMPLES)
+# --smoke's sizes (a tiny random model): they replace these options' values, and are its arms' defaults.
+SMOKE_SIZES = {"train_questions": 6, "eval_questions": 4, "grpo_steps": 2, "dpo_steps": 2, "extract_tokens": 16,
+               "respond_tokens": 24}
 # Beside each measurement (a merged seed, a before): the held-out replies it scored.
 REPLIES_FILE = "heldout_replies.json"
 # Steps between checkpoints: a training killed part way goes on from its last checkpoint when rerun with --reuse.
@@ -217,7 +221,9 @@ def main() -> None:
     parser.add_argument("--extract-tokens", type=int, default=64)
     parser.add_argument("--respond-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--grpo-steps", type=int, default=50)
+    parser.add_argument("--grpo-steps", type=int, default=GRPO_DEFAULTS["steps"],
+                        help="GRPO optimizer steps (other than the default: a lever arm, ..._steps_N; with "
+                             "--grpo-prompts-per-step 2, 25 steps sample as many completions as the default 50)")
     parser.add_argument("--grpo-generations", type=int, default=GRPO_DEFAULTS["generations"],
                         help="completions sampled per prompt (a GRPO group; other than the default: a lever arm, "
                              "recorded as grpo_respondent_generations_N)")
@@ -256,6 +262,8 @@ def main() -> None:
                         help="add seeds first..first+N-1 to the --out file's seeds 0..first-1 (same before, --reuse)")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE_SIZES)
     if args.first_seed and not args.reuse:
         parser.error("--first-seed adds seeds to a recorded run: pass --reuse (the same traces, prompts and before)")
     if args.reuse_trained and not args.reuse:
@@ -280,8 +288,6 @@ def main() -> None:
         from ermedrag.testing import build_tiny_causal_lm
 
         model_path = build_tiny_causal_lm(work / "tiny")
-        args.train_questions, args.eval_questions, args.grpo_steps, args.dpo_steps = 6, 4, 2, 2
-        args.extract_tokens, args.respond_tokens = 16, 24
     else:
         from ermedrag.tools.offline_model import offline_model_dir
 
@@ -402,8 +408,9 @@ def grpo_arm(args: argparse.Namespace) -> tuple[str, GRPOArm]:
     tokens = args.respond_tokens if args.grpo_respond_tokens is None else args.grpo_respond_tokens
     settings = {"evidence": weights.get("evidence"), "tokens": tokens, "generations": args.grpo_generations,
                 "temperature": args.grpo_temperature, "prompts": args.grpo_prompts_per_step,
-                "example": args.grpo_example}
-    defaults = {"evidence": None, "tokens": args.respond_tokens, **GRPO_DEFAULTS}
+                "example": args.grpo_example, "steps": args.grpo_steps}
+    defaults = {"evidence": None, "tokens": args.respond_tokens, **GRPO_DEFAULTS,
+                "steps": SMOKE_SIZES["grpo_steps"] if args.smoke else GRPO_DEFAULTS["steps"]}
     levers = [(name, exact_label(value)) for name, value in settings.items() if value != defaults[name]]
     key = "grpo_respondent" + "".join(f"_{name}_{value}" for name, value in levers)
     folder = "grpo" + "".join(f"-{name}{value}" for name, value in levers)
