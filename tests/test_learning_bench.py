@@ -230,6 +230,21 @@ def test_runs_with_their_own_befores_combine_into_paired_seeds(tmp_path: Path, c
     assert combine.main(["--key", "arm", "--into", str(first), str(third)]) == 2  # run twice: nothing counts twice
     assert "given twice" in capsys.readouterr().err and first.read_text() == kept
 
+    # the third run grown by --first-seed (its seed 0 and a seed 1) replaces itself; other seeds against its before
+    # are refused
+    grown = arm_file(tmp_path / "c2.json", {"accuracy": 0.25, "rewards": {"format": 0.5}},
+                     [{"accuracy": 0.25, "rewards": {"format": 0.5}}, {"accuracy": 0.5, "rewards": {"format": 1.0}}],
+                     cpu="EPYC")
+    assert combine.main(["--key", "arm", "--into", str(first), str(grown)]) == 0
+    combined = json.loads(first.read_text())["seeds"]["arm"]
+    assert combined["accuracy"]["gain"]["values"] == [0.1875, 0.0, 0.125, 0.0, 0.25]
+    assert combined["runs"] == [{"cpu": "Xeon", "seeds": 1}, {"cpu": "EPYC", "seeds": 2}, {"cpu": "EPYC", "seeds": 2}]
+    kept = first.read_text()
+    rerun = arm_file(tmp_path / "c3.json", {"accuracy": 0.25, "rewards": {"format": 0.5}},
+                     [{"accuracy": 0.375, "rewards": {"format": 0.5}}], cpu="EPYC")
+    assert combine.main(["--key", "arm", "--into", str(first), str(rerun)]) == 2
+    assert "grow with learning_signal.py --first-seed" in capsys.readouterr().err and first.read_text() == kept
+
     other = arm_file(tmp_path / "d.json", {"accuracy": 0.25}, [{"accuracy": 0.5}], cpu="EPYC", temperature=0.9)
     assert combine.main(["--key", "arm", "--into", str(first), str(other)]) == 2
     assert "trained another recipe: temperature differ" in capsys.readouterr().err and first.read_text() == kept

@@ -11,7 +11,9 @@ includes the prompts' variation between runs as well as the seeds'.
         --into benches/results/learning_grpo_levers.json /path/to/other_run/learning_grpo_levers.json
 
 The arm's settings (steps, sampling, budget, rewards, prompt counts, model) must agree in every run; each run
-keeps its own before, seeds' afters, CPU, command and minutes under `runs`. A combined record can take more runs.
+keeps its own before, seeds' afters, CPU, command and minutes under `runs`. A combined record can take more runs,
+and a run it holds that `--first-seed` has since grown (the same before, its seeds and more): the grown one
+replaces it.
 """
 
 from __future__ import annotations
@@ -61,10 +63,7 @@ def combine(records: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> tuple[
         if differing:
             raise CombineError(f"{where} trained another recipe: {', '.join(differing)} differ from "
                                f"{records[0][0]}'s")
-    runs = [run for where, record, summary in records for run in runs_of(record, summary, where)]
-    measured = [json.dumps([run["before"], run["afters"]], sort_keys=True) for run in runs]
-    if len(set(measured)) < len(measured):  # the same file given twice, or a run already in the combined record
-        raise CombineError("a run is given twice (the same before and afters): its seeds would count twice")
+    runs = distinct_runs([run for where, record, summary in records for run in runs_of(record, summary, where)])
     befores = [run["before"] for run in runs for _ in run["afters"]]
     afters = [after for run in runs for after in run["afters"]]
     summary: dict[str, Any] = {**paired_over_seeds(befores, afters),
@@ -78,6 +77,26 @@ def combine(records: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> tuple[
         if all(name in run for run in runs):
             summary[name] = [value for run in runs for value in run[name]]
     return {**settings, "runs": runs}, summary
+
+
+def distinct_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per recorded run. Runs measured against the same before come from the same traces, hence the same
+    recording: the same file given twice, or a run `--first-seed` grew (its afters begin with the other's), which
+    replaces the shorter in its place. Anything else would count a seed twice, and is refused."""
+    by_before: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        before = json.dumps(run["before"], sort_keys=True)
+        known = by_before.setdefault(before, run)
+        if known is run:
+            continue
+        shorter, longer = sorted((known, run), key=lambda r: len(r["afters"]))
+        if shorter["afters"] == longer["afters"]:
+            raise CombineError("a run is given twice (the same before and afters): its seeds would count twice")
+        if longer["afters"][:len(shorter["afters"])] != shorter["afters"]:
+            raise CombineError("two runs measured against the same before hold different seeds: they are one "
+                               "recording, to grow with learning_signal.py --first-seed, not to combine")
+        by_before[before] = longer
+    return list(by_before.values())
 
 
 def main(argv: list[str] | None = None) -> int:
