@@ -226,6 +226,44 @@ def test_grpo_lora_logs_every_reward_component(tiny_model, grpo_dataset, tmp_pat
     assert silent["share"] == pytest.approx(expected_silent / 3, abs=1e-4)
 
 
+def signal_only_for_b(completions, gold, **kwargs) -> list[float]:
+    """Equal rewards in a group of gold A (no signal), alternating 0 and 1 in a group of gold B."""
+    return [float(g == "B" and i % 2 == 1) for i, g in enumerate(gold)]
+
+
+def one_prompt_per_gold(path: Path, golds: str) -> str:
+    from datasets import Dataset
+
+    rows = [{"prompt": [{"role": "user", "content": f"Case {i}: answer with <answer>letter</answer>."}], "gold": g}
+            for i, g in enumerate(golds)]
+    Dataset.from_list(rows).save_to_disk(str(path))
+    return str(path)
+
+
+def test_dynamic_sampling_trains_on_batches_with_a_signal(tiny_model, tmp_path):
+    """A step whose group got equal rewards is replaced by fresh prompts until one has a signal; the logged figures
+    are the kept batch's, and `resampled_batches` says how many were set aside."""
+    config = small(GRPOTrainingConfig, tiny_model, one_prompt_per_gold(tmp_path / "ab", "AB"), tmp_path / "ab-out",
+                   per_device_train_batch_size=4, num_generations=4, max_completion_length=8, stop_strings=[],
+                   resample_zero_variance_batches=10)
+    summary = train_grpo(config, [signal_only_for_b])
+    records = step_records(read_metrics(config.output_dir))
+    assert summary["steps"] == 3 and [r["step"] for r in records] == [1, 2, 3]
+    assert [r["frac_reward_zero_std"] for r in records] == [0.0, 0.0, 0.0]  # every step trained on gold B
+    assert summary["zero_variance_steps"]["steps_without_signal"] == 0
+    # the sampler's first epoch puts gold A first in one of steps 1 and 2: at least that step drew again
+    assert sum(r["resampled_batches"] for r in records) >= 1
+    assert_adapter_trained(config.output_dir)
+
+    # with no prompt that can give a signal, each step draws its attempts and trains on the last batch
+    config = dataclasses.replace(config, dataset=one_prompt_per_gold(tmp_path / "aa", "AA"),
+                                 output_dir=str(tmp_path / "aa-out"), resample_zero_variance_batches=2)
+    summary = train_grpo(config, [signal_only_for_b])
+    records = step_records(read_metrics(config.output_dir))
+    assert [(r["frac_reward_zero_std"], r["resampled_batches"]) for r in records] == [(1.0, 2.0)] * 3
+    assert summary["zero_variance_steps"]["steps_without_signal"] == 3
+
+
 class Interrupted(Exception):
     pass
 
@@ -286,6 +324,13 @@ def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grp
     # the checkpoints belong to this run's settings: resuming them under others is refused, naming what differs
     with pytest.raises(ValueError, match=r"other settings \(checkpoint-4: learning_rate differ\)"):
         train_grpo(dataclasses.replace(config, resume=True, learning_rate=5e-4), [has_answer_tag, length_score])
+    # a setting added after runs were recorded (config.ADDED_SETTINGS) is left out of the record at the value those
+    # runs trained with, so checkpoints written before it existed still resume; another value is other settings
+    recorded = [json.loads(f.read_text()) for f in output_dir.glob(f"checkpoint-*/{SETTINGS_FILE}")]
+    assert recorded and all("resample_zero_variance_batches" not in settings for settings in recorded)
+    with pytest.raises(ValueError, match=r"checkpoint-4: resample_zero_variance_batches differ"):
+        train_grpo(dataclasses.replace(config, resume=True, resample_zero_variance_batches=2),
+                   [has_answer_tag, length_score])
     # and to the reward code they were trained under (a reward's rule is code, not a setting)
     for settings_file in output_dir.glob(f"checkpoint-*/{SETTINGS_FILE}"):  # the complete checkpoints
         settings = json.loads(settings_file.read_text())

@@ -9,7 +9,6 @@ A run that starts from the beginning in a folder with checkpoints moves them asi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ermedrag.tools.jsonl import replace_text
-from ermedrag.training.config import GRPOTrainingConfig
+from ermedrag.training.config import GRPOTrainingConfig, comparable_settings
 from ermedrag.training.rewards import reward_code_sha256
 
 log = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ def settings_record(config: Any) -> dict[str, Any]:
     otherwise go on training one model under two objectives)."""
     from accelerate import PartialState
 
-    record = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    record = json.loads(json.dumps(comparable_settings(config), default=str))
     for name in PATH_FIELDS:  # the same folder however it is named (relative, through a link, not yet created)
         if isinstance(record.get(name), str) and (name != "model" or Path(record[name]).exists()):
             record[name] = str(Path(record[name]).resolve())

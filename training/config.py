@@ -38,6 +38,19 @@ REMOVED_KEYS = {
                       "format: 0.5, length: 0.2, evidence: 0.2} (Med-R³: stage_overrides: {N: {rewards: {...}}})",
 }
 
+# Settings added after runs were recorded, with the value those runs trained with: left out of a config's settings
+# while they keep it, so that a record written before them (a checkpoint, a finished seed) still matches.
+ADDED_SETTINGS = {"resample_zero_variance_batches": 0}
+
+
+def comparable_settings(config: Any) -> dict[str, Any]:
+    """A training config's fields for comparing with a record of another run (`ADDED_SETTINGS` at their value left
+    out); a dict of settings around configs is returned as it is."""
+    if not dataclasses.is_dataclass(config):
+        return config
+    return {name: value for name, value in dataclasses.asdict(config).items()
+            if name not in ADDED_SETTINGS or value != ADDED_SETTINGS[name]}
+
 
 def resolve_model(spec: str) -> str:
     """A model spec as the trainers accept it: a local path, a hub id, or `offline:<name>` (see tools.offline_model)."""
@@ -284,6 +297,14 @@ class GRPOTrainingConfig(_TrainingConfig):
     scale_rewards: str = field(
         default="group",
         metadata={"help": "Advantage scaling by the reward std: group, batch or none (Dr. GRPO)."},
+    )
+    resample_zero_variance_batches: int = field(
+        default=0,
+        metadata={
+            "help": "Dynamic sampling (DAPO's, by whole batches; training.dynamic_sampling): when every group of a "
+            "step's generation batch got equal rewards, the step would teach nothing, so draw fresh training prompts "
+            "up to this many times and train on the first batch with a signal. 0: off (TRL's behaviour)."
+        },
     )
     rewards: dict[str, float] | None = field(
         default=None,

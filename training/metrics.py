@@ -57,14 +57,19 @@ class MetricsRecorder(TrainerCallback):
 def zero_variance_steps(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """How many GRPO steps carried no learning signal: a group whose completions all got the same reward has no
     advantage to follow, and TRL logs the share of such groups per step as `frac_reward_zero_std`. A step where
-    it is 1 taught nothing. None when the run logged no such figure (DPO, or no step logged)."""
+    it is 1 taught nothing. With dynamic sampling, also how many batches a step drew and set aside. None when the
+    run logged no such figure (DPO, or no step logged)."""
     shares = [float(r["frac_reward_zero_std"]) for r in records
               if isinstance(r.get("frac_reward_zero_std"), (int, float)) and math.isfinite(r["frac_reward_zero_std"])]
     if not shares:
         return None
     silent = sum(share >= 1.0 - 1e-9 for share in shares)
-    return {"logged_steps": len(shares), "steps_without_signal": silent, "share": round(silent / len(shares), 4),
-            "mean_frac_reward_zero_std": round(sum(shares) / len(shares), 4)}
+    summary = {"logged_steps": len(shares), "steps_without_signal": silent, "share": round(silent / len(shares), 4),
+               "mean_frac_reward_zero_std": round(sum(shares) / len(shares), 4)}
+    resampled = [float(r["resampled_batches"]) for r in records if isinstance(r.get("resampled_batches"), (int, float))]
+    if resampled:  # dynamic sampling (training.dynamic_sampling): the batches set aside per step, on average
+        summary["mean_resampled_batches"] = round(sum(resampled) / len(resampled), 4)
+    return summary
 
 
 # Panels of the curve plot: title and a predicate on metric names. A metric goes to the first panel it fits.

@@ -131,10 +131,15 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
     if rollout_func is None and config.stop_strings and not config.use_vllm:
         rollout_func = make_search_rollout(None, end_stops=config.stop_strings, force_answer=False,
                                            step_max_new_tokens=config.max_completion_length)
+    trainer_class, resampling = GRPOTrainer, {}
+    if config.resample_zero_variance_batches:
+        from ermedrag.training.dynamic_sampling import ResamplingGRPOTrainer
+
+        trainer_class, resampling = ResamplingGRPOTrainer, {"resample_attempts": config.resample_zero_variance_batches}
     with warnings.catch_warnings():  # rollout_func is marked experimental in TRL 1.16: said once, in training.rollouts
         warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
         # By path, so that beta > 0 without LoRA can rebuild the reference model (TRL reloads it from the path).
-        trainer = GRPOTrainer(
+        trainer = trainer_class(
             model=model_path,
             reward_funcs=[reward.func for reward in rewards],
             args=config.to_trl(reward_weights=[reward.weight for reward in rewards]),
@@ -143,6 +148,7 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
             peft_config=config.lora_config(),
             callbacks=callbacks,
             rollout_func=rollout_func,
+            **resampling,
         )
     return trainer, recorder
 
@@ -248,7 +254,8 @@ def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: s
         summary["zero_variance_steps"] = silent
         if silent["share"] > 0.5:
             log.warning("%d of %d logged steps had equal rewards in every group (no learning signal): more "
-                        "generations, more prompts per step or a higher temperature give groups that differ",
+                        "generations, more prompts per step, a higher temperature or dynamic sampling "
+                        "(resample_zero_variance_batches) give groups that differ",
                         silent["steps_without_signal"], silent["logged_steps"])
     if trainer.is_world_process_zero():
         (output_dir / CONFIG_FILE).write_text(

@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The default GRPO arm's steps, sampling and worked example; a lever arm that changes one is recorded under its
 # own key.
 GRPO_DEFAULTS = {"steps": 50, "generations": 4, "temperature": 0.7, "prompts": 1,  # "prompts": per optimizer step
+                 "resample": 0,  # dynamic sampling: batches a step may draw again (training.dynamic_sampling)
                  "example": "current"}  # the respondent's worked example (worked_examples.EXAMPLES)
 # --smoke's sizes (a tiny random model): they replace these options' values, and are its arms' defaults.
 SMOKE_SIZES = {"train_questions": 6, "eval_questions": 4, "grpo_steps": 2, "dpo_steps": 2, "extract_tokens": 16,
@@ -235,6 +236,10 @@ def main() -> None:
                         help="prompts (groups) per optimizer step, sampled together, the loss accumulated over as "
                              "many passes of one group's size: with one, a step whose group got equal rewards "
                              "teaches nothing (a lever arm, grpo_respondent_prompts_N)")
+    parser.add_argument("--grpo-resample", type=int, default=GRPO_DEFAULTS["resample"],
+                        help="dynamic sampling: a step whose group got equal rewards draws fresh training prompts up "
+                             "to this many times and trains on the first with a signal (a lever arm, "
+                             "grpo_respondent_resample_N; training.dynamic_sampling)")
     parser.add_argument("--grpo-respond-tokens", type=int, default=None,
                         help="train and measure the respondent with this token budget instead of --respond-tokens "
                              "(a lever arm, recorded as grpo_respondent_tokens_N; the graph's own default is 192: a "
@@ -268,9 +273,10 @@ def main() -> None:
         parser.error("--first-seed adds seeds to a recorded run: pass --reuse (the same traces, prompts and before)")
     if args.reuse_trained and not args.reuse:
         parser.error("--reuse-trained measures seeds trained in the work folder: pass --reuse as well")
-    if args.grpo_generations < 2 or args.grpo_prompts_per_step < 1 or args.grpo_temperature <= 0:
+    if (args.grpo_generations < 2 or args.grpo_prompts_per_step < 1 or args.grpo_temperature <= 0
+            or args.grpo_resample < 0):
         parser.error("--grpo-generations must be at least 2 (a group), --grpo-prompts-per-step at least 1, "
-                     "--grpo-temperature above 0")
+                     "--grpo-temperature above 0, --grpo-resample 0 or more")
     if args.out is None:  # a lever arm never lands in learning.json, whose seeds.n counts every part's seeds
         lever = grpo_arm(args)[0] != "grpo_respondent"
         args.out = str(REPO / "benches" / "results" / ("learning_grpo_levers.json" if lever else "learning.json"))
@@ -362,13 +368,15 @@ def main() -> None:
 class GRPOArm:
     """One GRPO arm: its reward weights over the respondent's defaults (empty: the defaults), the respondent's
     token budget in training and in the held-out before and after, its sampling (completions per prompt,
-    temperature, prompts per optimizer step), the worked example in its prompts, and its folders' prefix."""
+    temperature, prompts per optimizer step, batches a silent step may draw again), the worked example in its
+    prompts, and its folders' prefix."""
 
     weights: dict[str, float]
     tokens: int
     generations: int
     temperature: float
     prompts_per_step: int
+    resample: int
     example: str
     folder: str
 
@@ -408,14 +416,14 @@ def grpo_arm(args: argparse.Namespace) -> tuple[str, GRPOArm]:
     tokens = args.respond_tokens if args.grpo_respond_tokens is None else args.grpo_respond_tokens
     settings = {"evidence": weights.get("evidence"), "tokens": tokens, "generations": args.grpo_generations,
                 "temperature": args.grpo_temperature, "prompts": args.grpo_prompts_per_step,
-                "example": args.grpo_example, "steps": args.grpo_steps}
+                "resample": args.grpo_resample, "example": args.grpo_example, "steps": args.grpo_steps}
     defaults = {"evidence": None, "tokens": args.respond_tokens, **GRPO_DEFAULTS,
                 "steps": SMOKE_SIZES["grpo_steps"] if args.smoke else GRPO_DEFAULTS["steps"]}
     levers = [(name, exact_label(value)) for name, value in settings.items() if value != defaults[name]]
     key = "grpo_respondent" + "".join(f"_{name}_{value}" for name, value in levers)
     folder = "grpo" + "".join(f"-{name}{value}" for name, value in levers)
     return key, GRPOArm(weights, tokens, args.grpo_generations, args.grpo_temperature, args.grpo_prompts_per_step,
-                        args.grpo_example, folder)
+                        args.grpo_resample, args.grpo_example, folder)
 
 
 def exact_label(value: float | str) -> str:
@@ -435,7 +443,7 @@ def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts
         max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=arm.generations,
         per_device_train_batch_size=arm.generations, gradient_accumulation_steps=arm.prompts_per_step,
         max_completion_length=arm.tokens, temperature=arm.temperature, save_steps=CHECKPOINT_STEPS, resume=True,
-        seed=seed, rewards=arm.weights or None)
+        seed=seed, rewards=arm.weights or None, resample_zero_variance_batches=arm.resample)
     run = trained(args, config, work / f"{arm.folder}-merged-s{seed}", train_grpo)
     after = respondent_metrics(generate_kept(f"hf:{run['merged']}", eval_prompts, arm.tokens, respondent.STOP,
                                              Path(run["merged"])), eval_rows)
@@ -577,6 +585,7 @@ def grpo_records(args: argparse.Namespace, arm: GRPOArm, before: dict[str, float
         "train_prompts": args.train_questions, "eval_prompts": eval_count,
         "num_generations": arm.generations, "temperature": arm.temperature,
         "prompts_per_step": arm.prompts_per_step, "worked_example": arm.example,
+        **({"resample_zero_variance_batches": arm.resample} if arm.resample else {}),  # records before it: off
         "reward_weights": {**RESPONDENT_REWARDS, **arm.weights}, "respond_tokens": arm.tokens,
         "command": command_line(), "cpu": cpu_model(),
         "zero_variance_steps": record.get("zero_variance_steps", [])[:kept] + [r["zero_variance_steps"] for r in runs]}

@@ -24,7 +24,6 @@ before and after as mean ± sd, the gain, and how many seeds improved it. Held-o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -42,7 +41,7 @@ from seeds import hold_work_folder, inputs_key, part_over_seeds, run_or_reuse  #
 from ermedrag.tools.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.index import build_index, open_index  # noqa: E402
 from ermedrag.training.answer_rewards import correctness_reward, format_reward  # noqa: E402
-from ermedrag.training.config import MedR3TrainingConfig  # noqa: E402
+from ermedrag.training.config import MedR3TrainingConfig, comparable_settings  # noqa: E402
 from ermedrag.training.med_r3 import STAGES, stage_rewards, stage_start_model, train_med_r3  # noqa: E402
 from ermedrag.training.med_r3_data import med_r3_dataset  # noqa: E402
 from ermedrag.training.rollouts import ENDINGS, index_search, run_search_rollouts  # noqa: E402
@@ -230,7 +229,7 @@ def run_stages(config: MedR3TrainingConfig, evaluations: Evaluations, inputs: di
     """The three stages in order with `config`'s seed, each measured before and after on the held-out prompts in
     its own mode, and whether they were reused: with `reuse`, a seed whose chain an earlier run finished with the
     same config and `inputs` (data, questions, held-out batch) is taken from its record instead."""
-    chain, reused = run_or_reuse(Path(config.output_dir), {"config": dataclasses.asdict(config), **inputs},
+    chain, reused = run_or_reuse(Path(config.output_dir), {"config": comparable_settings(config), **inputs},
                                  lambda: train_and_measure(config, evaluations), reuse)
     if reused:
         log(f"seed {config.seed}: reusing the chain an earlier run finished in {config.output_dir}")

@@ -630,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if os.environ.get("ERMEDRAG_TORCH_THREADS"):  # the trainers do not read it; the hf backend does
         torch.set_num_threads(int(os.environ["ERMEDRAG_TORCH_THREADS"]))
-    from ermedrag.training.config import resolve_model
+    from ermedrag.training.config import comparable_settings, resolve_model
 
     at_start = describe_machine()
     work = Path(args.work) / ("smoke" if args.smoke else "full")
@@ -661,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for number in range(args.seeds):
         seeded = dataclasses.replace(config, seed=TRAINING_SEED + number,
                                      output_dir=str(work / ("train" if number == 0 else f"train-s{number}")))
-        run, reused = run_or_reuse(Path(seeded.output_dir), {"config": dataclasses.asdict(seeded), **inputs},
+        run, reused = run_or_reuse(Path(seeded.output_dir), {"config": comparable_settings(seeded), **inputs},
                                    lambda: seed_part(seeded, model_path, data, args, measured), args.reuse)
         if reused:
             log(f"training seed {seeded.seed}: reusing what an earlier run finished in {seeded.output_dir}")
@@ -673,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "seeds": seeds_summary(runs, data)}
     summaries = runs[0]["summaries"]
     no_bonus = work / "train-no-bonus"  # compared with the first seed's curves: reused only along with them
-    result["entropy"], _ = run_or_reuse(no_bonus, {"config": dataclasses.asdict(config), **inputs},
+    result["entropy"], _ = run_or_reuse(no_bonus, {"config": comparable_settings(config), **inputs},
                                         lambda: entropy_part(config, summaries, data, args, no_bonus),
                                         args.reuse and TRAINING_SEED in reused_seeds)
     result["reused_training_seeds"] = reused_seeds

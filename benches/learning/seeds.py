@@ -6,7 +6,6 @@ the spread over seeds is the training's own (LoRA initialisation, data order, sa
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import hashlib
 import json
@@ -20,6 +19,7 @@ from typing import Any
 
 from ermedrag.evals.metrics import wilson_interval
 from ermedrag.tools.jsonl import replace_text
+from ermedrag.training.config import comparable_settings
 from ermedrag.training.rewards import reward_code_sha256
 
 
@@ -205,5 +205,4 @@ def run_or_reuse(folder: Path, settings: Any, run: Callable[[], dict[str, Any]],
 
 def _as_json(config: Any) -> Any:
     """A training config (a dataclass, or a dict of settings around one) as JSON reads it back."""
-    return json.loads(json.dumps(dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config,
-                                 default=str))
+    return json.loads(json.dumps(comparable_settings(config), default=str))

@@ -1,0 +1,66 @@
+"""Dynamic sampling for GRPO (as in DAPO), by whole generation batches.
+
+A GRPO group whose completions all got the same reward has no advantage to follow; when every group of a step's
+generation batch is like that, the step changes nothing (with `beta` 0 the loss is exactly zero). TRL logs the share
+of such groups as `frac_reward_zero_std` and trains on the batch anyway (dynamic sampling is not in its
+GRPOTrainer: huggingface/trl#3708). `ResamplingGRPOTrainer` samples a fresh batch of training prompts instead, up
+to `resample_attempts` times, and trains on the first batch with a signal (else on the last one drawn).
+
+Whole batches, not single groups, are replaced, so TRL's batch tensors are used as it built them: with one prompt
+per step (the respondent's recipe) that is exactly DAPO's rule; with several, a batch is resampled only when all of
+its groups are silent. The logged training metrics describe the batch trained on; `resampled_batches` counts the
+batches drawn and set aside in each step, and `step_time` includes their generation.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from trl import GRPOTrainer
+
+# An advantage below this is a rounding remainder of rewards that were all equal, not a signal.
+SIGNAL_TOLERANCE = 1e-6
+
+
+class ResamplingGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` that replaces a training generation batch without any reward variance by fresh prompts
+    drawn from the training set (seeded by the run's seed, step and attempt, so a resumed run draws the same)."""
+
+    def __init__(self, *args: Any, resample_attempts: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if resample_attempts < 0:
+            raise ValueError(f"resample_attempts must be 0 or more, got {resample_attempts}")
+        if self.accelerator.num_processes > 1:  # each process would decide on its own slice of the batch
+            raise ValueError("dynamic sampling (resample_zero_variance_batches) runs in one training process only")
+        self.resample_attempts = resample_attempts
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        if not self.model.training or not self.resample_attempts:
+            return super()._generate_and_score_completions(inputs)
+        metrics = self._metrics["train"]
+        attempt = 0
+        while True:
+            logged = {name: len(values) for name, values in metrics.items()}
+            batch = super()._generate_and_score_completions(inputs)
+            if has_signal(batch) or attempt == self.resample_attempts:
+                break
+            for name, values in metrics.items():  # the set-aside batch's figures would describe no step
+                del values[logged.get(name, 0):]
+            attempt += 1
+            inputs = self._fresh_prompts(len(inputs), attempt)
+        metrics["resampled_batches"].append(float(attempt))
+        return batch
+
+    def _fresh_prompts(self, rows: int, attempt: int) -> list[dict[str, Any]]:
+        """As many training prompts as the batch had, each repeated once per completion of its group (the rows
+        TRL's sampler gives)."""
+        rng = random.Random(f"{self.args.seed}:{self.state.global_step}:{attempt}")
+        picks = [rng.randrange(len(self.train_dataset)) for _ in range(rows // self.num_generations)]
+        return [self.train_dataset[index] for index in picks for _ in range(self.num_generations)]
+
+
+def has_signal(batch: dict[str, Any]) -> bool:
+    """Whether any completion of a scored generation batch has a non-zero advantage."""
+    advantages = batch["advantages"]
+    return bool(advantages.numel()) and float(advantages.abs().max()) > SIGNAL_TOLERANCE
