@@ -10,7 +10,9 @@ import re
 import shutil
 import subprocess
 import sys
+from argparse import Namespace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -301,15 +303,21 @@ def test_a_finished_seed_is_reused_and_an_unfinished_or_changed_one_runs_again(t
     assert not reused and len(runs) == 3
 
 
-def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
-    from argparse import Namespace
+def lever_options(**changed: Any) -> Namespace:
+    """learning_signal.py's GRPO options at their defaults, with `changed` ones (by attribute name)."""
+    return Namespace(**{"grpo_evidence_weight": None, "grpo_respond_tokens": None, "respond_tokens": 96,
+                        "grpo_generations": 4, "grpo_temperature": 0.7, "grpo_prompts_per_step": 1,
+                        "grpo_example": "current", "grpo_steps": 50, "grpo_resample": 0, "smoke": False, **changed})
 
+
+def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
     grpo_arm = bench_module("learning_signal").grpo_arm
 
-    def options(evidence=None, tokens=None, generations=4, temperature=0.7, prompts=1, example="current"):
-        return Namespace(grpo_evidence_weight=evidence, grpo_respond_tokens=tokens, respond_tokens=96,
-                         grpo_generations=generations, grpo_temperature=temperature, grpo_prompts_per_step=prompts,
-                         grpo_example=example)
+    def options(evidence=None, tokens=None, generations=4, temperature=0.7, prompts=1, example="current", steps=50,
+                resample=0, smoke=False):
+        return lever_options(grpo_evidence_weight=evidence, grpo_respond_tokens=tokens, grpo_generations=generations,
+                             grpo_temperature=temperature, grpo_prompts_per_step=prompts, grpo_example=example,
+                             grpo_steps=steps, grpo_resample=resample, smoke=smoke)
 
     def arm(*args, **kwargs):
         key, settings = grpo_arm(options(*args, **kwargs))
@@ -328,6 +336,11 @@ def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
                                                    "grpo-temperature0.9-prompts2")
     prompts_arm = grpo_arm(options(prompts=2))[1]
     assert (prompts_arm.generations, prompts_arm.temperature, prompts_arm.prompts_per_step) == (4, 0.7, 2)
+    # the same sampled completions in half the steps, and dynamic sampling, are arms too; --smoke's steps are its own
+    assert arm(prompts=2, steps=25)[:2] == ("grpo_respondent_prompts_2_steps_25", "grpo-prompts2-steps25")
+    assert arm(resample=2)[:2] == ("grpo_respondent_resample_2", "grpo-resample2")
+    assert grpo_arm(options(resample=2))[1].resample == 2
+    assert arm(steps=2, smoke=True)[:2] == ("grpo_respondent", "grpo")
 
 
 def test_respondent_metrics_split_numbered_citations_into_relevant_and_distractor() -> None:
@@ -351,8 +364,6 @@ def test_respondent_metrics_split_numbered_citations_into_relevant_and_distracto
 
 
 def test_a_worked_example_arm_trains_on_its_own_rewritten_copy_of_the_export(tmp_path: Path) -> None:
-    from argparse import Namespace
-
     from datasets import Dataset, load_from_disk
 
     from ermedrag.agents import respondent
@@ -362,8 +373,7 @@ def test_a_worked_example_arm_trains_on_its_own_rewritten_copy_of_the_export(tmp
     prompt = to_chat(respondent.build_messages("Is it yes?", None, "1. [s1] a — causes — b"))  # as the export
     exported = tmp_path / "grpo-train" / "dataset"
     Dataset.from_list([{"prompt": prompt, "gold": "yes"}]).save_to_disk(str(exported))
-    options = Namespace(grpo_evidence_weight=None, grpo_respond_tokens=192, respond_tokens=96, grpo_generations=4,
-                        grpo_temperature=0.7, grpo_prompts_per_step=1, grpo_example="cites_number")
+    options = lever_options(grpo_respond_tokens=192, grpo_example="cites_number")
     key, arm = learning_signal.grpo_arm(options)
     assert key == "grpo_respondent_tokens_192_example_cites_number"
     assert arm.folder == "grpo-tokens192-examplecites_number"
@@ -373,13 +383,11 @@ def test_a_worked_example_arm_trains_on_its_own_rewritten_copy_of_the_export(tmp
     example_reply, question = rows[0]["prompt"][2]["content"], rows[0]["prompt"][-1]["content"]
     assert "Evidence 1 says" in example_reply and question == prompt[-1]["content"] and rows[0]["gold"] == "yes"
     assert not [p.name for p in exported.iterdir() if p.name.startswith("cache-")]  # the export is left as it was
-    default = learning_signal.grpo_arm(Namespace(**{**vars(options), "grpo_example": "current"}))[1]
+    default = learning_signal.grpo_arm(lever_options(grpo_respond_tokens=192))[1]
     assert default.prepare_train_dataset(tmp_path) == exported  # the default arm trains on the export itself
 
 
 def test_an_example_copy_from_another_example_text_is_written_again_and_its_seeds_retrained(tmp_path: Path) -> None:
-    from argparse import Namespace
-
     from datasets import Dataset, load_from_disk
 
     from ermedrag.agents import respondent
@@ -388,8 +396,7 @@ def test_an_example_copy_from_another_example_text_is_written_again_and_its_seed
     learning_signal = bench_module("learning_signal")
     prompt = to_chat(respondent.build_messages("Is it yes?", None, "1. [s1] a — causes — b"))
     Dataset.from_list([{"prompt": prompt, "gold": "yes"}]).save_to_disk(str(tmp_path / "grpo-train" / "dataset"))
-    options = Namespace(grpo_evidence_weight=None, grpo_respond_tokens=192, respond_tokens=96, grpo_generations=4,
-                        grpo_temperature=0.7, grpo_prompts_per_step=1, grpo_example="cites_number")
+    options = lever_options(grpo_respond_tokens=192, grpo_example="cites_number")
     arm = learning_signal.grpo_arm(options)[1]
     copy = arm.prepare_train_dataset(tmp_path)
     # a copy written when the example read otherwise, and a seed trained on it (finished, with checkpoints)
