@@ -28,9 +28,9 @@ class ResamplingGRPOTrainer(GRPOTrainer):
     drawn from the training set (seeded by the run's seed, step and attempt, so a resumed run draws the same)."""
 
     def __init__(self, *args: Any, resample_attempts: int, **kwargs: Any) -> None:
+        if resample_attempts < 0:  # before the model loads
+            raise ValueError(f"resample_zero_variance_batches must be 0 or more, got {resample_attempts}")
         super().__init__(*args, **kwargs)
-        if resample_attempts < 0:
-            raise ValueError(f"resample_attempts must be 0 or more, got {resample_attempts}")
         if self.accelerator.num_processes > 1:  # each process would decide on its own slice of the batch
             raise ValueError("dynamic sampling (resample_zero_variance_batches) runs in one training process only")
         self.resample_attempts = resample_attempts
