@@ -261,7 +261,8 @@ def test_dynamic_sampling_trains_on_batches_with_a_signal(tiny_model, tmp_path):
     summary = train_grpo(config, [signal_only_for_b])
     records = step_records(read_metrics(config.output_dir))
     assert [(r["frac_reward_zero_std"], r["resampled_batches"]) for r in records] == [(1.0, 2.0)] * 3
-    assert summary["zero_variance_steps"]["steps_without_signal"] == 3
+    silent = summary["zero_variance_steps"]
+    assert silent["steps_without_signal"] == silent["steps_resampled"] == 3
 
 
 class Interrupted(Exception):
@@ -382,6 +383,13 @@ def test_zero_variance_steps_counts_steps_whose_groups_all_had_equal_rewards():
     assert zero_variance_steps(records) == {"logged_steps": 3, "steps_without_signal": 2, "share": 0.6667,
                                             "mean_frac_reward_zero_std": 0.8333}
     assert zero_variance_steps([{"step": 1, "loss": 0.2}]) is None  # DPO logs no such figure
+    # dynamic sampling: step 1 found a signal on its second draw, step 2 on its first, step 3 found none in 2 more
+    resampled = [{"step": 1, "frac_reward_zero_std": 0.0, "resampled_batches": 1},
+                 {"step": 2, "frac_reward_zero_std": 0.0, "resampled_batches": 0},
+                 {"step": 3, "frac_reward_zero_std": 1.0, "resampled_batches": 2}]
+    assert zero_variance_steps(resampled) == {"logged_steps": 3, "steps_without_signal": 1, "share": 0.3333,
+                                              "mean_frac_reward_zero_std": 0.3333, "steps_resampled": 2,
+                                              "mean_resampled_batches": 1.0}
 
 
 def test_grpo_rollouts_end_at_the_stop_string(tiny_model, grpo_dataset, tmp_path):
