@@ -227,8 +227,9 @@ def test_grpo_lora_logs_every_reward_component(tiny_model, grpo_dataset, tmp_pat
 
 
 def signal_only_for_b(completions, gold, **kwargs) -> list[float]:
-    """Equal rewards in a group of gold A (no signal), alternating 0 and 1 in a group of gold B."""
-    return [float(g == "B" and i % 2 == 1) for i, g in enumerate(gold)]
+    """Equal rewards in a group of gold A (no signal), alternating 0 and 1 in a group of gold B. A's 0.7 is not 0:
+    TRL's advantages of equal non-zero rewards are rounding remainders, ~6e-4 in a group of 8, never a signal."""
+    return [(1.0 if i % 2 else 0.0) if g == "B" else 0.7 for i, g in enumerate(gold)]
 
 
 def one_prompt_per_gold(path: Path, golds: str) -> str:
@@ -257,7 +258,8 @@ def test_dynamic_sampling_trains_on_batches_with_a_signal(tiny_model, tmp_path):
 
     # with no prompt that can give a signal, each step draws its attempts and trains on the last batch
     config = dataclasses.replace(config, dataset=one_prompt_per_gold(tmp_path / "aa", "AA"),
-                                 output_dir=str(tmp_path / "aa-out"), resample_zero_variance_batches=2)
+                                 output_dir=str(tmp_path / "aa-out"), resample_zero_variance_batches=2,
+                                 per_device_train_batch_size=8, num_generations=8)
     summary = train_grpo(config, [signal_only_for_b])
     records = step_records(read_metrics(config.output_dir))
     assert [(r["frac_reward_zero_std"], r["resampled_batches"]) for r in records] == [(1.0, 2.0)] * 3
@@ -390,6 +392,19 @@ def test_zero_variance_steps_counts_steps_whose_groups_all_had_equal_rewards():
     assert zero_variance_steps(resampled) == {"logged_steps": 3, "steps_without_signal": 1, "share": 0.3333,
                                               "mean_frac_reward_zero_std": 0.3333, "steps_resampled": 2,
                                               "mean_resampled_batches": 1.0}
+
+
+def test_silent_groups_are_those_whose_advantages_are_all_equal_not_all_zero():
+    import torch
+
+    from ermedrag.training.grpo_signal import silent_group_share
+
+    # TRL's advantages for eight rewards of 0.7 are each ~6e-4 (the mean's rounding remainder over std + 1e-4)
+    silent = [5.96e-4] * 8
+    learning = [-0.93, 0.93] * 4
+    assert silent_group_share({"advantages": torch.tensor(silent + learning)}, 8) == 0.5
+    assert silent_group_share({"advantages": torch.tensor(silent + silent)}, 8) == 1.0
+    assert silent_group_share({"advantages": torch.tensor([])}, 8) == 1.0
 
 
 def test_grpo_rollouts_end_at_the_stop_string(tiny_model, grpo_dataset, tmp_path):

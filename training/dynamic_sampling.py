@@ -1,10 +1,11 @@
 """Dynamic sampling for GRPO (as in DAPO), by whole generation batches.
 
 A GRPO group whose completions all got the same reward has no advantage to follow; when every group of a step's
-generation batch is like that, the step changes nothing (with `beta` 0 the loss is exactly zero). TRL logs the share
-of such groups as `frac_reward_zero_std` and trains on the batch anyway (dynamic sampling is not in its
-GRPOTrainer: huggingface/trl#3708). `ResamplingGRPOTrainer` samples a fresh batch of training prompts instead, up
-to `resample_attempts` times, and trains on the first batch with a signal (else on the last one drawn).
+generation batch is like that, the step changes nothing (with `beta` 0 the loss is zero up to rounding). The share
+of such groups is logged as `frac_reward_zero_std` (counted exactly: `training.grpo_signal`); TRL trains on such a
+batch anyway (dynamic sampling is not in its GRPOTrainer: huggingface/trl#3708). `ResamplingGRPOTrainer` samples a
+fresh batch of training prompts instead, up to `resample_attempts` times, and trains on the first batch with a
+signal (else on the last one drawn).
 
 Whole batches, not single groups, are replaced, so TRL's batch tensors are used as it built them: with one prompt
 per step (the respondent's recipe) that is exactly DAPO's rule; with several, a batch is resampled only when all of
@@ -17,14 +18,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from trl import GRPOTrainer
-
-# An advantage below this is a rounding remainder of rewards that were all equal, not a signal.
-SIGNAL_TOLERANCE = 1e-6
+from ermedrag.training.grpo_signal import SignalCountingGRPOTrainer
 
 
-class ResamplingGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` that replaces a training generation batch without any reward variance by fresh prompts
+class ResamplingGRPOTrainer(SignalCountingGRPOTrainer):
+    """`trl.GRPOTrainer` (its silent groups counted exactly) that replaces a training generation batch without any reward variance by fresh prompts
     drawn from the training set (seeded by the run's seed, step and attempt, so a resumed run draws the same)."""
 
     def __init__(self, *args: Any, resample_attempts: int, **kwargs: Any) -> None:
@@ -43,7 +41,7 @@ class ResamplingGRPOTrainer(GRPOTrainer):
         while True:
             logged = {name: len(values) for name, values in metrics.items()}
             batch = super()._generate_and_score_completions(inputs)
-            if has_signal(batch) or attempt == self.resample_attempts:
+            if metrics["frac_reward_zero_std"][-1] < 1.0 or attempt == self.resample_attempts:
                 break
             for name, values in metrics.items():  # the set-aside batch's figures would describe no step
                 del values[logged.get(name, 0):]
@@ -59,8 +57,3 @@ class ResamplingGRPOTrainer(GRPOTrainer):
         picks = [rng.randrange(len(self.train_dataset)) for _ in range(rows // self.num_generations)]
         return [self.train_dataset[index] for index in picks for _ in range(self.num_generations)]
 
-
-def has_signal(batch: dict[str, Any]) -> bool:
-    """Whether any completion of a scored generation batch has a non-zero advantage."""
-    advantages = batch["advantages"]
-    return bool(advantages.numel()) and float(advantages.abs().max()) > SIGNAL_TOLERANCE

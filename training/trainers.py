@@ -121,7 +121,7 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
     """A `trl.GRPOTrainer` for `config` and its `MetricsRecorder`: the dataset checked, the model's tokenizer,
     TRL's config with the rewards' weights, and a rollout function: `rollout_func`, else one that ends at
     `config.stop_strings` (none with vLLM, which stops by itself: `GRPOTrainingConfig.to_trl`)."""
-    from trl import GRPOTrainer
+    from ermedrag.training.grpo_signal import SignalCountingGRPOTrainer
 
     dataset = _load_dataset(config.dataset)
     if "prompt" not in dataset.column_names:
@@ -131,7 +131,7 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
     if rollout_func is None and config.stop_strings and not config.use_vllm:
         rollout_func = make_search_rollout(None, end_stops=config.stop_strings, force_answer=False,
                                            step_max_new_tokens=config.max_completion_length)
-    trainer_class, resampling = GRPOTrainer, {}
+    trainer_class, resampling = SignalCountingGRPOTrainer, {}
     if config.resample_zero_variance_batches:
         from ermedrag.training.dynamic_sampling import ResamplingGRPOTrainer
 
