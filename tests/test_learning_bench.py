@@ -428,6 +428,28 @@ def test_rescoring_refuses_replies_recorded_on_other_held_out_prompts() -> None:
         citation_example.rescore(recorded, [{**rows[0], "gold": "no"}])
 
 
+def test_a_run_never_replaces_a_record_combined_from_several_machines(tmp_path: Path) -> None:
+    """combine_runs.py's record holds other machines' runs, which a run here cannot rebuild; a one-machine record
+    is what a rerun replaces. Both refusals come before any model is loaded."""
+    bench = bench_module("learning_signal")
+    combined = {"runs": [{"cpu": "Xeon", "seeds": 1}, {"cpu": "EPYC", "seeds": 2}]}
+    record = tmp_path / "smoke" / "learning.json"  # where --smoke records
+    record.parent.mkdir()
+    record.write_text(json.dumps({"grpo_respondent": combined, "dpo_extractor_close_cut": {"steps": 2}}))
+    command = [sys.executable, str(SCRIPT), "--smoke", "--reuse", "--work", str(tmp_path), "--data", str(tmp_path)]
+    refused = subprocess.run(command + ["--parts", "grpo"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "holds grpo_respondent combined from 2 runs" in refused.stderr
+    assert json.loads(record.read_text())["grpo_respondent"] == combined  # untouched
+    bench.refuse_combined(json.loads(record.read_text()), record, bench.dpo_keys(lever_options(
+        dpo_close_cut="on", dpo_temperature=1.0)))  # a one-machine record: no refusal
+    assert bench.dpo_keys(lever_options(dpo_close_cut="both", dpo_temperature=0.7)) == [
+        "dpo_extractor_t0.7", "dpo_extractor_close_cut_t0.7"]
+
+    missing = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "no" / "x.json")], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "its folder does not exist" in missing.stderr
+
+
 def test_a_second_run_on_a_work_folder_in_use_stops_naming_the_first(tmp_path: Path) -> None:
     seeds = bench_module("seeds")
     work = tmp_path / "full"

@@ -280,6 +280,8 @@ def main() -> None:
     if args.out is None:  # a lever arm never lands in learning.json, whose seeds.n counts every part's seeds
         lever = grpo_arm(args)[0] != "grpo_respondent"
         args.out = str(REPO / "benches" / "results" / ("learning_grpo_levers.json" if lever else "learning.json"))
+    if not Path(args.out).resolve().parent.is_dir():  # found before hours of training, not after
+        parser.error(f"--out {args.out}: its folder does not exist")
     parts = set(args.parts.split(","))
     if not parts or parts - {"grpo", "dpo"}:
         parser.error(f"--parts {args.parts!r}: expected grpo, dpo or grpo,dpo")
@@ -300,6 +302,10 @@ def main() -> None:
         model_path = str(offline_model_dir())
     model = f"hf:{model_path}"
 
+    out = Path(args.out) if not args.smoke else work / "learning.json"
+    result = json.loads(out.read_text()) if out.exists() else {}
+    refuse_combined(result, out, ([grpo_arm(args)[0]] if "grpo" in parts else []) + (
+        dpo_keys(args) if "dpo" in parts else []))
     train_db, eval_db = work / "traces-train.sqlite", work / "traces-eval.sqlite"
     if not (args.reuse and grpo_prompts(work, "eval").exists()):
         prepare(args, work, model, train_db, eval_db)
@@ -308,8 +314,6 @@ def main() -> None:
     eval_rows = [dict(r) for r in load_from_disk(str(grpo_prompts(work, "eval")))]
     eval_events = list(TraceStore(eval_db).events(agent="extractor"))
     extract_prompts = [to_chat(e["messages"]) for e in eval_events]
-    out = Path(args.out) if not args.smoke else work / "learning.json"
-    result = json.loads(out.read_text()) if out.exists() else {}
     results_dir = Path(args.out).parent
 
     seeds = list(range(args.first_seed, args.first_seed + max(args.seeds, 1)))
@@ -513,14 +517,33 @@ def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, ev
         log(f"grpo export {name}: {counts}")
 
 
+def refuse_combined(result: dict[str, Any], out: Path, keys: list[str]) -> None:
+    """A record that combine_runs.py joined from several machines' runs cannot be rebuilt here: never replace it."""
+    for key in keys:
+        if "runs" in result.get(key, {}):
+            raise SystemExit(f"{out} holds {key} combined from {len(result[key]['runs'])} runs (combine_runs.py); a "
+                             "run here would replace them: write it to another --out, then join it with "
+                             "benches/learning/combine_runs.py")
+
+
+def dpo_temperature_suffix(args: argparse.Namespace) -> str:
+    """Another sampling temperature is another export, and its arms are recorded under their own keys."""
+    return "" if args.dpo_temperature == 1.0 else f"_t{args.dpo_temperature:g}"
+
+
+def dpo_keys(args: argparse.Namespace) -> list[str]:
+    """The result keys of the DPO arms this run trains: without closed cut lists, with them, or both."""
+    suffix = dpo_temperature_suffix(args)
+    return {"off": ["dpo_extractor" + suffix], "on": ["dpo_extractor_close_cut" + suffix],
+            "both": ["dpo_extractor" + suffix, "dpo_extractor_close_cut" + suffix]}[args.dpo_close_cut]
+
+
 def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, Path]:
     """The DPO settings to train, by result key, with their exported pairs: the extractor's pairs from the
     training traces (sampled alternatives, reward margin), exported once; with `--dpo-close-cut both` the arm
     without closed candidates reselects its pairs from the same scored samples."""
     closing = args.dpo_close_cut != "off"
-    # Another sampling temperature is another export, and its arms are recorded under their own keys.
-    suffix = "" if args.dpo_temperature == 1.0 else f"_t{args.dpo_temperature:g}"
-    folder_suffix = suffix.replace("_", "-")
+    folder_suffix = dpo_temperature_suffix(args).replace("_", "-")
     export = work / (("dpo-train-closed" if closing else "dpo-train") + folder_suffix)
     margin = 0.0 if args.smoke else 0.1
     if not (args.reuse and (export / "dataset").exists()):
@@ -530,14 +553,13 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
                                             usefulness=False, margin=margin, close_cut_lists=closing),
                             progress=False)
         log(f"dpo export ({export.name}): {counts}")
-    if args.dpo_close_cut == "off":
-        return {"dpo_extractor" + suffix: export}
-    if args.dpo_close_cut == "on":
-        return {"dpo_extractor_close_cut" + suffix: export}
+    keys = dpo_keys(args)
+    if args.dpo_close_cut != "both":
+        return {keys[0]: export}
     reselected = work / ("dpo-train-same-samples" + folder_suffix)
     pairs = reselect_pairs(str(train_db), export, reselected, margin, closed=False)
     log(f"dpo pairs without closed candidates: {pairs}")
-    return {"dpo_extractor" + suffix: reselected, "dpo_extractor_close_cut" + suffix: export}
+    return {keys[0]: reselected, keys[1]: export}
 
 
 def copy_curves(runs: list[dict[str, Any]], args: argparse.Namespace, target: Path) -> None:
