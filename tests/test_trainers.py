@@ -491,6 +491,31 @@ def test_load_config_reports_unknown_keys_and_missing_file(tmp_path):
     assert config.learning_rate == 1e-5 and config.beta == 0.0
 
 
+@pytest.mark.parametrize("line, message", [
+    ("stop_strings: </answer>", r"stop_strings: expected a list of strings \(one string is \['</answer>'\]\)"),
+    ("stop_strings: [a, 1]", "stop_strings: expected a list of strings, got"),
+    ("max_steps: 2.5", "max_steps: expected a whole number, got 2.5"),
+    ("max_steps: true", "max_steps: expected a whole number, got True"),
+    ("rewards: 3", "rewards: expected a mapping"),
+    ("model: 270", "model: expected text, got 270"),
+    ("1: x", r"keys must be field names, got \[1\]"),
+    ("model: [m", "not valid YAML: while parsing a flow sequence"),
+])
+def test_a_config_value_of_the_wrong_kind_is_an_error_naming_its_field(tmp_path, line, message):
+    """Never a value that fails later: a string for a list would be taken letter by letter as stop strings."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text(f"model: m\ndataset: d\noutput_dir: o\n{line}\n")
+    with pytest.raises(ValueError, match=message):
+        load_config(path, GRPOTrainingConfig)
+
+
+def test_a_whole_number_written_as_a_float_is_taken_as_the_int_it_means(tmp_path):
+    path = tmp_path / "grpo.yaml"
+    path.write_text("model: m\ndataset: d\noutput_dir: o\nmax_steps: 1e3\nstop_strings: []\n")
+    config = load_config(path, GRPOTrainingConfig)
+    assert config.max_steps == 1000 and isinstance(config.max_steps, int) and config.stop_strings == []
+
+
 def test_example_configs_load_and_map_to_trl(tmp_path):
     import torch
 

@@ -20,6 +20,7 @@ default, bf16 everywhere, fails on CPU).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -487,6 +488,9 @@ def config_from_dict(data: dict[str, Any], cls: type[C], *, source: str = "confi
     """Build `cls` from a flat mapping: unknown keys and missing required keys are errors naming them."""
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping of field names to values, got {type(data).__name__}")
+    not_names = [key for key in data if not isinstance(key, str)]
+    if not_names:
+        raise ValueError(f"{source}: keys must be field names, got {not_names}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     removed = sorted(set(data) & set(REMOVED_KEYS) - set(fields))
     if removed:
@@ -518,24 +522,60 @@ def load_config(path: str | Path, cls: type[C]) -> C:
     if not path.is_file():
         raise FileNotFoundError(f"training config not found: {path}")
     with path.open(encoding="utf-8") as handle:
-        data = yaml.safe_load(handle)
+        try:
+            data = yaml.safe_load(handle)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     if data is None:
         data = {}
     return config_from_dict(data, cls, source=str(path))
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Light type fixing for YAML values: PyYAML reads `1e-5` (no dot) as a string; ints are fine as floats."""
+    """Check a YAML value against its field's type, fixing what PyYAML misreads: it reads `1e-5` (no dot) as a
+    string; ints are fine as floats, and a whole float (`1e3`) as an int. Anything else wrong is an error naming
+    the field, never a value that fails later (a string for a list would be taken letter by letter)."""
     if value is None:
         return None
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    if float in options and not isinstance(value, bool) and isinstance(value, (int, str)):
+    kinds = {typing.get_origin(option) or option for option in options} - {type(None)}
+    if kinds == {bool}:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if float in kinds and not isinstance(value, bool) and isinstance(value, (int, str)):
         try:
             return float(value)
         except ValueError:
-            if str in options:
+            if str in kinds:
                 return value
             raise ValueError(f"{where}: expected a number, got {value!r}") from None
-    if set(options) <= {bool, type(None)} and not isinstance(value, bool):
-        raise ValueError(f"{where}: expected true/false, got {value!r}")
+    if int in kinds:
+        return _whole_number(value, where)
+    if isinstance(value, str) and str in kinds:
+        return value
+    if list in kinds:
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            example = f" (one string is [{value!r}])" if isinstance(value, str) else ""
+            raise ValueError(f"{where}: expected a list of strings{example}, got {value!r}")
+        return value
+    if dict in kinds:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping (key: value lines), got {value!r}")
+        return value
+    if kinds == {str}:
+        raise ValueError(f"{where}: expected text, got {value!r}")
     return value
+
+
+def _whole_number(value: Any, where: str) -> int:
+    """An int field's value: an int, or a float or text that is a whole number (`1e3`); never a bool."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        number = float(value) if isinstance(value, (float, str)) else math.nan
+    except ValueError:
+        number = math.nan
+    if not number.is_integer():
+        raise ValueError(f"{where}: expected a whole number, got {value!r}")
+    return int(number)
