@@ -353,7 +353,9 @@ def test_a_new_run_in_a_folder_resumes_its_own_checkpoints_not_the_earlier_runs(
     with pytest.raises(Interrupted):  # from the beginning in the same folder, killed at step 3
         train_grpo(second, [has_answer_tag, interrupted_at_step(3)])
     aside = list((tmp_path / "runs" / "grpo").glob("earlier-run-*"))  # the first run's, moved, not overwritten
-    assert len(aside) == 1 and sorted(d.name for d in aside[0].iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert len(aside) == 1 and sorted(d.name for d in aside[0].iterdir()) == ["checkpoint-2", "checkpoint-4",
+                                                                              METRICS_FILE]
+    assert [r["step"] for r in step_records(read_metrics(aside[0]))] == [1, 2, 3, 4]  # its curves go with them
     summary = train_grpo(dataclasses.replace(second, resume=True), [has_answer_tag, length_score])
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 4  # its own checkpoint, not the first run's
 

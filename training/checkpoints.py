@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 
 from ermedrag.tools.jsonl import replace_text
 from ermedrag.training.config import GRPOTrainingConfig, comparable_settings
+from ermedrag.training.metrics import METRICS_FILE
 from ermedrag.training.rewards import reward_code_sha256
 
 log = logging.getLogger(__name__)
@@ -141,12 +142,15 @@ class CheckpointSettings(TrainerCallback):
 
 
 def move_earlier_checkpoints(output_dir: Path) -> None:
+    """The earlier run's checkpoints, with its logged steps (which this run's metrics file starts afresh), go
+    into one `earlier-run-<time>/` folder."""
     earlier = sorted(d for d in output_dir.glob(PREFIX + "*") if d.is_dir())
     if not earlier:
         return
     aside = output_dir / time.strftime("earlier-run-%Y%m%dT%H%M%SZ", time.gmtime())
     aside.mkdir(parents=True, exist_ok=True)
-    for folder in earlier:
-        folder.rename(aside / folder.name)
+    for path in [*earlier, output_dir / METRICS_FILE]:
+        if path.exists():
+            path.rename(aside / path.name)
     log.warning("%s held %d checkpoint(s) of an earlier run; this run starts from the beginning, so they were "
                 "moved to %s", output_dir, len(earlier), aside)

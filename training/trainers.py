@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ermedrag.tools.jsonl import replace_text
 from ermedrag.training.checkpoints import (CheckpointSettings, check_resumable, checkpoint_dir, checkpoint_step,
                                            resume_checkpoint)
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig, load_config
@@ -258,9 +259,7 @@ def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: s
                         "(resample_zero_variance_batches) give groups that differ",
                         silent["steps_without_signal"], silent["logged_steps"])
     if trainer.is_world_process_zero():
-        (output_dir / CONFIG_FILE).write_text(
-            json.dumps(dataclasses.asdict(config), indent=2, default=str), encoding="utf-8"
-        )
+        replace_text(output_dir / CONFIG_FILE, json.dumps(dataclasses.asdict(config), indent=2, default=str))
         plot = plot_curves(recorder.records, output_dir / PLOT_FILE, title=f"{kind.upper()} {Path(config.model).name}")
         summary["plot_path"] = str(plot) if plot else None
     return summary
