@@ -136,6 +136,7 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     finished = json.loads(out.read_text())
     assert "progress" not in finished and finished["seeds"]["grpo_respondent"]["n"] == 2
+    assert finished["grpo_respondent"]["reused_seeds"] == [0]  # the earlier run's, kept
     assert finished["seeds"]["grpo_respondent"]["accuracy"]["after"]["values"][0] == \
         stopped["seeds"]["grpo_respondent"]["accuracy"]["after"]["values"][0]
 
@@ -448,6 +449,15 @@ def test_a_run_never_replaces_a_record_combined_from_several_machines(tmp_path: 
     missing = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "no" / "x.json")], cwd=REPO,
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "its folder does not exist" in missing.stderr
+
+
+def test_seeds_added_later_keep_the_earlier_seeds_timing_and_reuse() -> None:
+    training_time = bench_module("learning_signal").training_time
+    earlier = {"minutes": 50.0, "reused_seeds": [0]}  # two seeds, a mean of 50 minutes each
+    assert training_time([2], [{"minutes": 20.0, "reused": False}], earlier, 2) == {"minutes": 40.0,
+                                                                                  "reused_seeds": [0]}
+    assert training_time([0], [{"minutes": 20.0, "reused": True}], earlier, 0) == {"minutes": 20.0,
+                                                                                 "reused_seeds": [0]}
 
 
 def test_a_second_run_on_a_work_folder_in_use_stops_naming_the_first(tmp_path: Path) -> None:

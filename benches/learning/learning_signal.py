@@ -313,6 +313,9 @@ def main() -> None:
 
     eval_rows = [dict(r) for r in load_from_disk(str(grpo_prompts(work, "eval")))]
     eval_events = list(TraceStore(eval_db).events(agent="extractor"))
+    if "dpo" in parts and not eval_events:
+        raise SystemExit(f"{eval_db} holds no extractor calls to measure the extractor on: record the held-out "
+                         "traces again (run without --reuse)")
     extract_prompts = [to_chat(e["messages"]) for e in eval_events]
     results_dir = Path(args.out).parent
 
@@ -587,11 +590,16 @@ def pair_composition(export_log: Path) -> dict[str, dict[str, float]]:
             for side, rows in sides.items() if rows}
 
 
-def training_time(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Training minutes per seed (a reused seed's as its own run timed them) and which seeds were reused."""
+def training_time(seeds: list[int], runs: list[dict[str, Any]], earlier: dict[str, Any],
+                  kept: int) -> dict[str, Any]:
+    """Training minutes per seed (a reused seed's as its own run timed them) and which seeds were reused, over
+    the `kept` seeds of the `earlier` record (--first-seed) and this run's."""
+    earlier_reused = [seed for seed in earlier.get("reused_seeds", []) if seed < kept]
     timed = [run["minutes"] for run in runs if run.get("minutes") is not None]
+    if kept and earlier.get("minutes") is not None:  # the earlier record keeps a mean over its seeds
+        timed += [earlier["minutes"]] * kept
     return {"minutes": round(sum(timed) / len(timed), 1) if timed else None,
-            "reused_seeds": [seed for seed, run in zip(seeds, runs) if run["reused"]]}
+            "reused_seeds": earlier_reused + [seed for seed, run in zip(seeds, runs) if run["reused"]]}
 
 
 def grpo_records(args: argparse.Namespace, arm: GRPOArm, before: dict[str, float], afters: list[dict[str, float]],
@@ -603,7 +611,7 @@ def grpo_records(args: argparse.Namespace, arm: GRPOArm, before: dict[str, float
     kept = args.first_seed
     arm_record = {
         "before": before, "after": record.get("after", afters[0]), "steps": runs[0]["steps"],
-        **training_time(seeds, runs), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
+        **training_time(seeds, runs, record, kept), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
         "train_prompts": args.train_questions, "eval_prompts": eval_count,
         "num_generations": arm.generations, "temperature": arm.temperature,
         "prompts_per_step": arm.prompts_per_step, "worked_example": arm.example,
@@ -624,8 +632,9 @@ def dpo_records(args: argparse.Namespace, key: str, dpo_dir: Path, before: dict[
                 afters: list[dict[str, float]], runs: list[dict[str, Any]], seeds: list[int], earlier: dict[str, Any],
                 eval_count: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """A DPO arm's record and its seeds summary, as `grpo_records` for GRPO."""
-    arm_record = {"before": before, "after": earlier.get("record", {}).get("after", afters[0]),
-                  "steps": runs[0]["steps"], **training_time(seeds, runs),
+    record = earlier.get("record", {})
+    arm_record = {"before": before, "after": record.get("after", afters[0]),
+                  "steps": runs[0]["steps"], **training_time(seeds, runs, record, args.first_seed),
                   "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": eval_count,
                   "pair_composition": pair_composition(dpo_dir / "log.jsonl"),
                   "samples": args.dpo_samples, "sampling_temperature": args.dpo_temperature,
