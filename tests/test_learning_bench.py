@@ -253,6 +253,16 @@ def test_runs_with_their_own_befores_combine_into_paired_seeds(tmp_path: Path, c
     assert "trained another recipe: temperature differ" in capsys.readouterr().err and first.read_text() == kept
     assert combine.main(["--key", "missing", "--into", str(first), str(other)]) == 2
     assert "holds no arm 'missing'" in capsys.readouterr().err
+    # malformed files: one clear line each, and the combined file is left as it was
+    (tmp_path / "list.json").write_text("[]")
+    assert combine.main(["--key", "arm", "--into", str(first), str(tmp_path / "list.json")]) == 2
+    assert "holds no arm 'arm'" in capsys.readouterr().err
+    broken = json.loads(third.read_text())
+    broken["arm"]["runs"] = [{"cpu": "EPYC"}]  # a combined record whose run lost its before and afters
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    assert combine.main(["--key", "arm", "--into", str(first), str(tmp_path / "broken.json")]) == 2
+    assert "is not as learning_signal.py writes it (KeyError" in capsys.readouterr().err
+    assert first.read_text() == kept
 
 
 def test_a_seed_is_reused_only_when_its_merge_finished_with_the_same_config(tmp_path: Path) -> None:

@@ -110,12 +110,18 @@ def main(argv: list[str] | None = None) -> int:
         results = [json.loads(path.read_text(encoding="utf-8")) for path in files]
         records = []
         for path, result in zip(files, results):
-            if args.key not in result or args.key not in result.get("seeds", {}):
+            seeds = result.get("seeds") if isinstance(result, dict) else None
+            if not (isinstance(seeds, dict) and isinstance(result.get(args.key), dict)
+                    and isinstance(seeds.get(args.key), dict)):
                 raise CombineError(f"{path} holds no arm {args.key!r} with its seeds")
             records.append((str(path), result[args.key], result["seeds"][args.key]))
         record, summary = combine(records)
     except (OSError, json.JSONDecodeError, CombineError) as err:
         print(f"combine_runs: {err}", file=sys.stderr)
+        return 2
+    except (KeyError, IndexError, TypeError, AttributeError) as err:  # a field missing or of another kind
+        print(f"combine_runs: a record of {args.key!r} is not as learning_signal.py writes it "
+              f"({type(err).__name__}: {err}); nothing written", file=sys.stderr)
         return 2
     into = results[0]
     into[args.key] = record
