@@ -498,6 +498,7 @@ def test_load_config_reports_unknown_keys_and_missing_file(tmp_path):
     ("stop_strings: [a, 1]", "stop_strings: expected a list of strings, got"),
     ("max_steps: 2.5", "max_steps: expected a whole number, got 2.5"),
     ("max_steps: true", "max_steps: expected a whole number, got True"),
+    ("learning_rate: [1]", r"learning_rate: expected a number, got \[1\]"),
     ("rewards: 3", "rewards: expected a mapping"),
     ("model: 270", "model: expected text, got 270"),
     ("1: x", r"keys must be field names, got \[1\]"),

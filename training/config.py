@@ -550,6 +550,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             if str in kinds:
                 return value
             raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if kinds == {float} and not isinstance(value, float):
+        raise ValueError(f"{where}: expected a number, got {value!r}")
     if int in kinds:
         return _whole_number(value, where)
     if isinstance(value, str) and str in kinds:

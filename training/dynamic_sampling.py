@@ -22,8 +22,9 @@ from ermedrag.training.grpo_signal import SignalCountingGRPOTrainer
 
 
 class ResamplingGRPOTrainer(SignalCountingGRPOTrainer):
-    """`trl.GRPOTrainer` (its silent groups counted exactly) that replaces a training generation batch without any reward variance by fresh prompts
-    drawn from the training set (seeded by the run's seed, step and attempt, so a resumed run draws the same)."""
+    """`trl.GRPOTrainer` (its silent groups counted exactly) that replaces a training generation batch without any
+    reward variance by fresh prompts drawn from the training set (seeded by the run's seed, step and attempt, so a
+    resumed run draws the same)."""
 
     def __init__(self, *args: Any, resample_attempts: int, **kwargs: Any) -> None:
         if resample_attempts < 0:  # before the model loads
@@ -56,4 +57,3 @@ class ResamplingGRPOTrainer(SignalCountingGRPOTrainer):
         rng = random.Random(f"{self.args.seed}:{self.state.global_step}:{attempt}")
         picks = [rng.randrange(len(self.train_dataset)) for _ in range(rows // self.num_generations)]
         return [self.train_dataset[index] for index in picks for _ in range(self.num_generations)]
-

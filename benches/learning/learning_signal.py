@@ -611,7 +611,8 @@ def grpo_records(args: argparse.Namespace, arm: GRPOArm, before: dict[str, float
     kept = args.first_seed
     arm_record = {
         "before": before, "after": record.get("after", afters[0]), "steps": runs[0]["steps"],
-        **training_time(seeds, runs, record, kept), "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
+        **training_time(seeds, runs, record, kept),
+        "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
         "train_prompts": args.train_questions, "eval_prompts": eval_count,
         "num_generations": arm.generations, "temperature": arm.temperature,
         "prompts_per_step": arm.prompts_per_step, "worked_example": arm.example,
