@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import uuid
@@ -18,6 +19,7 @@ from ermedrag.tools.agent_calls import call_agent
 from ermedrag.tools.chat_models import (DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_RETRIES, DEFAULT_MODEL,
                                         DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_BACKOFF_S, ModelServerError,
                                         ServerPolicy, load_chat_model)
+from ermedrag.tools.openai_server import MAX_TEMPERATURE
 from ermedrag.tools.index import Index, cached_index
 from ermedrag.tools.retrieval import (COARSE_K, DEFAULT_CONFIG, SNIPPETS_K, RetrievalConfig, coarse_k_for,
                                       retrieval_settings)
@@ -114,11 +116,16 @@ class Context:
     """Wait before the first retry; it doubles per retry (capped at 8 s). Env ERMEDRAG_RETRY_BACKOFF_S."""
 
     def __post_init__(self) -> None:
-        # Counts, budgets, temperatures and timeouts are never negative: a negative k would reach a Python slice
-        # and silently mean "all but the last few". Subclasses (Med-R³'s budgets) are checked the same way.
+        # Counts, budgets, temperatures and timeouts are finite and never negative: a negative k would reach a
+        # Python slice and silently mean "all but the last few", a NaN temperature a server as a request it
+        # refuses. Subclasses (Med-R³'s budgets) are checked the same way.
         for name, value in vars(self).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"context field {name!r} must be a finite number, got {value}")
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"context field {name!r} must be >= 0, got {value}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"context field 'temperature' must be at most {MAX_TEMPERATURE:g}, got {self.temperature}")
 
 
 def sampling(ctx: Context, model: str, max_new_tokens: int) -> dict[str, Any]:

@@ -86,8 +86,11 @@ class _NoContinuationServer(BaseHTTPRequestHandler):
     """An OpenAI-compatible server that answers off-option and, like `transformers serve`, rejects a request
     asking it to continue the assistant's turn (HTTP 422)."""
 
+    bodies: list[dict] = []
+
     def do_POST(self):  # noqa: N802 - the http.server hook's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
         if body.get("continue_final_message"):
             self._send(422, {"error": {"message": "Unexpected fields: continue_final_message"}})
             return
@@ -109,7 +112,10 @@ class _NoContinuationServer(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_server_that_refuses_continuation_leaves_the_reply_and_says_why(tmp_path):
+def test_a_server_that_is_not_vllm_is_never_asked_to_continue_a_turn(tmp_path):
+    """Continuing the assistant's turn is vLLM's field (`transformers serve` refuses it with HTTP 422): another
+    server gets the read-back as a conversation, answers it, and the reply that names no option stays unread."""
+    _NoContinuationServer.bodies = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _NoContinuationServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -119,6 +125,9 @@ def test_a_server_that_refuses_continuation_leaves_the_reply_and_says_why(tmp_pa
     finally:
         server.shutdown()
     answer = state["answer"]
-    assert answer["answer"] is None and not answer["ok"] and "answer extraction failed (the server refused" in answer["error"]
+    assert answer["answer"] is None and not answer["ok"] and "matches no option" in answer["error"]
+    assert [e["agent"] for e in _events(tmp_path, state["run_id"])] == ["respondent", "answer_extractor"]
+    extraction = _NoContinuationServer.bodies[-1]
+    assert extraction["messages"][-1]["role"] == "assistant" and "continue_final_message" not in extraction
     run = TraceStore(str(tmp_path / "t.sqlite")).run(state["run_id"])
     assert run["status"] == "finished" and run["error"] is None

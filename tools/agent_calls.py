@@ -9,18 +9,24 @@ from typing import Any, Callable, TypeVar
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import BaseMessage
 
-from ermedrag.tools.chat_models import continuation_kwargs, model_name
+from ermedrag.tools.chat_models import model_name
 from ermedrag.tools.images import recorded_message
 from ermedrag.tools.traces import TraceEvent
 
 Parsed = TypeVar("Parsed")
 
 
-def text_with_stop(reply: Any, stop: list[str] | None) -> str:
-    """A reply's text with the stop string that ended it put back: backends cut it off (OpenAI semantics), and a
-    parser needs the closed tag or list. Backends that do not report it (OpenAI servers) leave it to the parser."""
+def stop_sequence(reply: Any, stop: list[str] | None) -> str | None:
+    """The stop string (one of `stop`) that ended a reply, as its backend reports it; None for any other end."""
     matched = (getattr(reply, "response_metadata", None) or {}).get("stop_sequence")
-    return reply.text + matched if matched and stop and matched in stop else reply.text
+    return matched if isinstance(matched, str) and stop and matched in stop else None
+
+
+def text_with_stop(reply: Any, stop: list[str] | None) -> str:
+    """A reply's text with the stop string that ended it put back: backends cut it off (OpenAI semantics) and say
+    which one in `response_metadata["stop_sequence"]` (the openai: backend finds it on the client, whatever the
+    server does), and a parser needs the closed tag or list."""
+    return reply.text + (stop_sequence(reply, stop) or "")
 
 
 def call_agent(
@@ -43,7 +49,7 @@ def call_agent(
     Others cannot: an OpenAI-compatible server's own queue is invisible to its client, so there `compute_s` is
     the call's wall time and `queue_s` is None (unknown, not zero)."""
     started = time.perf_counter()
-    reply = model.invoke(messages, stop=stop, **continuation_kwargs(model, messages))
+    reply = model.invoke(messages, stop=stop)
     latency = time.perf_counter() - started
     completion = text_with_stop(reply, stop)
     parsed = parse(completion)
@@ -64,6 +70,8 @@ def call_agent(
         compute_s=compute_s,
         gold=gold,
         inputs=inputs,
+        finish_reason=_short_str(reply.response_metadata.get("finish_reason")),
+        stop_sequence=stop_sequence(reply, stop),
     )
     return parsed, event
 
@@ -81,3 +89,7 @@ def _seconds(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         return None
     return float(value)
+
+
+def _short_str(value: Any) -> str | None:
+    return value[:40] if isinstance(value, str) else None

@@ -18,10 +18,10 @@ the entropy metrics read; the openai backend passes the server's log-probs throu
 also splits each call's time into `response_metadata["queue_s"]` (waiting for the shared model) and
 `["compute_s"]` (its share of its batch's compute); other backends do not report them (see tools.agent_calls).
 
-Every failure of a model *server* (openai:) — refused, timed out, an HTTP error, a body that is not JSON or not
-a chat completion, a connection dropped mid-response — is raised as one `ModelServerError` with a one-line
-message naming the URL, what went wrong and the setting to change; retries (exponential backoff) happen here,
-once, not in the OpenAI client. The in-process backends (hf, offline, vllm, scripted) are not servers.
+The openai: backend lives in `tools.openai_server`: it returns the text as the model wrote it with the stop string
+that ended it (servers cut it off), holds the token limit and a deadline per attempt on the client, and raises every
+failure of a model *server* as one `ModelServerError` with a one-line message naming the URL, what went wrong and
+the setting to change. The in-process backends (hf, offline, llamacpp, vllm, scripted) are not servers.
 
 Images: a human message may carry image references (`agents.base.with_images`: file paths, http(s) URLs, data
 URIs). Which models see them is declared, and checked before any weights load (`require_image_support`):
@@ -43,38 +43,31 @@ import asyncio
 import contextlib
 import functools
 import importlib
-import json
-import math
 import os
-import random
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, Iterator, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr
-from ermedrag.agents.base import block_image_url, image_block, message_images, to_chat
+from ermedrag.agents.base import message_images, to_chat
 from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.env import env_flag
 from ermedrag.tools.precision import checkpoint_dtype, inference_dtype
 from ermedrag.tools.hf_batching import (BatchingGenerator, GenerationParams, Generated, StepStatistics,
                                         generation_kwargs, trimmed_completion)
-from ermedrag.tools.images import as_pil, as_url, images_in, is_url
+from ermedrag.tools.images import ImagesNotSupportedError, as_pil, images_in, is_url
+from ermedrag.tools.openai_server import (DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_RETRIES,  # noqa: F401 - re-exported
+                                          DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_BACKOFF_S, MAX_RETRY_BACKOFF_S,
+                                          ModelServerError, ServerChatModel, ServerPolicy, check_sampling,
+                                          is_retryable)
 
 PROVIDERS = ("hf", "offline", "llamacpp", "openai", "vllm", "scripted")
 DEFAULT_MODEL = "offline:gemma3-270m"
-# Model-server calls (openai:). A hung server costs at most (retries + 1) × read timeout + the backoffs.
-DEFAULT_REQUEST_TIMEOUT_S = 60.0  # read (and write) timeout of one request
-DEFAULT_CONNECT_TIMEOUT_S = 5.0
-DEFAULT_MAX_RETRIES = 2
-DEFAULT_RETRY_BACKOFF_S = 0.5  # first wait; doubles per retry, up to MAX_RETRY_BACKOFF_S
-MAX_RETRY_BACKOFF_S = 8.0
-MAX_RETRIES_ALLOWED = 10
 
 
 class ModelSpecError(ValueError):
@@ -108,6 +101,7 @@ def load_chat_model(
     """Build the chat model named by `spec` with the given sampling parameters (and, for openai: servers,
     the read/connect timeouts and the retries of each call)."""
     provider, name = parse_model_spec(spec)
+    check_sampling(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     sampling = dict(temperature=temperature, max_new_tokens=max_new_tokens, top_p=top_p, seed=seed)
     if provider == "offline":
         from ermedrag.tools.offline_model import offline_model_dir
@@ -118,8 +112,8 @@ def load_chat_model(
     if provider == "llamacpp":
         return LlamaCppChatModel(model_path=name, spec=spec, **sampling)
     if provider == "openai":
-        policy = ServerPolicy(timeout_s, connect_timeout_s, max_retries, retry_backoff_s)
-        return _openai_chat_model(name, base_url, logprobs, policy, **sampling)
+        return _server_model(name, base_url, logprobs, ServerPolicy(timeout_s, connect_timeout_s, max_retries,
+                                                                    retry_backoff_s), sampling)
     if provider == "vllm":
         return VLLMChatModel(model_path=name, spec=spec, **sampling)
     module_name, options = _scripted_options(spec, name)  # e.g. scripted:ermedrag.agents.scripted?delay=0.5
@@ -152,10 +146,6 @@ def _scripted_options(spec: str, name: str) -> tuple[str, dict[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------- images
-
-
-class ImagesNotSupportedError(ValueError):
-    """Images sent to (or configured for) a model that cannot see them. Raised before any weights load."""
 
 
 OPENAI_VISION_ENV = "ERMEDRAG_OPENAI_VISION"
@@ -220,331 +210,26 @@ def require_image_support(spec: str, images: Sequence[str], who: str = "", setti
         raise ImagesNotSupportedError(f"{who}model {spec} cannot see images: {problem}; {fix}")
 
 
-def model_name(model: BaseChatModel) -> str:
-    """The spec string a model was built from (for traces)."""
-    return getattr(model, "spec", None) or getattr(model, "model_name", None) or type(model).__name__
-
-
-# ---------------------------------------------------------------------------------------------- openai
-
-
-@dataclass(frozen=True)
-class ServerPolicy:
-    """How long one model-server request may take and how often a failed one is tried again."""
-
-    timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
-    max_retries: int = DEFAULT_MAX_RETRIES
-    retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S
-
-    def __post_init__(self) -> None:
-        for name, knob, value in (("request_timeout_s", "--timeout", self.timeout_s),
-                                  ("connect_timeout_s", "--connect-timeout", self.connect_timeout_s)):
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} ({knob}) must be a positive number of seconds, got {value!r}")
-        if not isinstance(self.max_retries, int) or not 0 <= self.max_retries <= MAX_RETRIES_ALLOWED:
-            raise ValueError(f"max_retries (--retries) must be an integer from 0 to {MAX_RETRIES_ALLOWED}, "
-                             f"got {self.max_retries!r}")
-        if (not isinstance(self.retry_backoff_s, (int, float)) or not math.isfinite(self.retry_backoff_s)
-                or self.retry_backoff_s < 0):
-            raise ValueError(f"retry_backoff_s must be a non-negative number of seconds, got {self.retry_backoff_s!r}")
-
-    def backoff_s(self, retry: int) -> float:
-        """The wait before retry number `retry` (0 = the first): doubling from `retry_backoff_s`, capped, and up
-        to 25% shorter at random so that concurrent questions hitting one server do not retry in lockstep."""
-        cap = max(MAX_RETRY_BACKOFF_S, self.retry_backoff_s)
-        return min(cap, self.retry_backoff_s * 2 ** min(retry, 16)) * (1 - 0.25 * random.random())
-
-
-class ModelServerError(RuntimeError):
-    """A model-server call that failed, after its retries. Not a ValueError: the user's input was fine.
-
-    `cause` is short and stable: refused | unreachable | connect_timeout | timeout | dropped | http_5xx:503 |
-    http_4xx:404 | malformed_json | wrong_shape. The message is one line: the URL, what went wrong, the knob."""
-
-    def __init__(self, message: str, url: str, model: str, cause: str, attempts: int = 1):
-        super().__init__(message)
-        self.url, self.model, self.cause, self.attempts = url, model, cause, attempts
-
-    @property
-    def server_down(self) -> bool:
-        """No connection at all (after the retries): every further call to this server would fail the same way."""
-        return self.cause in SERVER_DOWN_CAUSES
-
-    def __reduce__(self) -> tuple[Any, ...]:  # picklable (process pools, checkpoints) with its fields
-        return type(self), (str(self), self.url, self.model, self.cause, self.attempts)
-
-
-# Worth another try: the server may be starting, restarting, overloaded or briefly unreachable. A 4xx other than
-# these, or a reply that is not a chat completion, would fail the same way again.
-RETRYABLE_STATUS = (408, 409, 429)
-RETRYABLE_CAUSES = ("refused", "unreachable", "connect_timeout", "timeout", "dropped")
-SERVER_DOWN_CAUSES = ("refused", "unreachable", "connect_timeout")
-MAX_DETAIL_CHARS = 200
-
-
-def is_retryable(cause: str) -> bool:
-    if cause.startswith("http_"):
-        status = int(cause.rpartition(":")[2])
-        return status >= 500 or status in RETRYABLE_STATUS
-    return cause in RETRYABLE_CAUSES
-
-
-def _exception_chain(err: BaseException, limit: int = 8) -> list[BaseException]:
-    """`err` and what it was raised from (LangChain wraps OpenAI's errors, which wrap the HTTP client's)."""
-    chain: list[BaseException] = []
-    current: BaseException | None = err
-    while current is not None and len(chain) < limit and all(current is not seen for seen in chain):
-        chain.append(current)
-        # What Python's traceback shows: the explicit cause, else the implicit context unless suppressed.
-        current = current.__cause__ if current.__cause__ is not None else (
-            None if current.__suppress_context__ else current.__context__)
-    return chain
-
-
-def _one_line(text: str) -> str:
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= MAX_DETAIL_CHARS else flat[: MAX_DETAIL_CHARS - 1] + "…"
-
-
-def classify_server_failure(err: BaseException) -> tuple[str, str]:
-    """(cause, detail) of an exception raised while calling a model server. HTTP-client errors are matched by
-    class name: the OpenAI client vendors its own httpx (httpx2), and the names are the same in both."""
-    import openai
-
-    chain = _exception_chain(err)
-    names = {type(e).__name__ for e in chain}
-    for e in chain:
-        if isinstance(e, openai.APIStatusError):
-            return f"http_{e.status_code // 100}xx:{e.status_code}", _one_line(_status_detail(e))
-    if "ConnectTimeout" in names:
-        return "connect_timeout", ""
-    if names & {"ReadTimeout", "WriteTimeout", "PoolTimeout", "APITimeoutError", "TimeoutError"}:
-        return "timeout", ""
-    if any(isinstance(e, ConnectionRefusedError) for e in chain) or (
-            "ConnectError" in names and "refused" in str(chain[-1]).lower()):
-        return "refused", ""
-    if "ConnectError" in names:
-        return "unreachable", _one_line(str(chain[-1]))
-    if any(isinstance(e, (openai.APIConnectionError, ConnectionError)) for e in chain) or names & {
-            "RemoteProtocolError", "ReadError", "WriteError", "NetworkError", "StreamError"}:
-        return "dropped", _one_line(str(chain[-1]))
-    decode_error = next((e for e in chain if isinstance(e, json.JSONDecodeError)), None)
-    if decode_error:
-        return "malformed_json", _one_line(str(decode_error))
-    if isinstance(err, _EmptyStream):
-        return "wrong_shape", str(err)
-    return "wrong_shape", _one_line(f"{type(err).__name__}: {err}")
-
-
-def _status_detail(err: Any) -> str:
-    """The server's own words from an HTTP error: the `message` of an OpenAI-style error body (or the `detail`
-    of a FastAPI one) if there is one."""
-    body = err.body
-    if isinstance(body, dict):
-        inner = body.get("error") if isinstance(body.get("error"), dict) else body
-        for key in ("message", "detail"):
-            if isinstance(inner.get(key), str):
-                return inner[key]
-    return err.message.split(" - ", 1)[-1] if err.message.startswith("Error code:") else err.message
-
-
-def server_error_message(cause: str, detail: str, url: str, model: str, policy: ServerPolicy, attempts: int) -> str:
-    """One line: the server, what went wrong, and which setting changes it."""
-    who = f"model server {url}"
-    tried = model + (f", {attempts} attempts" if attempts > 1 else "")
-    detail = f": {detail}" if detail else ""
-    endpoint = "is --base-url (OPENAI_BASE_URL) an OpenAI-compatible endpoint ending in /v1?"
-    retries = "--retries (ERMEDRAG_MAX_RETRIES)"
-    if cause == "refused":
-        return f"{who} refused the connection ({tried}); is it running? (--base-url / OPENAI_BASE_URL)"
-    if cause == "unreachable":
-        return f"{who} is unreachable ({tried}){detail}; check --base-url / OPENAI_BASE_URL"
-    if cause == "connect_timeout":
-        return (f"{who} did not accept the connection within {policy.connect_timeout_s:g} s ({tried}); check "
-                f"--base-url, or raise --connect-timeout (ERMEDRAG_CONNECT_TIMEOUT_S)")
-    if cause == "timeout":
-        return (f"{who} did not answer within {policy.timeout_s:g} s ({tried}); a slow server needs a longer "
-                f"--timeout (ERMEDRAG_REQUEST_TIMEOUT_S), a stuck one a restart")
-    if cause == "dropped":
-        return (f"{who} dropped the connection mid-response ({tried}){detail}; see the server's log (crashed? out "
-                f"of memory?), or raise {retries}")
-    if cause == "malformed_json":
-        return f"{who} answered with malformed JSON ({tried}){detail}; {endpoint}"
-    if cause == "wrong_shape":
-        return f"{who} answered with something that is not a chat completion ({tried}){detail}; {endpoint}"
-    status = int(cause.rpartition(":")[2])
-    if status >= 500:
-        return f"{who} failed with HTTP {status} ({tried}){detail}; see the server's log, or raise {retries}"
-    if status in (401, 403):
-        return f"{who} refused the credentials with HTTP {status} ({tried}){detail}; set OPENAI_API_KEY"
-    if status == 404:
-        return (f"{who} answered HTTP 404 ({tried}){detail}; check the model name (--model) and that --base-url "
-                f"ends in /v1")
-    if status == 429:
-        return f"{who} is rate-limiting (HTTP 429, {tried}){detail}; lower --concurrency or raise {retries}"
-    return f"{who} rejected the request with HTTP {status} ({tried}){detail}"
-
-
-Result = TypeVar("Result")
-
-
-class _EmptyStream(ValueError):
-    """A streamed reply that ended without a single chunk."""
-
-
-@functools.cache
-def server_chat_model_class() -> type[BaseChatModel]:
-    """`ChatOpenAI` whose every failure is a `ModelServerError`, tried again here with the policy's backoff
-    (the OpenAI client's own retries are off). Built on first use: langchain_openai takes ~0.7 s to import."""
-    from langchain_openai import ChatOpenAI
-
-    class ServerChatModel(ChatOpenAI):
-        spec: str = ""
-        policy: ServerPolicy = Field(default_factory=ServerPolicy)
-        accepts_images: bool = Field(default_factory=openai_accepts_images)
-
-        def _for_server(self, messages: list[BaseMessage]) -> list[BaseMessage]:
-            """The messages as the server gets them: each image block's file read into a base64 data URI (URLs
-            and data URIs as they are). Once per call, before the retries; refused when the model cannot see."""
-            if not images_in(messages):
-                return messages
-            spec = self.spec or f"openai:{self.model_name}"
-            if not self.accepts_images:
-                raise ImagesNotSupportedError(f"model {spec} cannot see images: it is declared text-only "
-                                              f"({OPENAI_VISION_ENV}=0); {IMAGE_FIX}")
-            return [_with_image_urls(m) for m in messages]
-
-        def server_error(self, err: BaseException, attempts: int) -> ModelServerError:
-            cause, detail = classify_server_failure(err)
-            url, model = str(self.openai_api_base), self.spec or f"openai:{self.model_name}"
-            return ModelServerError(server_error_message(cause, detail, url, model, self.policy, attempts),
-                                    url, model, cause, attempts)
-
-        def _give_up(self, err: Exception, attempt: int, streamed: bool = False) -> ModelServerError | None:
-            """The error to raise after failed attempt number `attempt`, or None to try again."""
-            failure = self.server_error(err, attempt)
-            if streamed or attempt > self.policy.max_retries or not is_retryable(failure.cause):
-                return failure
-            return None
-
-        def _retrying(self, call: Callable[[], Result]) -> Result:
-            for attempt in range(1, self.policy.max_retries + 2):
-                try:
-                    return call()
-                except Exception as err:  # every failure of the call is the server's (see classify_server_failure)
-                    failure = self._give_up(err, attempt)
-                    if failure:
-                        raise failure from err
-                time.sleep(self.policy.backoff_s(attempt - 1))
-            raise AssertionError("unreachable: the last attempt returns or raises")
-
-        async def _aretrying(self, call: Callable[[], Awaitable[Result]]) -> Result:
-            for attempt in range(1, self.policy.max_retries + 2):
-                try:
-                    return await call()
-                except Exception as err:
-                    failure = self._give_up(err, attempt)
-                    if failure:
-                        raise failure from err
-                await asyncio.sleep(self.policy.backoff_s(attempt - 1))
-            raise AssertionError("unreachable: the last attempt returns or raises")
-
-        def _generate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
-            messages = self._for_server(messages)
-            return self._retrying(functools.partial(super()._generate, messages, stop, run_manager, **kwargs))
-
-        async def _agenerate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
-            messages = self._for_server(messages)
-            return await self._aretrying(functools.partial(super()._agenerate, messages, stop, run_manager, **kwargs))
-
-        def _stream(self, messages, stop=None, run_manager=None, **kwargs) -> Iterator[Any]:
-            """Streamed calls (LangGraph's "messages" stream mode): retried only before the first chunk."""
-            parent = super()._stream
-            messages = self._for_server(messages)
-            for attempt in range(1, self.policy.max_retries + 2):
-                streamed = False
-                try:
-                    for chunk in parent(messages, stop, run_manager, **kwargs):
-                        streamed = True
-                        yield chunk
-                    if not streamed:
-                        raise _EmptyStream("the streamed reply had no chunks")
-                    return
-                except Exception as err:
-                    failure = self._give_up(err, attempt, streamed)
-                    if failure:
-                        raise failure from err
-                time.sleep(self.policy.backoff_s(attempt - 1))
-
-        async def _astream(self, messages, stop=None, run_manager=None, **kwargs) -> AsyncIterator[Any]:
-            parent = super()._astream
-            messages = self._for_server(messages)
-            for attempt in range(1, self.policy.max_retries + 2):
-                streamed = False
-                try:
-                    async for chunk in parent(messages, stop, run_manager, **kwargs):
-                        streamed = True
-                        yield chunk
-                    if not streamed:
-                        raise _EmptyStream("the streamed reply had no chunks")
-                    return
-                except Exception as err:
-                    failure = self._give_up(err, attempt, streamed)
-                    if failure:
-                        raise failure from err
-                await asyncio.sleep(self.policy.backoff_s(attempt - 1))
-
-    return ServerChatModel
-
-
-def _openai_chat_model(
-    name: str,
-    base_url: str | None,
-    logprobs: bool,
-    policy: ServerPolicy,
-    *,
-    temperature: float,
-    max_new_tokens: int,
-    top_p: float,
-    seed: int | None,
-) -> BaseChatModel:
-    import openai
-
+def _server_model(name: str, base_url: str | None, logprobs: bool, policy: ServerPolicy,
+                  sampling: dict[str, Any]) -> BaseChatModel:
+    """`openai:NAME` at `base_url` (else OPENAI_BASE_URL), with the key from OPENAI_API_KEY (local servers take any)."""
     base_url = base_url or os.environ.get("OPENAI_BASE_URL")
     if not base_url:
         raise ModelSpecError(
-            f"openai:{name} needs a server: pass base_url (e.g. http://127.0.0.1:8000/v1) or set OPENAI_BASE_URL"
-        )
-    # Local servers (vLLM, llama.cpp, transformers serve) accept any key; a real one comes from the env.
-    api_key = os.environ.get("OPENAI_API_KEY", "EMPTY")
-    kwargs: dict[str, Any] = dict(
-        model=name,
-        base_url=base_url,
-        api_key=api_key,
-        temperature=temperature,
-        max_tokens=max_new_tokens,
-        top_p=top_p,
-        timeout=openai.Timeout(policy.timeout_s, connect=policy.connect_timeout_s),
-        max_retries=0,  # ServerChatModel retries, with its own backoff, and reports the last failure
-        stream_usage=True,
-        spec=f"openai:{name}",
-        policy=policy,
-    )
-    if seed is not None:
-        kwargs["seed"] = seed
-    if logprobs:
-        kwargs["logprobs"] = True
-    return server_chat_model_class()(**kwargs)
+            f"openai:{name} needs a server: pass base_url (e.g. http://127.0.0.1:8000/v1) or set OPENAI_BASE_URL")
+    if not base_url.lower().startswith(("http://", "https://")):
+        raise ModelSpecError(f"openai:{name}: base URL {base_url!r} must start with http:// or https://")
+    refusal = None if openai_accepts_images() else (f"model openai:{name} cannot see images: it is declared "
+                                                    f"text-only ({OPENAI_VISION_ENV}=0); {IMAGE_FIX}")
+    return ServerChatModel(model_name=name, base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                           spec=f"openai:{name}", logprobs=logprobs, policy=policy, image_refusal=refusal,
+                           top_p=sampling["top_p"], temperature=sampling["temperature"],
+                           max_new_tokens=sampling["max_new_tokens"], seed=sampling["seed"])
 
 
-def _with_image_urls(message: BaseMessage) -> BaseMessage:
-    """`message` with each image block's reference replaced by what a server can read (`tools.images.as_url`)."""
-    if not message_images(message):
-        return message
-    content = [block if (url := block_image_url(block)) is None else image_block(as_url(url))
-               for block in message.content]
-    return message.model_copy(update={"content": content})
+def model_name(model: BaseChatModel) -> str:
+    """The spec string a model was built from (for traces)."""
+    return getattr(model, "spec", None) or getattr(model, "model_name", None) or type(model).__name__
 
 
 # -------------------------------------------------------------------------------------------------- hf
@@ -556,15 +241,6 @@ def continuation(messages: list[BaseMessage]) -> dict[str, bool]:
     if messages and messages[-1].type == "ai":
         return {"add_generation_prompt": False, "continue_final_message": True}
     return {"add_generation_prompt": True}
-
-
-def continuation_kwargs(model: BaseChatModel, messages: list[BaseMessage]) -> dict[str, Any]:
-    """Per-call arguments that make `model` continue a final assistant message: vLLM's OpenAI server
-    takes the chat-template flags in the request body; in-process backends read the messages themselves."""
-    flags = continuation(messages)
-    if flags["add_generation_prompt"] or getattr(model, "_llm_type", "") != "openai-chat":
-        return {}
-    return {"extra_body": flags}
 
 
 def _model_label(model_path: str) -> str:

@@ -75,6 +75,11 @@ class ImageData:
     data: bytes
 
 
+
+class ImagesNotSupportedError(ValueError):
+    """Images sent to (or configured for) a model that cannot see them. Raised before any weights load."""
+
+
 def is_url(reference: str) -> bool:
     return reference[:8].lower().startswith(("http://", "https://"))
 

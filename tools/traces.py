@@ -67,7 +67,9 @@ CREATE TABLE IF NOT EXISTS events (
     inputs TEXT,
     created_at REAL NOT NULL,
     queue_s REAL,
-    compute_s REAL
+    compute_s REAL,
+    finish_reason TEXT,
+    stop_sequence TEXT
 );
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, seq);
 CREATE INDEX IF NOT EXISTS events_by_agent ON events (agent);
@@ -121,6 +123,8 @@ class TraceEvent:
     # `latency_s` is the call's wall time; these split it where the backend can (tools.agent_calls.call_timing):
     queue_s: float | None = None  # waiting for the model (None: unknown, e.g. an OpenAI server's own queue)
     compute_s: float | None = None  # the call's own compute (its share of a shared batch; else the wall time)
+    finish_reason: str | None = None  # "stop" (a stop string or the end of sequence) or "length" (the budget)
+    stop_sequence: str | None = None  # which stop string ended the call (put back at the end of `completion`)
     event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
 
@@ -187,7 +191,8 @@ class TraceStore:
         db.executescript(SCHEMA)
         # Stores written by older versions: events before they kept their inputs or split queue from compute
         # time (old rows read None there), runs before they could fail.
-        _add_missing_columns(db, "events", (("inputs", "TEXT"), ("queue_s", "REAL"), ("compute_s", "REAL")))
+        _add_missing_columns(db, "events", (("inputs", "TEXT"), ("queue_s", "REAL"), ("compute_s", "REAL"),
+                                           ("finish_reason", "TEXT"), ("stop_sequence", "TEXT")))
         _add_missing_columns(db, "runs", (("error", "TEXT"), ("failed_at", "REAL")))
 
     def _connect(self) -> sqlite3.Connection:

@@ -88,7 +88,7 @@ def _retrievals(workspace: Workspace, run_id: str) -> list[dict[str, Any]]:
           "--base-url of a working server: answer 'A', the trace run finished, its retrieval not redone",
           quick=True, timeout_s=120)
 def failed_then_resumed(workspace: Workspace) -> Verdict:
-    from tests.misbehaving_server import MisbehavingServer
+    from ermedrag.testing.misbehaving_server import MisbehavingServer
 
     with MisbehavingServer("5xx") as failing:
         first = cli_in_process(["ask", QUESTION, *OPTIONS, "--model", "openai:m", "--base-url", failing.base_url,

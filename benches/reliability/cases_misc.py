@@ -293,7 +293,7 @@ def _report_count(path: Path) -> int | None:
 @register("chroma_server_refused", "misc", "vanilla_rag with chroma_url at a port that refuses connections: a clear "
           "error naming the URL", quick=True)
 def chroma_refused(workspace: Workspace) -> Verdict:
-    from tests.misbehaving_server import refused_url
+    from ermedrag.testing.misbehaving_server import refused_url
 
     from benches.reliability.cases_documents import hostile_index
 

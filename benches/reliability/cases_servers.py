@@ -1,4 +1,4 @@
-"""Model servers that misbehave (a real HTTP server on 127.0.0.1, `tests.misbehaving_server`), behind an `openai:`
+"""Model servers that misbehave (a real HTTP server on 127.0.0.1, `ermedrag.testing.misbehaving_server`), behind an `openai:`
 model: every failure must be one clear error naming the URL and the cause, within the time its timeouts and
 retries promise, with the trace run marked failed; a server that recovers within the retries must give the answer.
 
@@ -36,8 +36,8 @@ def bound_s(timeout_s: float, connect_s: float, retries: int, backoff_s: float) 
 
 @contextlib.contextmanager
 def server(mode: str, **options: Any) -> Iterator[tuple[str, Any]]:
-    """(base_url, server or None) for a mode of `tests.misbehaving_server`, `refused` included."""
-    from tests.misbehaving_server import MisbehavingServer, refused_url
+    """(base_url, server or None) for a mode of `ermedrag.testing.misbehaving_server`, `refused` included."""
+    from ermedrag.testing.misbehaving_server import MisbehavingServer, refused_url
 
     if mode == "refused":
         with refused_url() as url:
@@ -90,10 +90,10 @@ def warm_up(workspace: Workspace) -> None:
     a time bound is about the server's failure, not about loading."""
     def load() -> bool:
         from ermedrag.graphs.registry import load_graph
-        from ermedrag.tools.chat_models import server_chat_model_class
+        from ermedrag.tools.openai_server import background
         from benches.reliability.harness import SCRIPTED
 
-        server_chat_model_class()
+        background().client()
         load_graph("vanilla_rag").invoke({"question": QUESTION, "options": OPTIONS},
                                          context={"respondent_model": SCRIPTED, "extractor_model": SCRIPTED})
         return True

@@ -1,0 +1,616 @@
+"""The `openai:` backend: any OpenAI-compatible chat server (vLLM, llama.cpp's server, `transformers serve`, the
+OpenAI API), as a LangChain chat model that returns the text as the model wrote it.
+
+Every request streams (`"stream": true`), whether the caller streams or not, because that is what lets the client:
+- find the stop string itself and close the stream there (`tools.server_reply`): servers cut it and most do not
+  say which one ended the reply, so a parser would never see `</answer>` or `</search>`;
+- cut a reply that runs past the token limit (a server may ignore the field it was sent in);
+- hold each attempt to one deadline, connect to last byte (`--timeout`): a server trickling a byte at a time is
+  stopped like a silent one.
+
+What reaches the server, per server (`ServerTraits`, learnt from its own replies):
+- the token limit as both `max_tokens` (llama.cpp reads only this) and `max_completion_tokens` (what the OpenAI API
+  and `transformers serve` prefer); a server that refuses one of them (HTTP 400/422 naming it) is asked again at
+  once without it, and never sent it again;
+- for vLLM (recognised by the `stop_reason` its choices carry): `stop` with `include_stop_str_in_output`, so it
+  stops generating at once and keeps the string, and `continue_final_message` when the conversation ends in an
+  assistant turn (Med-R³ resuming after a search). Other servers reject those fields (`transformers serve`: HTTP
+  422) or ignore them (llama.cpp's server would then cut the stop string off again), so they never get them.
+
+Every failure is one `ModelServerError` with a one-line message naming the URL, what went wrong and the setting to
+change; retries (exponential backoff, bounded) happen here. Calls from synchronous code run on one background event
+loop (`BackgroundLoop`), so that the deadline can cancel a call in any phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import math
+import os
+import queue
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Coroutine, Iterator, Sequence, TypeVar
+
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field
+
+from ermedrag.agents.base import CHAT_ROLES, block_image_url
+from ermedrag.tools.server_reply import (MAX_BODY_BYTES, ReplyAssembler, ReplyCut, ReplyShapeError, ReplyStreamError,
+                                         ServerReply, check_stops, error_detail, parse_completion_body)
+
+DEFAULT_REQUEST_TIMEOUT_S = 60.0  # the deadline of one attempt: connect, wait and read
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_MAX_RETRIES = 2
+DEFAULT_RETRY_BACKOFF_S = 0.5  # first wait; doubles per retry, up to MAX_RETRY_BACKOFF_S
+MAX_RETRY_BACKOFF_S = 8.0
+MAX_RETRIES_ALLOWED = 10
+MAX_DETAIL_CHARS = 200
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------- the policy
+
+
+@dataclass(frozen=True)
+class ServerPolicy:
+    """How long one attempt at a model-server request may take and how often a failed one is tried again.
+
+    A call takes at most (max_retries + 1) × timeout_s + the backoffs between them."""
+
+    timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    max_retries: int = DEFAULT_MAX_RETRIES
+    retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S
+
+    def __post_init__(self) -> None:
+        for name, knob, value in (("request_timeout_s", "--timeout", self.timeout_s),
+                                  ("connect_timeout_s", "--connect-timeout", self.connect_timeout_s)):
+            if not _number(value) or value <= 0:
+                raise ValueError(f"{name} ({knob}) must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.max_retries, int) or not 0 <= self.max_retries <= MAX_RETRIES_ALLOWED:
+            raise ValueError(f"max_retries (--retries) must be an integer from 0 to {MAX_RETRIES_ALLOWED}, "
+                             f"got {self.max_retries!r}")
+        if not _number(self.retry_backoff_s) or self.retry_backoff_s < 0:
+            raise ValueError(f"retry_backoff_s must be a non-negative number of seconds, got {self.retry_backoff_s!r}")
+
+    def backoff_s(self, retry: int) -> float:
+        """The wait before retry number `retry` (0 = the first): doubling from `retry_backoff_s`, capped, and up
+        to 25% shorter at random so that concurrent questions hitting one server do not retry in lockstep."""
+        cap = max(MAX_RETRY_BACKOFF_S, self.retry_backoff_s)
+        return min(cap, self.retry_backoff_s * 2 ** min(retry, 16)) * (1 - 0.25 * random.random())
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# --------------------------------------------------------------------------------------------- the errors
+
+
+class ModelServerError(RuntimeError):
+    """A model-server call that failed, after its retries. Not a ValueError: the user's input was fine.
+
+    `cause` is short and stable: refused | unreachable | connect_timeout | timeout | dropped | http_5xx:503 |
+    http_4xx:404 | malformed_json | wrong_shape | stream_error. The message is one line: the URL, what went
+    wrong, the setting to change."""
+
+    def __init__(self, message: str, url: str, model: str, cause: str, attempts: int = 1):
+        super().__init__(message)
+        self.url, self.model, self.cause, self.attempts = url, model, cause, attempts
+
+    @property
+    def server_down(self) -> bool:
+        """No connection at all (after the retries): every further call to this server would fail the same way."""
+        return self.cause in SERVER_DOWN_CAUSES
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (process pools, checkpoints) with its fields
+        return type(self), (str(self), self.url, self.model, self.cause, self.attempts)
+
+
+# Worth another try: the server may be starting, restarting, overloaded or briefly unreachable. A 4xx other than
+# these, or a reply that is not a chat completion, would fail the same way again.
+RETRYABLE_STATUS = (408, 409, 429)
+RETRYABLE_CAUSES = ("refused", "unreachable", "connect_timeout", "timeout", "dropped", "stream_error")
+SERVER_DOWN_CAUSES = ("refused", "unreachable", "connect_timeout")
+
+
+def is_retryable(cause: str) -> bool:
+    if cause.startswith("http_"):
+        status = int(cause.rpartition(":")[2])
+        return status >= 500 or status in RETRYABLE_STATUS
+    return cause in RETRYABLE_CAUSES
+
+
+class _HTTPStatus(Exception):
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status, self.detail = status, detail
+
+
+def classify_failure(err: BaseException) -> tuple[str, str]:
+    """(cause, detail) of what went wrong in one attempt."""
+    import httpx
+
+    if isinstance(err, _HTTPStatus):
+        return f"http_{err.status // 100}xx:{err.status}", _one_line(err.detail)
+    if isinstance(err, (asyncio.TimeoutError, TimeoutError)):
+        return "timeout", ""
+    if isinstance(err, httpx.ConnectTimeout):
+        return "connect_timeout", ""
+    if isinstance(err, httpx.TimeoutException):
+        return "timeout", ""
+    if isinstance(err, httpx.ConnectError):
+        refused = any(isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED
+                      for e in _chain(err)) or "refused" in str(err).lower()
+        return ("refused", "") if refused else ("unreachable", _one_line(str(err)))
+    if isinstance(err, json.JSONDecodeError):
+        return "malformed_json", _one_line(str(err))
+    if isinstance(err, ReplyShapeError):
+        return "wrong_shape", _one_line(str(err))
+    if isinstance(err, ReplyStreamError):
+        return "stream_error", _one_line(str(err))
+    if isinstance(err, (ReplyCut, httpx.TransportError, ConnectionError)):
+        return "dropped", _one_line(str(err) or type(err).__name__)
+    return "wrong_shape", _one_line(f"{type(err).__name__}: {err}")
+
+
+def _chain(err: BaseException, limit: int = 8) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and len(chain) < limit and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def _one_line(text: str) -> str:
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= MAX_DETAIL_CHARS else flat[: MAX_DETAIL_CHARS - 1] + "…"
+
+
+def server_error_message(cause: str, detail: str, url: str, model: str, policy: ServerPolicy, attempts: int) -> str:
+    """One line: the server, what went wrong, and which setting changes it."""
+    who = f"model server {url}"
+    tried = model + (f", {attempts} attempts" if attempts > 1 else "")
+    detail = f": {detail}" if detail else ""
+    endpoint = "is --base-url (OPENAI_BASE_URL) an OpenAI-compatible endpoint ending in /v1?"
+    retries = "--retries (ERMEDRAG_MAX_RETRIES)"
+    if cause == "refused":
+        return f"{who} refused the connection ({tried}); is it running? (--base-url / OPENAI_BASE_URL)"
+    if cause == "unreachable":
+        return f"{who} is unreachable ({tried}){detail}; check --base-url / OPENAI_BASE_URL"
+    if cause == "connect_timeout":
+        return (f"{who} did not accept the connection within {policy.connect_timeout_s:g} s ({tried}); check "
+                f"--base-url, or raise --connect-timeout (ERMEDRAG_CONNECT_TIMEOUT_S)")
+    if cause == "timeout":
+        return (f"{who} did not answer within {policy.timeout_s:g} s ({tried}); a slow server needs a longer "
+                f"--timeout (ERMEDRAG_REQUEST_TIMEOUT_S: the deadline of each attempt, from connecting to the last "
+                f"byte), a stuck one a restart")
+    if cause == "dropped":
+        return (f"{who} dropped the connection mid-response ({tried}){detail}; see the server's log (crashed? out "
+                f"of memory?), or raise {retries}")
+    if cause == "stream_error":
+        return f"{who} reported an error mid-response ({tried}){detail}; see the server's log, or raise {retries}"
+    if cause == "malformed_json":
+        return f"{who} answered with malformed JSON ({tried}){detail}; {endpoint}"
+    if cause == "wrong_shape":
+        return f"{who} answered with something that is not a chat completion ({tried}){detail}; {endpoint}"
+    status = int(cause.rpartition(":")[2])
+    if status >= 500:
+        return f"{who} failed with HTTP {status} ({tried}){detail}; see the server's log, or raise {retries}"
+    if status in (401, 403):
+        return f"{who} refused the credentials with HTTP {status} ({tried}){detail}; set OPENAI_API_KEY"
+    if status == 404:
+        return (f"{who} answered HTTP 404 ({tried}){detail}; check the model name (--model) and that --base-url "
+                f"ends in /v1")
+    if status == 429:
+        return f"{who} is rate-limiting (HTTP 429, {tried}){detail}; lower --concurrency or raise {retries}"
+    return f"{who} rejected the request with HTTP {status} ({tried}){detail}"
+
+
+# ------------------------------------------------------------------------------------------ what to send
+
+
+@dataclass
+class ServerTraits:
+    """What one server (by base URL) was seen to do, so later requests are sent in the form it takes."""
+
+    vllm: bool = False  # its choices carry `stop_reason`: it takes `stop` + `include_stop_str_in_output`
+    refused: set[str] = field(default_factory=set)  # optional fields it answered HTTP 400/422 to
+
+
+# Fields a request can do without: a server refusing one (HTTP 400/422 naming it) gets the request again without it.
+# Of the two token-limit fields one always stays (the other then still carries the limit).
+OPTIONAL_FIELDS = ("max_tokens", "max_completion_tokens", "stream_options")
+_TRAITS: dict[str, ServerTraits] = {}
+_TRAITS_LOCK = threading.Lock()
+
+
+def server_traits(base_url: str) -> ServerTraits:
+    with _TRAITS_LOCK:
+        return _TRAITS.setdefault(base_url.rstrip("/"), ServerTraits())
+
+
+def refused_field(status: int, detail: str, body: dict[str, Any]) -> str | None:
+    """The optional field a 400/422 refused, when the server's words name one the request carried."""
+    if status not in (400, 422):
+        return None
+    limits = [name for name in ("max_tokens", "max_completion_tokens") if name in body]
+    droppable = [name for name in OPTIONAL_FIELDS if name in body and (name not in limits or len(limits) == 2)]
+    return next((name for name in droppable if name in detail), None)
+
+
+def request_body(model: str, messages: Sequence[BaseMessage], *, stops: Sequence[str], max_tokens: int,
+                 temperature: float, top_p: float, seed: int | None, logprobs: bool,
+                 traits: ServerTraits) -> dict[str, Any]:
+    """The JSON a server gets for one call (see the module's docstring for why each field is there)."""
+    body: dict[str, Any] = {"model": model, "messages": openai_messages(messages), "stream": True,
+                            "temperature": temperature, "top_p": top_p}
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name not in traits.refused:
+            body[name] = max_tokens
+    if "stream_options" not in traits.refused:
+        body["stream_options"] = {"include_usage": True}
+    if seed is not None:
+        body["seed"] = seed
+    if logprobs:
+        body["logprobs"] = True
+    if traits.vllm:
+        if stops:
+            body["stop"] = list(stops)
+            body["include_stop_str_in_output"] = True
+        if messages and messages[-1].type == "ai":
+            body["add_generation_prompt"] = False
+            body["continue_final_message"] = True
+    return body
+
+
+def openai_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as chat-completion messages; image blocks as URLs a server can read (files become
+    base64 data URIs, `tools.images.as_url`)."""
+    from ermedrag.tools.images import as_url
+
+    converted = []
+    for message in messages:
+        role = CHAT_ROLES.get(message.type)
+        if role is None:
+            raise ValueError(f"a {message.type!r} message cannot be sent to a chat server (system, human, ai only)")
+        content = message.content
+        if isinstance(content, list):
+            blocks = []
+            for block in content:
+                url = block_image_url(block)
+                if url is not None:
+                    blocks.append({"type": "image_url", "image_url": {"url": as_url(url)}})
+                elif isinstance(block, str):
+                    blocks.append({"type": "text", "text": block})
+                elif isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
+                    blocks.append({"type": "text", "text": block["text"]})
+                else:
+                    raise ValueError(f"a message content block of type {type(block).__name__} "
+                                     f"{str(block)[:60]!r} cannot be sent to a chat server (text and image_url only)")
+            content = blocks
+        converted.append({"role": role, "content": content})
+    return converted
+
+
+# ------------------------------------------------------------------------------------------ the transport
+
+
+class BackgroundLoop:
+    """One event loop in a daemon thread, where every server call of this process runs (one HTTP client, one
+    connection pool). Synchronous callers wait on it; asynchronous ones await it from their own loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.pid = os.getpid()
+        self._client: Any = None
+        threading.Thread(target=self.loop.run_forever, name="ermedrag-model-server", daemon=True).start()
+
+    def client(self) -> Any:
+        """The HTTP client (made on the loop's thread, on first use). Timeouts are set per request."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+                                             follow_redirects=False)
+        return self._client
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # an interrupted caller (Ctrl-C) stops the call on the loop too
+            raise
+
+    async def arun(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self.loop))
+
+    def iterate(self, produce: Callable[[Callable[[Any], None]], Coroutine[Any, Any, None]]) -> Iterator[Any]:
+        """Run `produce(emit)` on the loop and yield what it emits, as it comes; its error is raised here."""
+        items: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+        async def main() -> None:
+            try:
+                await produce(lambda item: items.put(("item", item)))
+            except BaseException as err:  # noqa: BLE001 - handed to the consumer, raised there
+                items.put(("error", err))
+            else:
+                items.put(("end", None))
+
+        future = asyncio.run_coroutine_threadsafe(main(), self.loop)
+        try:
+            while True:
+                kind, value = items.get()
+                if kind == "item":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            future.cancel()  # the consumer stopped early (or failed): stop the producer too
+
+    async def aiterate(self, produce: Callable[[Callable[[Any], None]], Coroutine[Any, Any, None]]
+                       ) -> AsyncIterator[Any]:
+        here = asyncio.get_running_loop()
+        items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def put(kind: str, value: Any) -> None:
+            here.call_soon_threadsafe(items.put_nowait, (kind, value))
+
+        async def main() -> None:
+            try:
+                await produce(lambda item: put("item", item))
+            except BaseException as err:  # noqa: BLE001
+                put("error", err)
+            else:
+                put("end", None)
+
+        future = asyncio.run_coroutine_threadsafe(main(), self.loop)
+        try:
+            while True:
+                kind, value = await items.get()
+                if kind == "item":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            future.cancel()
+
+
+_BACKGROUND: BackgroundLoop | None = None
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def background() -> BackgroundLoop:
+    """This process's background loop (a forked child makes its own: threads do not survive a fork)."""
+    global _BACKGROUND
+    with _BACKGROUND_LOCK:
+        if _BACKGROUND is None or _BACKGROUND.pid != os.getpid():
+            _BACKGROUND = BackgroundLoop()
+        return _BACKGROUND
+
+
+async def read_reply(client: Any, url: str, headers: dict[str, str], body: dict[str, Any], assembler: ReplyAssembler,
+                     policy: ServerPolicy, emit: Callable[[str], None] | None = None) -> ServerReply:
+    """One attempt: POST `body`, read the reply (streamed or whole) into `assembler`, all within the policy's
+    deadline; text is passed to `emit` as it becomes safe to show. Raises what went wrong (classify_failure)."""
+    import httpx
+
+    timeout = httpx.Timeout(policy.timeout_s, connect=min(policy.connect_timeout_s, policy.timeout_s))
+    async with asyncio.timeout(policy.timeout_s):
+        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as response:
+            if response.status_code >= 400:
+                raise _HTTPStatus(response.status_code, error_detail(await _read_limited(response, 65536)))
+            if response.headers.get("content-type", "").startswith("text/event-stream"):
+                return await _read_events(response, assembler, emit)
+            payload = parse_completion_body(await _read_limited(response, MAX_BODY_BYTES))
+            text = assembler.add_completion(payload)
+            reply, rest = assembler.finish(stream_closed_cleanly=True)
+            if emit and text + rest:
+                emit(text + rest)
+            return reply
+
+
+async def _read_events(response: Any, assembler: ReplyAssembler, emit: Callable[[str], None] | None) -> ServerReply:
+    from ermedrag.tools.server_reply import EventDecoder
+
+    decoder, ended = EventDecoder(), False
+    async for raw in response.aiter_raw():
+        for payload in decoder.feed(raw):
+            if payload.strip() == "[DONE]":
+                ended = True
+                break
+            text = assembler.add_chunk(payload)
+            if emit and text:
+                emit(text)
+            if assembler.done:
+                break
+        if ended or assembler.done:
+            break
+    else:
+        for payload in decoder.close():
+            if payload.strip() == "[DONE]":
+                ended = True
+            elif not assembler.done:
+                text = assembler.add_chunk(payload)
+                if emit and text:
+                    emit(text)
+        ended = ended or assembler.finish_reason is not None
+    reply, rest = assembler.finish(stream_closed_cleanly=ended)
+    if emit and rest:
+        emit(rest)
+    return reply
+
+
+async def _read_limited(response: Any, limit: int) -> bytes:
+    data = bytearray()
+    async for raw in response.aiter_raw():
+        data += raw
+        if len(data) > limit:
+            raise ReplyShapeError(f"the reply is larger than {limit // 2**20 or 1} MB")
+    return bytes(data)
+
+
+# ----------------------------------------------------------------------------------------- the chat model
+
+
+class ServerChatModel(BaseChatModel):
+    """A model behind an OpenAI-compatible server (`openai:NAME`). See the module's docstring."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_name: str
+    base_url: str
+    api_key: str = "EMPTY"
+    spec: str = ""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int | None = None
+    logprobs: bool = False
+    policy: ServerPolicy = Field(default_factory=ServerPolicy)
+    image_refusal: str | None = None  # why images are refused (a model declared text-only), or None: it sees them
+
+    @property
+    def _llm_type(self) -> str:
+        return "ermedrag-openai-server"
+
+    @property
+    def chat_url(self) -> str:
+        return self.base_url.rstrip("/") + "/chat/completions"
+
+    # ---------------------------------------------------------------------------------------- LangChain
+
+    def _generate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
+        return _result(background().run(self._call(messages, stop, kwargs)), self.spec)
+
+    async def _agenerate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
+        return _result(await background().arun(self._call(messages, stop, kwargs)), self.spec)
+
+    def _stream(self, messages, stop=None, run_manager=None, **kwargs) -> Iterator[ChatGenerationChunk]:
+        """Streamed calls (LangGraph's "messages" mode, Studio): text as it comes, never past a stop string;
+        retried only while nothing has been shown."""
+        for item in background().iterate(lambda emit: self._call(messages, stop, kwargs, emit, stream=True)):
+            chunk = _chunk(item, self.spec)
+            if run_manager and chunk.text:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(self, messages, stop=None, run_manager=None, **kwargs) -> AsyncIterator[ChatGenerationChunk]:
+        async for item in background().aiterate(lambda emit: self._call(messages, stop, kwargs, emit, stream=True)):
+            chunk = _chunk(item, self.spec)
+            if run_manager and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    # ------------------------------------------------------------------------------------------- a call
+
+    async def _call(self, messages: list[BaseMessage], stop: Sequence[str] | None, kwargs: dict[str, Any],
+                    emit: Callable[[Any], None] | None = None, stream: bool = False) -> ServerReply:
+        """The reply after at most max_retries retries; with `emit`, its text is passed on as it arrives and the
+        finished reply last (`stream`: a retry only while no text was passed on)."""
+        stops = check_stops(stop)
+        max_tokens = kwargs.get("max_new_tokens", self.max_new_tokens)
+        check_sampling(temperature=self.temperature, top_p=self.top_p, max_new_tokens=max_tokens)
+        self._check_images(messages)
+        if max_tokens == 0:  # nothing to generate: no request (servers refuse a limit of 0)
+            reply = ServerReply("", "length", None, None, {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0},
+                                True, None, None, None)
+            if emit:
+                emit(reply)
+            return reply
+        traits = server_traits(self.base_url)
+        shown = False
+
+        def show(text: str) -> None:
+            nonlocal shown
+            shown = True
+            if emit:
+                emit(text)
+
+        attempt, renegotiations = 1, 0
+        while True:
+            body = request_body(self.model_name, messages, stops=stops, max_tokens=max_tokens,
+                                temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                logprobs=self.logprobs, traits=traits)
+            assembler = ReplyAssembler(stops, max_tokens)
+            try:
+                reply = await read_reply(background().client(), self.chat_url, self._headers(), body, assembler,
+                                         self.policy, show if emit else None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - every failure of an attempt is the server's (classified)
+                refused = (refused_field(err.status, err.detail, body) if isinstance(err, _HTTPStatus) else None)
+                if refused and renegotiations < len(OPTIONAL_FIELDS):
+                    traits.refused.add(refused)  # ask again at once without it; not a retry
+                    renegotiations += 1
+                    continue
+                cause, detail = classify_failure(err)
+                if (stream and shown) or attempt > self.policy.max_retries or not is_retryable(cause):
+                    url, model = self.base_url, self.spec or f"openai:{self.model_name}"
+                    raise ModelServerError(server_error_message(cause, detail, url, model, self.policy, attempt),
+                                           url, model, cause, attempt) from err
+                await asyncio.sleep(self.policy.backoff_s(attempt - 1))
+                attempt += 1
+                continue
+            traits.vllm = traits.vllm or assembler.saw_stop_reason_field
+            if emit:
+                emit(reply)
+            return reply
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}", "Accept": "text/event-stream, application/json"}
+
+    def _check_images(self, messages: list[BaseMessage]) -> None:
+        from ermedrag.tools.images import ImagesNotSupportedError, images_in
+
+        if self.image_refusal and images_in(messages):
+            raise ImagesNotSupportedError(self.image_refusal)
+
+
+def _metadata(reply: ServerReply, spec: str) -> dict[str, Any]:
+    return {"model_name": spec, "server_model": reply.model, "finish_reason": reply.finish_reason,
+            "stop_sequence": reply.stop_sequence, "cut_by_client": reply.cut_by_client,
+            "server_stop_reason": reply.server_stop_reason, "usage_counted": reply.usage_counted,
+            "logprobs": {"content": reply.logprobs} if reply.logprobs is not None else None}
+
+
+def _result(reply: ServerReply, spec: str) -> ChatResult:
+    message = AIMessage(content=reply.text, usage_metadata=reply.usage, response_metadata=_metadata(reply, spec))
+    return ChatResult(generations=[ChatGeneration(message=message)])
+
+
+def _chunk(item: str | ServerReply, spec: str) -> ChatGenerationChunk:
+    """A piece of text, or (last) the reply's usage and metadata with no text of its own."""
+    if isinstance(item, str):
+        return ChatGenerationChunk(message=AIMessageChunk(content=item))
+    return ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=item.usage,
+                                                      response_metadata=_metadata(item, spec)))
+
+
+# --------------------------------------------------------------------------------------- sampling checks
+
+MAX_TEMPERATURE = 2.0  # the OpenAI API's range; a higher one is a mistake, not a setting
+MAX_NEW_TOKENS_ALLOWED = 1_000_000
+
+
+def check_sampling(*, temperature: Any, top_p: Any, max_new_tokens: Any) -> None:
+    """Refuse sampling settings no backend can honour, naming the field, before anything is sent or loaded."""
+    if not _number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be a finite number from 0 to {MAX_TEMPERATURE:g}, got {temperature!r}")
+    if not _number(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a finite number above 0 and at most 1, got {top_p!r}")
+    if (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
+            or not 0 <= max_new_tokens <= MAX_NEW_TOKENS_ALLOWED):
+        raise ValueError(f"max_new_tokens must be an integer from 0 to {MAX_NEW_TOKENS_ALLOWED:,}, "
+                         f"got {max_new_tokens!r}")
