@@ -124,8 +124,8 @@ class Context:
                 raise ValueError(f"context field {name!r} must be a finite number, got {value}")
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"context field {name!r} must be >= 0, got {value}")
-        if self.temperature > MAX_TEMPERATURE:
-            raise ValueError(f"context field 'temperature' must be at most {MAX_TEMPERATURE:g}, got {self.temperature}")
+            if name == "temperature" and value > MAX_TEMPERATURE:
+                raise ValueError(f"context field 'temperature' must be at most {MAX_TEMPERATURE:g}, got {value}")
 
 
 def sampling(ctx: Context, model: str, max_new_tokens: int) -> dict[str, Any]:

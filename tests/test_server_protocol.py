@@ -36,6 +36,7 @@ VLLM_FIELDS = {
     "max_tokens": int, "max_completion_tokens": int, "seed": int, "logprobs": bool, "top_logprobs": int,
     "stop": list, "stop_token_ids": list, "include_stop_str_in_output": bool, "add_generation_prompt": bool,
     "continue_final_message": bool, "echo": bool, "skip_special_tokens": bool, "chat_template_kwargs": dict, "n": int,
+    "top_k": int, "min_p": float, "repetition_penalty": float,
 }
 
 
@@ -123,17 +124,22 @@ def test_a_server_that_is_not_vllm_never_gets_vllm_fields():
         assert not {"stop", "include_stop_str_in_output", "continue_final_message", "add_generation_prompt"} & set(body)
 
 
-def test_the_openai_api_refusing_both_token_fields_is_asked_again_at_once_and_remembered():
+def test_the_openai_api_refusing_fields_is_asked_again_at_once_and_remembered():
+    """It refuses llama.cpp's and vLLM's sampling fields (all go at its first refusal), then both token-limit
+    fields together (`max_tokens` goes); the next call is sent in the form it took."""
     with MisbehavingServer("ok", strict=True) as server:
         model = _model(server)
         first = model.invoke(_respondent_messages(), stop=respondent.STOP)
         model.invoke(_respondent_messages(), stop=respondent.STOP)
         bodies = server.bodies
     assert first.response_metadata["stop_sequence"] == "</answer>"
-    assert len(bodies) == 3  # refused once, then the same request without `max_tokens`, then the next call
-    assert "max_tokens" in bodies[0] and "max_tokens" not in bodies[1] and "max_tokens" not in bodies[2]
-    assert bodies[1]["max_completion_tokens"] == 64
-    assert server_traits(server.base_url).refused == {"max_tokens"}
+    assert len(bodies) == 4  # refused twice, answered, then the next call at once
+    assert {"top_k", "min_p", "repeat_penalty", "repetition_penalty"} <= set(bodies[0])
+    assert not {"top_k", "min_p", "repeat_penalty", "repetition_penalty"} & set(bodies[1])
+    assert "max_tokens" in bodies[1] and "max_tokens" not in bodies[2] and bodies[2] == bodies[3]
+    assert bodies[2]["max_completion_tokens"] == 64
+    assert server_traits(server.base_url).refused == {"max_tokens", "top_k", "min_p", "repeat_penalty",
+                                                      "repetition_penalty"}
 
 
 # ------------------------------------------------------------------------------------------ the token limit

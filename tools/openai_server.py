@@ -12,6 +12,9 @@ What reaches the server, per server (`ServerTraits`, learnt from its own replies
 - the token limit as both `max_tokens` (llama.cpp reads only this) and `max_completion_tokens` (what the OpenAI API
   and `transformers serve` prefer); a server that refuses one of them (HTTP 400/422 naming it) is asked again at
   once without it, and never sent it again;
+- no top-k, min-p or repetition penalty (`NEUTRAL_SAMPLING`), as the in-process backends sample: llama.cpp's server
+  would otherwise penalise repeats and vLLM apply the model's generation config; servers that know none of these
+  fields refuse them, once;
 - for vLLM (recognised by the `stop_reason` its choices carry): `stop` with `include_stop_str_in_output`, so it
   stops generating at once and keeps the string, and `continue_final_message` when the conversation ends in an
   assistant turn (Med-R³ resuming after a search). Other servers reject those fields (`transformers serve`: HTTP
@@ -225,9 +228,14 @@ class ServerTraits:
     refused: set[str] = field(default_factory=set)  # optional fields it answered HTTP 400/422 to
 
 
-# Fields a request can do without: a server refusing one (HTTP 400/422 naming it) gets the request again without it.
-# Of the two token-limit fields one always stays (the other then still carries the limit).
-OPTIONAL_FIELDS = ("max_tokens", "max_completion_tokens", "stream_options")
+# Fields a request can do without: a server refusing one (HTTP 400/422 naming it) gets the request again without it,
+# at once, and never again. Of the two token-limit fields one always stays (the other then still carries the limit).
+# NEUTRAL_SAMPLING asks for what the in-process backends do (no top-k, no min-p, no repetition penalty) under the
+# names llama.cpp's and vLLM's servers read: llama-cpp-python's server otherwise applies a repetition penalty of
+# 1.1, and vLLM the model's own generation config, so greedy replies differed from the same weights in process. A
+# server that knows none of them (the OpenAI API, `transformers serve`) refuses them: they go together.
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0, "repetition_penalty": 1.0}  # top_k 0: all
+OPTIONAL_FIELDS = ("max_tokens", "max_completion_tokens", "stream_options", *NEUTRAL_SAMPLING)
 _TRAITS: dict[str, ServerTraits] = {}
 _TRAITS_LOCK = threading.Lock()
 
@@ -237,13 +245,20 @@ def server_traits(base_url: str) -> ServerTraits:
         return _TRAITS.setdefault(base_url.rstrip("/"), ServerTraits())
 
 
-def refused_field(status: int, detail: str, body: dict[str, Any]) -> str | None:
-    """The optional field a 400/422 refused, when the server's words name one the request carried."""
-    if status not in (400, 422):
-        return None
+def refused_fields(status: int, detail: str, body: dict[str, Any]) -> set[str]:
+    """The optional fields to leave out after the server refused `body` with `status` and `detail`: those its
+    words name (a neutral sampling field takes the others with it); when a 400/422 names none, the neutral sampling
+    fields the body carried (the only ones not every chat server knows); else nothing (the refusal stands).
+    llama-cpp-python's server answers a field it cannot validate with HTTP 500 naming it: also a refusal."""
+    if status not in (400, 422, 500):
+        return set()
     limits = [name for name in ("max_tokens", "max_completion_tokens") if name in body]
     droppable = [name for name in OPTIONAL_FIELDS if name in body and (name not in limits or len(limits) == 2)]
-    return next((name for name in droppable if name in detail), None)
+    named = next((name for name in droppable if name in detail), None)
+    neutral = {name for name in NEUTRAL_SAMPLING if name in body}
+    if named is None:
+        return neutral if status != 500 else set()
+    return neutral if named in NEUTRAL_SAMPLING else {named}
 
 
 def request_body(model: str, messages: Sequence[BaseMessage], *, stops: Sequence[str], max_tokens: int,
@@ -257,6 +272,8 @@ def request_body(model: str, messages: Sequence[BaseMessage], *, stops: Sequence
             body[name] = max_tokens
     if "stream_options" not in traits.refused:
         body["stream_options"] = {"include_usage": True}
+    body |= {name: value for name, value in NEUTRAL_SAMPLING.items()
+             if name not in traits.refused and not (traits.vllm and name == "repeat_penalty")}  # llama.cpp's name
     if seed is not None:
         body["seed"] = seed
     if logprobs:
@@ -550,9 +567,9 @@ class ServerChatModel(BaseChatModel):
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - every failure of an attempt is the server's (classified)
-                refused = (refused_field(err.status, err.detail, body) if isinstance(err, _HTTPStatus) else None)
+                refused = refused_fields(err.status, err.detail, body) if isinstance(err, _HTTPStatus) else set()
                 if refused and renegotiations < len(OPTIONAL_FIELDS):
-                    traits.refused.add(refused)  # ask again at once without it; not a retry
+                    traits.refused |= refused  # ask again at once without them; not a retry
                     renegotiations += 1
                     continue
                 cause, detail = classify_failure(err)

@@ -286,8 +286,11 @@ class ReplyAssembler:
         the server ended the stream itself ([DONE], or the body's end after a finish reason)."""
         if not self.saw_choice:
             raise ReplyShapeError("the reply had no choices: no completion came back")
-        if not self.done and self.finish_reason is None and not stream_closed_cleanly:
-            raise ReplyCut("the stream ended before the reply did (no finish_reason)")
+        if not self.done and self.finish_reason is None:
+            # Even after [DONE]: llama-cpp-python's server ends a stream that way when another request interrupts
+            # it (its default), and the reply is then cut, not finished.
+            raise ReplyCut("the stream ended before the reply did (no finish_reason)"
+                           + (" although the server said [DONE]" if stream_closed_cleanly else ""))
         rest = self.scanner.flush() if self.scanner.matched is None else ""
         self.released.append(rest)
         stop_sequence = self.scanner.matched

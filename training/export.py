@@ -91,7 +91,7 @@ def _usefulness(model: Any, run: dict[str, Any], parsed: extractor.Extraction) -
     reply = model.invoke(respondent.build_messages(question["question"], question.get("options"),
                                                    extractor.render_triplets(parsed["triplets"])),
                          stop=respondent.STOP)
-    answer = respondent.parse_answer(reply.text, question.get("options"))
+    answer = respondent.parse_answer(text_with_stop(reply, respondent.STOP), question.get("options"))
     return 1.0 if answer["answer"] == run["gold"] else 0.0
 
 

@@ -26,7 +26,9 @@ TIMEOUT_S, CONNECT_S, RETRIES, BACKOFF_S = 1.0, 1.0, 1, 0.05
 SLACK_S = 3.0
 # What each failing mode's error must say besides the URL.
 CAUSE_WORDS = {"refused": "refused", "hang": "did not answer within", "5xx": "HTTP 503",
-               "malformed_json": "malformed JSON", "wrong_shape": "not a chat completion", "dropped": "dropped"}
+               "malformed_json": "malformed JSON", "wrong_shape": "not a chat completion", "dropped": "dropped",
+               "empty_choices": "choices is empty", "no_message": "no message", "null_content": "content is null",
+               "wrong_types": "not a string", "stream_error": "mid-response", "trickle": "did not answer within"}
 
 
 def bound_s(timeout_s: float, connect_s: float, retries: int, backoff_s: float) -> float:
@@ -43,7 +45,7 @@ def server(mode: str, **options: Any) -> Iterator[tuple[str, Any]]:
         with refused_url() as url:
             yield url, None
         return
-    with MisbehavingServer(mode, **options) as running:
+    with MisbehavingServer(mode, **({"delay_s": 0.2} if mode == "trickle" else {}) | options) as running:
         yield running.base_url, running
 
 
@@ -225,7 +227,7 @@ def cli_failing_case(mode: str, graph: str = "cot") -> None:
         return status or verdict
 
 
-for _mode in ("refused", "hang", "5xx", "dropped"):
+for _mode in ("refused", "hang", "5xx", "dropped", "empty_choices", "trickle"):
     cli_failing_case(_mode)
 cli_failing_case("5xx", "er_medrag")
 cli_failing_case("5xx", "med_r3")

@@ -50,7 +50,7 @@ from benches.reliability import harness
 from benches.reliability.harness import CASES, FAILURES, OUTCOMES, Case, Verdict, Workspace
 
 CASE_MODULES = ("cases_parsers", "cases_inputs", "cases_documents", "cases_medr3", "cases_servers",
-                "cases_indexing", "cases_durable", "cases_misc")
+                "cases_protocol", "cases_indexing", "cases_durable", "cases_misc")
 DEFAULT_OUT = harness.REPO / "benches" / "results" / "reliability.json"
 
 

@@ -1,0 +1,145 @@
+"""Server parity: do the graphs' replies through a real OpenAI-compatible server match, in kind, the in-process ones?
+
+The same questions, greedy, with the same weights: in-process `llamacpp:gemma3-270m` beside llama.cpp's own server,
+in-process `offline:gemma3-270m` (transformers) beside `transformers serve` (`ermedrag.testing.real_servers`). Per
+backend and graph: the share of well-formed answers, of Med-R³ runs that searched, of strict-JSON extractions, and
+the share of answers equal to the in-process backend's. The target (issue 36): every server rate within 0.15 of its
+in-process twin's, and Med-R³ searching through every server.
+
+    .venv/bin/python benches/server_parity.py --data ../shared/data        # 20 MedQA questions, ~1-2 h on 2 cores
+    .venv/bin/python benches/server_parity.py --n 2 --graphs cot           # a smoke run
+
+Writes benches/results/server_parity.json (rows, settings, the machine and its load) and, beside it,
+server_parity_replies.jsonl.gz: every reply behind every figure (answer, well formed, searches, extractions,
+completions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+from ermedrag.graphs.registry import load_graph  # noqa: E402
+from ermedrag.testing.real_servers import SERVER_KINDS, real_server  # noqa: E402
+from ermedrag.tools.benchmarks import Question, load_benchmark  # noqa: E402
+from ermedrag.tools.machine import describe_machine  # noqa: E402
+from ermedrag.tools.traces import TraceStore  # noqa: E402
+
+GRAPHS = ("er_medrag", "med_r3", "cot")
+TOLERANCE = 0.15
+TWIN_NAMES = {"llamacpp:gemma3-270m": "in_process_llamacpp", "offline:gemma3-270m": "in_process_hf"}
+
+
+def answer_record(graph: str, question: Question, state: dict[str, Any], store: TraceStore) -> dict[str, Any]:
+    """What one question's run showed: its answer and format, its searches, its extractions, its completions."""
+    answer = state.get("answer") or {}
+    events = list(store.events(run_id=state["run_id"]))
+    return {"graph": graph, "id": question.id, "gold": question.answer, "answer": answer.get("answer"),
+            "well_formed": bool(answer.get("well_formed")), "searches": len(state.get("searches") or []),
+            "extractions_strict": [bool(e.get("strict")) for e in state.get("extractions") or []],
+            "completions": [{"agent": e["agent"], "completion": e["completion"], "stop_sequence": e.get("stop_sequence"),
+                             "finish_reason": e.get("finish_reason")} for e in events]}
+
+
+def run_backend(graph: str, spec: str, base_url: str | None, questions: list[Question], workdir: Path,
+                label: str) -> list[dict[str, Any]]:
+    trace_db = workdir / f"{label}-{graph}.sqlite"
+    context = {"extractor_model": spec, "respondent_model": spec, "base_url": base_url or "", "temperature": 0.0,
+               "trace_db": str(trace_db), "index_dir": "", "chroma_url": "", "request_timeout_s": 600.0}
+    store, records = TraceStore(trace_db), []
+    for number, question in enumerate(questions, 1):
+        started = time.monotonic()
+        state = load_graph(graph).invoke({"question": question.question, "options": question.options,
+                                          "gold": question.answer}, context=context)
+        records.append(answer_record(graph, question, state, store) | {"backend": label,
+                                                                        "seconds": time.monotonic() - started})
+        print(f"  {label:22} {graph:10} {number}/{len(questions)} {records[-1]['seconds']:.1f} s", flush=True)
+    return records
+
+
+def row(label: str, graph: str, records: list[dict[str, Any]], twin: list[dict[str, Any]]) -> dict[str, Any]:
+    n = len(records)
+    extractions = [strict for r in records for strict in r["extractions_strict"]]
+    agree = sum(a["answer"] == b["answer"] for a, b in zip(records, twin))
+    return {"backend": label, "graph": graph, "n": n,
+            "well_formed_rate": sum(r["well_formed"] for r in records) / n,
+            "search_rate": sum(r["searches"] > 0 for r in records) / n if graph == "med_r3" else None,
+            "strict_json_rate": sum(extractions) / len(extractions) if extractions else None,
+            "answer_agreement_with_in_process": agree / n,
+            "seconds_per_question": sum(r["seconds"] for r in records) / n}
+
+
+def verdict(rows: list[dict[str, Any]]) -> list[str]:
+    """What misses the target: a server rate more than TOLERANCE from its twin's, or Med-R³ never searching."""
+    misses = []
+    twins = {(r["backend"], r["graph"]): r for r in rows if r["backend"].startswith("in_process")}
+    for r in rows:
+        if r["backend"].startswith("in_process"):
+            continue
+        twin = twins[(r["twin"], r["graph"])]
+        for rate in ("well_formed_rate", "search_rate", "strict_json_rate"):
+            if r[rate] is not None and abs(r[rate] - twin[rate]) > TOLERANCE:
+                misses.append(f"{r['backend']} {r['graph']} {rate} {r[rate]:.2f} vs {twin[rate]:.2f} in process")
+        if r["graph"] == "med_r3" and not r["search_rate"]:
+            misses.append(f"{r['backend']} med_r3 never searched")
+    return misses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA"),
+                        help="shared data root (default: ERMEDRAG_SHARED_DATA)")
+    parser.add_argument("--bench", default="medqa", help="benchmark to draw the questions from")
+    parser.add_argument("--n", type=int, default=20, help="questions (a seeded sample)")
+    parser.add_argument("--graphs", default=",".join(GRAPHS), help="comma-separated graphs")
+    parser.add_argument("--servers", default=",".join(SERVER_KINDS), help="comma-separated server kinds")
+    parser.add_argument("--threads", type=int, default=None, help="threads for each server (default: its own)")
+    parser.add_argument("--out", default=str(REPO / "benches" / "results" / "server_parity.json"))
+    args = parser.parse_args()
+    if not args.data:
+        sys.exit("server_parity: give --data (the shared data root) or set ERMEDRAG_SHARED_DATA")
+    questions = load_benchmark(args.bench, args.data, limit=args.n, seed=0)
+    graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
+    kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
+    machine, started = describe_machine(), time.monotonic()
+    print(machine, flush=True)
+    rows: list[dict[str, Any]] = []
+    replies: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="server-parity-") as tmp:
+        workdir = Path(tmp)
+        for kind in kinds:
+            with real_server(kind, workdir, threads=args.threads) as server:
+                twin_label = TWIN_NAMES[server.in_process]
+                for graph in graphs:
+                    twin = run_backend(graph, server.in_process, None, questions, workdir, twin_label)
+                    served = run_backend(graph, f"openai:{server.model}", server.base_url, questions, workdir, kind)
+                    rows += [row(twin_label, graph, twin, twin), row(kind, graph, served, twin) | {"twin": twin_label}]
+                    replies += twin + served
+    misses = verdict(rows)
+    record = {"rows": rows, "target": f"each server rate within {TOLERANCE} of its in-process twin's; med_r3 "
+                                      f"search_rate > 0 through every server", "misses": misses, "met": not misses,
+              "settings": {"bench": args.bench, "n": len(questions), "seed": 0, "graphs": graphs, "servers": kinds,
+                           "temperature": 0.0, "budgets": "the graphs' defaults", "index": "starter knowledge base",
+                           "threads": args.threads},
+              "machine": machine, "load_average_end": os.getloadavg(), "minutes": (time.monotonic() - started) / 60,
+              "command": " ".join(sys.argv)}
+    out = Path(args.out)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    with gzip.open(out.with_name(out.stem + "_replies.jsonl.gz"), "wt") as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in replies)
+    for r in rows:
+        print(json.dumps({k: v for k, v in r.items() if k != "seconds_per_question"}))
+    print("target met" if not misses else "target missed: " + "; ".join(misses))
+
+
+if __name__ == "__main__":
+    main()
