@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 DEFUSED_OPEN = "\u2039"  # ‹
@@ -105,13 +105,6 @@ def _opening_brackets(text: str) -> int:
         if found > MAX_PRECISE_BRACKETS:
             break
     return found
-
-
-def defuse_fields(record: Mapping[str, Any], fields: Iterable[str] | None = None) -> dict[str, Any]:
-    """A copy of `record` with its text values defused: the named `fields`, or every string value (ids,
-    titles, sources, metadata); other values are kept as they are."""
-    names = set(record) if fields is None else set(fields)
-    return {key: defuse(value) if key in names and isinstance(value, str) else value for key, value in record.items()}
 
 
 def quote(text: Any, limit: int) -> str:

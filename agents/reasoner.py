@@ -153,11 +153,6 @@ def render_documents(snippets: Sequence[dict]) -> str:
     return f"\n<document>\n{body}\n</document>\n"
 
 
-def transcript_text(segments: Iterable[Segment]) -> str:
-    """The whole transcript (the assistant turn the model continues)."""
-    return "".join(s["text"] for s in segments)
-
-
 def model_text(segments: Iterable[Segment]) -> str:
     """What the model itself wrote, without documents or the system's prompts."""
     return "".join(s["text"] for s in segments if s["kind"] == "model")

@@ -110,8 +110,8 @@ def speed(timed, new_tokens: int) -> dict:
 def hf_measurements(parts: list[str], quick: bool) -> dict:
     import torch
 
-    from ermedrag.tools.chat_models import load_hf_model
-    from ermedrag.tools.offline_model import offline_model_dir
+    from ermedrag.tools.models.hf import load_hf_model
+    from ermedrag.tools.models.offline import offline_model_dir
 
     out: dict = {"torch_threads": torch.get_num_threads()}
     tokenizer, model = load_hf_model(str(offline_model_dir()))  # the graph's calls below share this model
@@ -146,8 +146,8 @@ def hf_measurements(parts: list[str], quick: bool) -> dict:
 def llamacpp_measurements(parts: list[str], quick: bool) -> dict:
     """The same figures through the llamacpp: backend's own call (`LlamaCppGenerator.generate`: llama.cpp's
     forward passes plus this backend's per-token statistics), its kept prefix emptied before every timed call."""
-    from ermedrag.tools.hf_batching import GenerationParams
-    from ermedrag.tools.llamacpp import cpu_threads, llamacpp_generator
+    from ermedrag.tools.models.hf_batching import GenerationParams
+    from ermedrag.tools.models.llamacpp import cpu_threads, llamacpp_generator
 
     generator = llamacpp_generator(os.environ["ERMEDRAG_MODEL"].removeprefix("llamacpp:"))
     out: dict = {"llamacpp_threads": cpu_threads(), "weights": "GGUF Q4_K_M"}
@@ -183,7 +183,7 @@ def extract_fanout(quick: bool) -> dict:
     import tempfile
 
     from ermedrag.graphs.registry import load_graph
-    from ermedrag.tools.starter_kb import starter_index_dir
+    from ermedrag.tools.data.starter_kb import starter_index_dir
 
     starter_index_dir(progress=False)
     graph = load_graph("er_medrag")
@@ -255,7 +255,7 @@ def hf_greedy(tokenizer, model):
 def greedy_outputs(tokenizer, greedy, new_tokens: int, count: int) -> list[list[int]]:
     """`greedy(ids, new_tokens)` after each agreement prompt, one prompt at a time (see the module's docstring)."""
     from ermedrag.agents import extractor
-    from ermedrag.tools.starter_kb import PASSAGES
+    from ermedrag.tools.data.starter_kb import PASSAGES
 
     passages = [json.loads(line) for line in PASSAGES.read_text().splitlines() if line.strip()][:count]
     outputs = []

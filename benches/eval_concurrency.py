@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from ermedrag.tools.benchmarks import Question  # noqa: E402
+from ermedrag.tools.data.benchmarks import Question  # noqa: E402
 from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
 from ermedrag.graphs.registry import load_graph  # noqa: E402
 from ermedrag.tools.machine import describe_machine  # noqa: E402

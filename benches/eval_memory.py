@@ -105,12 +105,12 @@ def one_batch_child(variant: str, new_tokens: int) -> None:
 
     import torch
 
-    from ermedrag.tools.offline_model import offline_model_dir
+    from ermedrag.tools.models.offline import offline_model_dir
 
     path = str(offline_model_dir())
     if variant == "streaming":
-        from ermedrag.tools.chat_models import hf_generator
-        from ermedrag.tools.hf_batching import GenerationParams
+        from ermedrag.tools.models.hf import hf_generator
+        from ermedrag.tools.models.hf_batching import GenerationParams
 
         generator = hf_generator(path, "cpu")
         tokenizer, model = generator.tokenizer, generator.model

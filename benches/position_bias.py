@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from ermedrag.evals.position_bias import position_bias_summary  # noqa: E402
 from ermedrag.evals.runner import RESULTS  # noqa: E402
-from ermedrag.tools.jsonl import read_records  # noqa: E402
+from ermedrag.tools.records.jsonl import read_records  # noqa: E402
 
 CANNOT_SHOW = ("Cyclic shifts only: every option moves by the same offset, so a preference between two specific "
                "texts that always stay neighbours is not separated from position. A question whose options have "

@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 from ermedrag.graphs.registry import load_graph  # noqa: E402
 from ermedrag.testing.real_servers import SERVER_KINDS, real_server  # noqa: E402
-from ermedrag.tools.benchmarks import Question, load_benchmark  # noqa: E402
+from ermedrag.tools.data.benchmarks import Question, load_benchmark  # noqa: E402
 from ermedrag.tools.machine import describe_machine  # noqa: E402
-from ermedrag.tools.traces import TraceStore  # noqa: E402
+from ermedrag.tools.records.traces import TraceStore  # noqa: E402
 
 GRAPHS = ("er_medrag", "med_r3", "cot")
 TOLERANCE = 0.15

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from ermedrag.graphs.registry import GRAPHS
-from ermedrag.tools.chat_models import DEFAULT_MODEL, ModelServerError, ModelSpecError, parse_model_spec
-from ermedrag.tools.corpus import CorpusError
-from ermedrag.tools.index import DEFAULT_ENCODER, IndexUnavailable
-from ermedrag.tools.traces import TraceStoreError
+from ermedrag.tools.models import DEFAULT_MODEL, ModelSpecError, parse_model_spec
+from ermedrag.tools.model_server import ModelServerError
+from ermedrag.tools.retrieval.corpus import CorpusError
+from ermedrag.tools.retrieval.encoder import DEFAULT_ENCODER
+from ermedrag.tools.retrieval.index_files import IndexUnavailable
+from ermedrag.tools.records.traces import TraceStoreError
 
 DEMO_QUESTION = ("A 52-year-old man is newly diagnosed with type 2 diabetes; his kidney function is normal. "
                  "Which drug should he start first?")
@@ -206,7 +208,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def _server_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The context fields that the server flags set (None: not given), checked before any work starts."""
-    from ermedrag.tools.chat_models import ServerPolicy
+    from ermedrag.tools.model_server import ServerPolicy
 
     given = {name: getattr(args, name) for name in ("request_timeout_s", "connect_timeout_s", "max_retries")}
     policy_fields = {"request_timeout_s": "timeout_s", "connect_timeout_s": "connect_timeout_s",
@@ -234,7 +236,7 @@ def _ask(args: argparse.Namespace) -> int:
             print(f"Run id: {run_id}; if interrupted, continue it with `ermedrag ask --resume {run_id}`{again}",
                   file=sys.stderr)  # stderr, and before any work: a killed run can still be resumed
         if not context.get("index_dir"):
-            from ermedrag.tools.starter_kb import starter_index_dir
+            from ermedrag.tools.data.starter_kb import starter_index_dir
 
             print("Starter knowledge base (demo content, not clinical advice): building/opening its index…",
                   file=sys.stderr)  # stderr: keeps `ask --json` output parseable
@@ -373,8 +375,8 @@ def _panel_lines(state: dict[str, Any]) -> list[str]:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from ermedrag.tools.corpus import read_corpus
-    from ermedrag.tools.index import build_index
+    from ermedrag.tools.retrieval.corpus import read_corpus
+    from ermedrag.tools.retrieval.index import build_index
 
     started = time.perf_counter()
     corpus = read_corpus(args.paths, on_duplicate_id=args.on_duplicate_id, encoding=args.encoding)
@@ -398,7 +400,7 @@ def _index_summary(documents: int, left_out: str, stats: dict[str, Any], seconds
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from ermedrag.tools.benchmarks import BENCHMARKS
+    from ermedrag.tools.data.benchmarks import BENCHMARKS
     from ermedrag.evals.runner import run_eval
 
     benches = list(BENCHMARKS) if args.bench == "all" else [b.strip() for b in args.bench.split(",") if b.strip()]
@@ -428,7 +430,7 @@ def _context_overrides(args: argparse.Namespace, systems: list[str]) -> dict[str
 
 def _record(args: argparse.Namespace) -> int:
     from ermedrag.evals.runner import run_eval
-    from ermedrag.tools.traces import default_trace_db
+    from ermedrag.tools.records.traces import default_trace_db
 
     trace_db = args.trace_db or default_trace_db()
     out = args.out or str(Path(trace_db).with_suffix("")) + "-runs"
@@ -440,7 +442,7 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ermedrag.tools.traces import default_trace_db
+    from ermedrag.tools.records.traces import default_trace_db
     from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, MedR3ExportConfig, export_dpo, export_grpo,
                                  export_med_r3)
 
@@ -448,7 +450,7 @@ def _export(args: argparse.Namespace) -> int:
     if not Path(traces).exists():
         raise FileNotFoundError(f"no trace database at {traces}")
     if args.kind == "mmedagent":
-        from ermedrag.training.mmedagent_data import MMedAgentExportConfig, export_mmedagent, export_summary
+        from ermedrag.training.mmedagent.data import MMedAgentExportConfig, export_mmedagent, export_summary
 
         counts = export_mmedagent(MMedAgentExportConfig(traces=traces, out=args.out, data=args.data,
                                                         questions=args.questions, limit=args.limit))
@@ -471,13 +473,13 @@ def _export(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     if args.kind == "med-r3":
-        from ermedrag.training.med_r3 import train_med_r3
+        from ermedrag.training.med_r3.train import train_med_r3
 
         summary = train_med_r3(args.config, stages=args.stages or "1,2,3")
         print(json.dumps(summary, indent=2, default=str))
         return 0
     if args.kind == "mmedagent":
-        from ermedrag.training.mmedagent import train_mmedagent
+        from ermedrag.training.mmedagent.train import train_mmedagent
 
         summary = train_mmedagent(args.config, stages=args.stages)
         print(json.dumps(summary, indent=2, default=str))
@@ -500,7 +502,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _traces(args: argparse.Namespace) -> int:
-    from ermedrag.tools.traces import TraceStore, default_trace_db
+    from ermedrag.tools.records.traces import TraceStore, default_trace_db
 
     path = Path(args.db or default_trace_db())
     if not path.exists():

@@ -65,7 +65,7 @@ def panel_section(rows: Iterable[Mapping[str, Any]], labels: Mapping[str, str] |
     if summary is None:
         return ""
     lines = ["", "## Panel (MMedAgent-RL)", "",
-             "Triage accuracy counts questions whose benchmark metadata names a specialty (`tools/specialties.py`: "
+             "Triage accuracy counts questions whose benchmark metadata names a specialty (`tools/data/specialties.py`: "
              "MedMCQA subject, MedXpertQA body system); others are unlabelled, not wrong. Buckets: the share s of "
              "specialists who were right (easy s = 1, medium 0 < s < 1, hard s = 0). The majority vote is the "
              "specialists' most common answer in the same runs (a tie goes to the answer given first, as in the "

@@ -39,9 +39,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ermedrag.tools.gold_evidence import GoldEvidence, benchmark_family, doc_id, gold_evidence
-from ermedrag.tools.jsonl import read_records
-from ermedrag.tools.traces import TraceStore
+from ermedrag.tools.data.gold_evidence import GoldEvidence, benchmark_family, doc_id, gold_evidence
+from ermedrag.tools.records.jsonl import read_records
+from ermedrag.tools.records.traces import TraceStore
 
 os.environ.setdefault("RAGAS_DO_NOT_TRACK", "true")  # before ragas is imported: no usage telemetry
 
@@ -240,7 +240,7 @@ def _sentence_transformer_embeddings(encoder: str) -> Any:
     from langchain_core.embeddings import Embeddings
     from ragas.embeddings import LangchainEmbeddingsWrapper
 
-    from ermedrag.tools.index import DEFAULT_ENCODER, encode, load_encoder
+    from ermedrag.tools.retrieval.encoder import DEFAULT_ENCODER, encode, load_encoder
 
     name = encoder or DEFAULT_ENCODER
     load_encoder(name)  # now: a missing model fails here, not in the middle of the judging
@@ -280,7 +280,7 @@ def build_judge(
     from ragas.metrics._answer_relevance import ResponseRelevancy
     from ragas.metrics._faithfulness import Faithfulness
 
-    from ermedrag.tools.chat_models import load_chat_model
+    from ermedrag.tools.models import load_chat_model
 
     chat = load_chat_model(judge_model, base_url=base_url, temperature=0.0, max_new_tokens=max_new_tokens)
     with warnings.catch_warnings():

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 from ermedrag.evals.panel import panel_section, panel_summary
 from ermedrag.evals.metrics import NEEDS_SAMPLES, number, option_order, original_order_rows, summarise
 from ermedrag.evals.runner import RESULTS
-from ermedrag.tools.jsonl import read_records
+from ermedrag.tools.records.jsonl import read_records
 
 CONFIG_FIELDS = ("system", "model", "samples")  # beside `settings` in a row's `config`
 MAX_VALUE_CHARS = 40  # a setting's value in the header and legend (an index path can be long)

@@ -31,17 +31,19 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
-from ermedrag.tools.benchmarks import BadRow, Question, load_benchmark, load_questions_file
-from ermedrag.tools.chat_models import ModelServerError
-from ermedrag.tools.index import load_encoder
-from ermedrag.tools.retrieval import load_cross_encoder
-from ermedrag.tools.specialties import gold_specialty_for
-from ermedrag.agents import mmedagent as roles
-from ermedrag.graphs.common import MAX_OPTIONS, chat_model, index_for, parse_bool, retrieval_config
+from ermedrag.tools.data.benchmarks import BadRow, Question, load_benchmark, load_questions_file
+from ermedrag.tools.model_server import ModelServerError
+from ermedrag.tools.retrieval.encoder import load_encoder
+from ermedrag.tools.retrieval.search import load_cross_encoder
+from ermedrag.tools.data.specialties import gold_specialty_for
+from ermedrag.agents import attending, triage
+from ermedrag.graphs.state import MAX_OPTIONS
+from ermedrag.graphs.steps import chat_model, index_for, retrieval_config
+from ermedrag.tools.settings import parse_bool
 from ermedrag.graphs.durable import arun_durably, describe_target, durable, open_async_saver, run_config
 from ermedrag.graphs.registry import context_fields, graph_spec, load_graph, resolved_settings
-from ermedrag.tools.jsonl import AppendLog, read_records
-from ermedrag.tools.traces import TraceStore, default_trace_db
+from ermedrag.tools.records.jsonl import AppendLog, read_records
+from ermedrag.tools.records.traces import TraceStore, default_trace_db
 from ermedrag.evals.position_bias import option_orders, original_key, rotate_options, shown_key
 from ermedrag.evals.servers import ServerPool, server_list
 
@@ -248,12 +250,12 @@ def panel_fields(state: Mapping[str, Any], asking: Asking, specialties: str | No
         return {}
     keys = list(asking.question.options or {})
     answers = [o.get("answer") for o in state.get("opinions", [])]
-    chosen = roles.vote(answers)
+    chosen = attending.vote(answers)
     majority = answers[chosen] if chosen is not None else None
     majority = original_key(keys, majority, asking.order) if keys else majority
     # The gold the run was given (`panel_inputs`), spelled as the configuration's list spells it (None if absent).
-    gold_specialty = roles.canonical_specialty(state.get("gold_specialty"),
-                                               roles.parse_specialties(specialties or ",".join(roles.SPECIALTIES)))
+    gold_specialty = triage.canonical_specialty(state.get("gold_specialty"),
+                                               triage.parse_specialties(specialties or ",".join(triage.SPECIALTIES)))
     return {"specialty": state.get("specialty"), "gold_specialty": gold_specialty,
             "triage_correct": None if gold_specialty is None else state.get("specialty") == gold_specialty,
             "triage_fell_back": bool((state.get("triage") or {}).get("fell_back")), "bucket": state.get("bucket"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from ermedrag.tools.chat_models import ModelServerError
+from ermedrag.tools.model_server import ModelServerError
 
 
 def server_list(base_url: str | Sequence[str] | None) -> list[str | None]:

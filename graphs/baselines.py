@@ -12,8 +12,10 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.runtime import Runtime
 
 from ermedrag.agents.respondent import render_snippets
-from ermedrag.graphs.common import Context, begin_run, respond_with, retrieve_evidence
-from ermedrag.graphs.er_medrag import InputState, State
+from ermedrag.graphs.context import Context
+from ermedrag.graphs.steps import begin_run, respond_with, retrieve_evidence
+from ermedrag.graphs.state import InputState
+from ermedrag.graphs.er_medrag import State
 
 NO_RETRIEVAL = "(none: answer from your own knowledge)"
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sqlite3
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, closing, contextmanager
 from dataclasses import dataclass
@@ -33,8 +32,9 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.types import Durability
 
+from ermedrag.tools import settings
 from ermedrag.graphs.registry import GRAPHS, load_graph
-from ermedrag.tools.offline_model import cache_home
+from ermedrag.tools.settings import cache_home
 
 
 class _LateWriteAfterFailure(logging.Filter):
@@ -77,7 +77,7 @@ class SavedRun:
 def default_checkpoint_db() -> str:
     """ERMEDRAG_CHECKPOINT_DB (a file or a Postgres URL), else `checkpoints.sqlite` in the ermedrag cache (beside
     the default trace store)."""
-    return os.environ.get("ERMEDRAG_CHECKPOINT_DB") or str(cache_home() / "checkpoints.sqlite")
+    return settings.read("ERMEDRAG_CHECKPOINT_DB") or str(cache_home() / "checkpoints.sqlite")
 
 
 def is_postgres_url(target: str) -> bool:

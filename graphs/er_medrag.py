@@ -16,16 +16,11 @@ from langgraph.types import Send
 from typing_extensions import TypedDict
 
 from ermedrag.agents import extractor, respondent
-from ermedrag.graphs.common import Context, begin_run, per_question, record_call, respond_with, retrieve_evidence
+from ermedrag.graphs.context import Context
+from ermedrag.graphs.steps import begin_run, record_call, respond_with, retrieve_evidence
+from ermedrag.graphs.state import InputState, per_question
 
 GRAPH_NAME = "er_medrag"
-
-
-class InputState(TypedDict, total=False):
-    question: str
-    options: dict[str, str] | None
-    gold: str | None
-    run_id: str
 
 
 class State(InputState, total=False):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from langgraph.graph import END, START, StateGraph
@@ -25,26 +25,22 @@ from typing_extensions import TypedDict
 
 from ermedrag.agents import reasoner
 from ermedrag.agents.respondent import Answer
-from ermedrag.graphs.common import (Context, begin_run, env_int, extract_if_unparsed, per_question, record_call,
-                                   retrieve_recorded, trace_store)
-from ermedrag.graphs.er_medrag import InputState
-from ermedrag.tools.retrieval import SEARCH_K, coarse_k_for
+from ermedrag.graphs.context import Context
+from ermedrag.graphs.steps import begin_run, extract_if_unparsed, record_call, retrieve_recorded, trace_store
+from ermedrag.graphs.state import InputState, per_question
+from ermedrag.tools.settings import context_field
+from ermedrag.tools.retrieval.search import coarse_k_for
 
 GRAPH_NAME = "med_r3"
 
 
 @dataclass(kw_only=True)
 class MedR3Context(Context):
-    reasoner_model: str = field(default="")
-    """Reasoning model; empty = respondent_model."""
-    max_searches: int = env_int("ERMEDRAG_MAX_SEARCHES", reasoner.MAX_SEARCHES)
-    """Searches allowed per question (Med-R³ uses 4)."""
-    search_k: int = env_int("ERMEDRAG_SEARCH_K", SEARCH_K)
-    """Snippets returned per search (Med-R³ uses the top 5). Env ERMEDRAG_SEARCH_K."""
-    step_max_new_tokens: int = env_int("ERMEDRAG_STEP_MAX_NEW_TOKENS", reasoner.STEP_MAX_NEW_TOKENS)
-    """Generation budget of one reasoning step (until a search closes or the answer ends)."""
-    max_total_tokens: int = env_int("ERMEDRAG_MAX_TOTAL_TOKENS", reasoner.MAX_TOTAL_TOKENS)
-    """Generated tokens allowed over all steps; then the model must answer with what it has."""
+    reasoner_model: str = context_field("ERMEDRAG_REASONER_MODEL")
+    max_searches: int = context_field("ERMEDRAG_MAX_SEARCHES")
+    search_k: int = context_field("ERMEDRAG_SEARCH_K")
+    step_max_new_tokens: int = context_field("ERMEDRAG_STEP_MAX_NEW_TOKENS")
+    max_total_tokens: int = context_field("ERMEDRAG_MAX_TOTAL_TOKENS")
 
 
 class Search(TypedDict):

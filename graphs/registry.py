@@ -9,7 +9,7 @@ a graph ignores (ER-MedRAG's snippet count for CoT) never splits its results.
 What the code fixes rather than the context (the agents' prompts, examples and fixed budgets) is keyed by a
 prompt version per agent (`PROMPT_VERSIONS`); a graph's `prompt_version` names the versions of the agents it
 calls. Change what an agent's prompts say and bump its number here: every graph that calls it then answers its
-questions again instead of mixing old and new answers in one result (tests/test_eval_runner.py pins each
+questions again instead of mixing old and new answers in one result (tests/evals/test_eval_runner.py pins each
 agent's rendered prompts to its version, so a forgotten bump fails a test).
 """
 
@@ -69,7 +69,7 @@ GRAPHS: dict[str, GraphSpec] = {
                         ("respondent_model", "temperature", "answer_extraction", "index_dir", "coarse_k", "reranker")
                         + SEARCH_LOOP, ("reasoner", "respondent")),
     # Specialists use the respondent's template, example and answer extraction; triage and attending their own.
-    "mmedagent": GraphSpec("mmedagent:graph",
+    "mmedagent": GraphSpec("mmedagent.graph:graph",
                            "triage picks a specialty → N specialists answer → an attending decides",
                            ("respondent_model", "temperature", "answer_extraction") + RETRIEVAL + PANEL,
                            ("mmedagent", "respondent")),

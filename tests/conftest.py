@@ -23,7 +23,7 @@ if _WORKERS > 1:
         os.environ.setdefault(_name, str(max(1, _cores // _WORKERS)))
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTED = "scripted:ermedrag.agents.scripted"
+SCRIPTED = "scripted:ermedrag.testing.scripted"
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +59,6 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny randomly initialised causal LM saved to a folder (`ermedrag.testing.build_tiny_causal_lm`)."""
-    from ermedrag.testing import build_tiny_causal_lm
+    from ermedrag.testing.tiny_model import build_tiny_causal_lm
 
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "model")

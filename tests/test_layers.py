@@ -55,7 +55,7 @@ def imported_modules(name: str, source: str, known: set[str]) -> set[str]:
         else:
             continue
         for target in targets:
-            while target and target not in known:  # `import ermedrag.tools.index.x` → its module
+            while target and target not in known:  # `import ermedrag.tools.retrieval.index.x` → its module
                 target = target.rpartition(".")[0]
             if target and target != name:
                 found.add(target)
@@ -127,13 +127,13 @@ def test_the_check_catches_an_upward_import_and_a_cycle():
     sources = package_sources()
     # A deliberate upward import (agents → tools), a lazy one (tools → training, inside a function), and a circle
     # between two training modules.
-    sources["ermedrag.agents.respondent"] += "\nfrom ermedrag.tools.traces import TraceStore\n"
-    sources["ermedrag.tools.index"] += "\ndef _late():\n    from ermedrag.training import trainers\n"
+    sources["ermedrag.agents.respondent"] += "\nfrom ermedrag.tools.records.traces import TraceStore\n"
+    sources["ermedrag.tools.retrieval.index"] += "\ndef _late():\n    from ermedrag.training import trainers\n"
     sources["ermedrag.training.config"] += "\nfrom ermedrag.training.trainers import plot_curves\n"
     graph = import_graph(sources)
     bad = upward_imports(graph)
-    assert any(b.startswith("ermedrag.agents.respondent imports ermedrag.tools.traces") for b in bad)
-    assert any(b.startswith("ermedrag.tools.index imports ermedrag.training.trainers") for b in bad)
+    assert any(b.startswith("ermedrag.agents.respondent imports ermedrag.tools.records.traces") for b in bad)
+    assert any(b.startswith("ermedrag.tools.retrieval.index imports ermedrag.training.trainers") for b in bad)
     assert any({"ermedrag.training.config", "ermedrag.training.trainers"} <= set(c) for c in import_cycles(graph))
 
 
@@ -142,3 +142,51 @@ def test_relative_imports_are_resolved():
              "ermedrag.training.trainers"}
     assert imported_modules("ermedrag.graphs.mmed.state", "from ..common import Context\nfrom . import x\n",
                             known) == {"ermedrag.graphs.common", "ermedrag.graphs.mmed"}
+
+
+# ------------------------------------------------------------------------------------------- sub-packages
+
+SUB_PACKAGE_PARENTS = ("ermedrag.tools", "ermedrag.training", "ermedrag.graphs", "ermedrag.testing")
+
+
+def sub_package(module: str, known: set[str]) -> str:
+    """The unit a module belongs to one level below its layer: `ermedrag.tools.retrieval.index` →
+    `ermedrag.tools.retrieval`; a module directly in a layer is its own unit."""
+    for parent in SUB_PACKAGE_PARENTS:
+        if module.startswith(parent + "."):
+            head = ".".join(module.split(".")[: len(parent.split(".")) + 1])
+            return head
+    return module
+
+
+def collapsed(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    known = set(graph)
+    units: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        unit = sub_package(module, known)
+        units.setdefault(unit, set()).update(t for t in (sub_package(t, known) for t in targets) if t != unit)
+    return units
+
+
+def test_sub_packages_import_each_other_without_a_circle():
+    """One level down the plan holds too: `tools.models`, `tools.retrieval`, `training.rewards`... may depend on
+    one another, but never in a circle (a circle between two folders means they are one concern, or a piece is
+    in the wrong one)."""
+    units = collapsed(import_graph(package_sources()))
+    assert {"ermedrag.tools.models", "ermedrag.tools.model_server", "ermedrag.tools.retrieval",
+            "ermedrag.training.rewards", "ermedrag.graphs.mmedagent"} <= set(units)
+    assert import_cycles(units) == []
+
+
+def test_the_plan_stays_readable():
+    """At most about eight modules a folder (tools/ and training/ at most 8 directly), no product module over 600
+    lines, and the environment read in one module only (`tools/settings.py`)."""
+    for folder in ("tools", "training"):
+        assert len(list((REPO / folder).glob("*.py"))) <= 8, f"{folder}/ holds more than 8 modules: make a sub-package"
+    long = {f"{path.relative_to(REPO)}: {n}" for folder in FOLDERS for path in (REPO / folder).rglob("*.py")
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > 600}
+    assert not long, f"split these modules by concern: {sorted(long)}"
+    readers = {str(path.relative_to(REPO)) for folder in FOLDERS for path in (REPO / folder).rglob("*.py")
+               if any(call in line and "ERMEDRAG_" in line for line in path.read_text(encoding="utf-8").splitlines()
+                      for call in ("os.environ", "getenv("))}
+    assert readers <= {"tools/settings.py"}, f"read these settings through tools.settings: {sorted(readers)}"

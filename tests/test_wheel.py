@@ -194,7 +194,7 @@ def test_wheel_ships_every_module_and_data_file_under_ermedrag_only(wheel: Path)
     assert not expected - names, f"modules missing from the wheel: {sorted(expected - names)}"
 
     # Data files: the starter knowledge base and the training configs.
-    assert "ermedrag/tools/starter_kb/passages.jsonl" in names
+    assert "ermedrag/tools/data/starter_kb/passages.jsonl" in names
     configs = sorted(p.name for p in _source_dir("ermedrag.training").glob("configs/*.yaml"))
     assert configs, "no training/configs/*.yaml in the repository"
     missing = [c for c in configs if f"ermedrag/training/configs/{c}" not in names]

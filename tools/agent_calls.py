@@ -9,9 +9,9 @@ from typing import Any, Callable, TypeVar
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import BaseMessage
 
-from ermedrag.tools.chat_models import model_name
+from ermedrag.tools.models import model_name
 from ermedrag.tools.images import recorded_message
-from ermedrag.tools.traces import TraceEvent
+from ermedrag.tools.records.traces import TraceEvent
 
 Parsed = TypeVar("Parsed")
 

@@ -38,8 +38,9 @@ from urllib.parse import urlsplit
 
 from langchain_core.messages import BaseMessage
 
+from ermedrag.tools import settings
 from ermedrag.agents.base import message_images
-from ermedrag.tools.offline_model import cache_home
+from ermedrag.tools.settings import cache_home
 
 MAX_IMAGES = 8  # per question (the specialists each see them all: the prompt grows with every image)
 MAX_REFERENCE_CHARS = 4096  # a path or URL
@@ -168,7 +169,7 @@ def image_roots() -> list[Path]:
     """The folders whose files (in any subfolder) an input may name: env ERMEDRAG_IMAGE_ROOTS (os.pathsep-separated;
     `/` allows every path), by default the working directory and the system temp folder; always the image cache
     (where `cache_data_uris` writes). Read at each call, resolved (symlinks followed)."""
-    configured = [entry for entry in os.environ.get(IMAGE_ROOTS_ENV, "").split(os.pathsep) if entry.strip()]
+    configured = [entry for entry in settings.read(IMAGE_ROOTS_ENV).split(os.pathsep) if entry.strip()]
     folders = configured[:MAX_IMAGE_ROOTS] or [os.getcwd(), tempfile.gettempdir()]
     try:
         return [Path(folder).expanduser().resolve() for folder in folders] + [image_cache_dir().resolve()]

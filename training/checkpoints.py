@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ermedrag.tools.jsonl import replace_text
+from ermedrag.tools.records.jsonl import replace_text
 from ermedrag.training.config import GRPOTrainingConfig, comparable_settings
 from ermedrag.training.metrics import METRICS_FILE
 from ermedrag.training.rewards import reward_code_sha256

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ermedrag.agents.reasoner import MAX_SEARCHES, STEP_MAX_NEW_TOKENS
-from ermedrag.tools.retrieval import COARSE_K, SEARCH_K
+from ermedrag.tools.retrieval.search import COARSE_K, SEARCH_K
 
 OFFLINE_PREFIX = "offline:"
 
@@ -56,7 +56,7 @@ def comparable_settings(config: Any) -> dict[str, Any]:
 def resolve_model(spec: str) -> str:
     """A model spec as the trainers accept it: a local path, a hub id, or `offline:<name>` (see tools.offline_model)."""
     if spec.startswith(OFFLINE_PREFIX):
-        from ermedrag.tools.offline_model import offline_model_dir
+        from ermedrag.tools.models.offline import offline_model_dir
 
         return str(offline_model_dir(spec[len(OFFLINE_PREFIX) :]))
     return spec
@@ -302,7 +302,7 @@ class GRPOTrainingConfig(_TrainingConfig):
     resample_zero_variance_batches: int = field(
         default=0,
         metadata={
-            "help": "Dynamic sampling (DAPO's, by whole batches; training.dynamic_sampling): when every group of a "
+            "help": "Dynamic sampling (DAPO's, by whole batches; training.grpo): when every group of a "
             "step's generation batch got equal rewards, the step would teach nothing, so draw fresh training prompts "
             "up to this many times and train on the first batch with a signal. 0: off (TRL's behaviour)."
         },
@@ -467,7 +467,7 @@ class MMedAgentTrainingConfig(GRPOTrainingConfig):
         stage_config` does it)."""
         if self.beta is None or self.entropy_coef is None:
             raise ValueError("MMedAgentTrainingConfig.to_trl needs a stage's config, with beta and entropy_coef "
-                             "set: use ermedrag.training.mmedagent.stage_config(config, STAGE)")
+                             "set: use ermedrag.training.mmedagent.train.stage_config(config, STAGE)")
         scheduled = sorted(set(self.trl_overrides) & set(MMEDAGENT_SCHEDULED_TRL_FIELDS))
         if scheduled:
             raise ValueError(f"trl_overrides may not set {scheduled}: use the config's beta, entropy_coef, "

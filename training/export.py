@@ -29,9 +29,9 @@ from typing import Any
 from ermedrag.agents import extractor, respondent
 from ermedrag.agents.base import to_chat, to_langchain
 from ermedrag.tools.agent_calls import text_with_stop
-from ermedrag.tools.jsonl import AppendLog, read_records
-from ermedrag.tools.traces import TraceStore
-from ermedrag.training.med_r3_data import med_r3_row
+from ermedrag.tools.records.jsonl import AppendLog, read_records
+from ermedrag.tools.records.traces import TraceStore
+from ermedrag.training.med_r3.data import med_r3_row
 
 LOG = "log.jsonl"
 CLOSED = "closed after its last complete triplet"  # the origin of a candidate close_cut_lists added
@@ -99,10 +99,10 @@ def export_dpo(config: DPOExportConfig, progress: bool = True,
                reward: Callable[..., Any] | None = None) -> dict[str, int]:
     """Write extractor preference pairs; returns counts. `reward` defaults to
     `training.extractor_reward.extractor_reward`."""
-    from ermedrag.tools.chat_models import load_chat_model
+    from ermedrag.tools.models import load_chat_model
 
     if reward is None:
-        from ermedrag.training.extractor_reward import extractor_reward as reward
+        from ermedrag.training.rewards.extraction import extractor_reward as reward
     store = TraceStore(config.traces)
     models: dict[str, Any] = {}
 
@@ -286,8 +286,8 @@ def _question_key(text: str) -> str:
 
 
 def _gold_evidence_by_question(config: MedR3ExportConfig) -> dict[str, tuple[str, list[str]]]:
-    from ermedrag.tools.benchmarks import load_questions_file
-    from ermedrag.tools.gold_evidence import question_gold_evidence
+    from ermedrag.tools.data.benchmarks import load_questions_file
+    from ermedrag.tools.data.gold_evidence import question_gold_evidence
 
     found = {}
     for path in config.questions:

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ermedrag.tools.jsonl import read_records, replace_text
+from ermedrag.tools.records.jsonl import read_records, replace_text
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
@@ -67,7 +67,7 @@ def zero_variance_steps(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     summary = {"logged_steps": len(shares), "steps_without_signal": silent, "share": round(silent / len(shares), 4),
                "mean_frac_reward_zero_std": round(sum(shares) / len(shares), 4)}
     resampled = [float(r["resampled_batches"]) for r in records if isinstance(r.get("resampled_batches"), (int, float))]
-    if resampled:  # dynamic sampling (training.dynamic_sampling): steps whose first batch was silent, and the
+    if resampled:  # dynamic sampling (training.grpo): steps whose first batch was silent, and the
         # batches set aside per step on average (steps_without_signal counts the steps that found none)
         summary["steps_resampled"] = sum(count >= 1 for count in resampled)
         summary["mean_resampled_batches"] = round(sum(resampled) / len(resampled), 4)

@@ -51,14 +51,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ermedrag.tools.jsonl import replace_text
+from ermedrag.tools.records.jsonl import replace_text
 from ermedrag.training.checkpoints import (CheckpointSettings, check_resumable, checkpoint_dir, checkpoint_step,
                                            resume_checkpoint)
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig, load_config
 from ermedrag.training.metrics import METRICS_FILE, PLOT_FILE, MetricsRecorder, plot_curves, zero_variance_steps
-from ermedrag.training.reward_text import RewardFunc
+from ermedrag.training.rewards.text import RewardFunc
 from ermedrag.training.rewards import RESPONDENT_REWARDS, WeightedReward, named_weights, resolve_rewards
-from ermedrag.training.rollouts import RolloutFunc, make_search_rollout
+from ermedrag.training.grpo.rollouts import RolloutFunc, make_search_rollout
 
 CONFIG_FILE = "training_config.json"
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
     """A `trl.GRPOTrainer` for `config` and its `MetricsRecorder`: the dataset checked, the model's tokenizer,
     TRL's config with the rewards' weights, and a rollout function: `rollout_func`, else one that ends at
     `config.stop_strings` (none with vLLM, which stops by itself: `GRPOTrainingConfig.to_trl`)."""
-    from ermedrag.training.grpo_signal import SignalCountingGRPOTrainer
+    from ermedrag.training.grpo.sampling import SignalCountingGRPOTrainer
 
     dataset = _load_dataset(config.dataset)
     if "prompt" not in dataset.column_names:
@@ -134,7 +134,7 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
                                            step_max_new_tokens=config.max_completion_length)
     trainer_class, resampling = SignalCountingGRPOTrainer, {}
     if config.resample_zero_variance_batches:
-        from ermedrag.training.dynamic_sampling import ResamplingGRPOTrainer
+        from ermedrag.training.grpo.sampling import ResamplingGRPOTrainer
 
         trainer_class, resampling = ResamplingGRPOTrainer, {"resample_attempts": config.resample_zero_variance_batches}
     with warnings.catch_warnings():  # rollout_func is marked experimental in TRL 1.16: said once, in training.rollouts

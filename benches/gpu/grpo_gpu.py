@@ -110,7 +110,7 @@ def build_model(directory: Path, size: str, vocab_size: int | None, *, on_cuda: 
     """Write the offline tokenizer and a random Qwen2 causal LM (bf16 on CUDA) to `directory`."""
     from transformers import Qwen2ForCausalLM
 
-    from ermedrag.testing import build_tokenizer, qwen2_for
+    from ermedrag.testing.tiny_model import build_tokenizer, qwen2_for
 
     tokenizer = build_tokenizer()
     shape = dict(SIZES[size])

@@ -36,7 +36,7 @@ KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 *
 
 def child(steps: int, run: Path, out: Path) -> None:
     """One arm: a short GRPO run; prints one RESULT line."""
-    from ermedrag.tools.offline_model import offline_model_dir
+    from ermedrag.tools.models.offline import offline_model_dir
     from ermedrag.training.config import GRPOTrainingConfig
     from ermedrag.training.trainers import train_grpo
 

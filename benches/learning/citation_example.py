@@ -41,10 +41,10 @@ from learning_signal import REPO, command_line, generate, respondent_metrics  # 
 from datasets import load_from_disk
 
 from ermedrag.agents import respondent
-from ermedrag.graphs.common import Context
-from ermedrag.tools.jsonl import replace_text
-from ermedrag.tools.offline_model import offline_model_dir
-from ermedrag.training.answer_rewards import numbered_triplets
+from ermedrag.graphs.context import Context
+from ermedrag.tools.records.jsonl import replace_text
+from ermedrag.tools.models.offline import offline_model_dir
+from ermedrag.training.rewards.answers import numbered_triplets
 from seeds import LEARNING_WORK, grpo_prompts, learning_run
 from worked_examples import EXAMPLES
 

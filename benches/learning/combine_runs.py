@@ -26,7 +26,7 @@ from typing import Any
 
 from seeds import accuracy_interval, afters_from_summary, common_seed_count, paired_over_seeds
 
-from ermedrag.tools.jsonl import replace_text
+from ermedrag.tools.records.jsonl import replace_text
 
 # What each run measures for itself; every other field of an arm's record is a setting all runs must share.
 PER_RUN_FIELDS = ("before", "after", "minutes", "reused_seeds", "command", "cpu", "zero_variance_steps", "pairs",

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The default GRPO arm's steps, sampling and worked example; a lever arm that changes one is recorded under its
 # own key.
 GRPO_DEFAULTS = {"steps": 50, "generations": 4, "temperature": 0.7, "prompts": 1,  # "prompts": per optimizer step
-                 "resample": 0,  # dynamic sampling: batches a step may draw again (training.dynamic_sampling)
+                 "resample": 0,  # dynamic sampling: batches a step may draw again (training.grpo)
                  "example": "current"}  # the respondent's worked example (worked_examples.EXAMPLES)
 # --smoke's sizes (a tiny random model): they replace these options' values, and are its arms' defaults.
 SMOKE_SIZES = {"train_questions": 6, "eval_questions": 4, "grpo_steps": 2, "dpo_steps": 2, "extract_tokens": 16,
@@ -63,21 +63,21 @@ from datasets import load_from_disk  # noqa: E402
 from ermedrag.agents import extractor, respondent  # noqa: E402
 from ermedrag.agents.base import to_chat, to_langchain  # noqa: E402
 from ermedrag.tools.agent_calls import text_with_stop  # noqa: E402
-from ermedrag.tools.benchmarks import Question, load_questions_file  # noqa: E402
+from ermedrag.tools.data.benchmarks import Question, load_questions_file  # noqa: E402
 from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
-from ermedrag.tools.chat_models import load_chat_model  # noqa: E402
-from ermedrag.tools.corpus import Document  # noqa: E402
-from ermedrag.tools.index import build_index  # noqa: E402
-from ermedrag.tools.jsonl import read_records, replace_text  # noqa: E402
+from ermedrag.tools.models import load_chat_model  # noqa: E402
+from ermedrag.tools.retrieval.corpus import Document  # noqa: E402
+from ermedrag.tools.retrieval.index import build_index  # noqa: E402
+from ermedrag.tools.records.jsonl import read_records, replace_text  # noqa: E402
 from ermedrag.tools.machine import cpu_model  # noqa: E402
-from ermedrag.tools.traces import TraceStore  # noqa: E402
-from ermedrag.training.answer_rewards import (cited_numbers, correctness_reward, evidence_references,  # noqa: E402
+from ermedrag.tools.records.traces import TraceStore  # noqa: E402
+from ermedrag.training.rewards.answers import (cited_numbers, correctness_reward, evidence_references,  # noqa: E402
                                               numbered_triplets)
 from ermedrag.training.checkpoints import resume_checkpoint  # noqa: E402
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
 from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo,  # noqa: E402
                                       reselect_pairs)
-from ermedrag.training.extractor_reward import extractor_reward  # noqa: E402
+from ermedrag.training.rewards.extraction import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--grpo-resample", type=int, default=GRPO_DEFAULTS["resample"],
                         help="dynamic sampling: a step whose group got equal rewards draws fresh training prompts up "
                              "to this many times and trains on the first with a signal (a lever arm, "
-                             "grpo_respondent_resample_N; training.dynamic_sampling)")
+                             "grpo_respondent_resample_N; training.grpo)")
     parser.add_argument("--grpo-respond-tokens", type=int, default=None,
                         help="train and measure the respondent with this token budget instead of --respond-tokens "
                              "(a lever arm, recorded as grpo_respondent_tokens_N; the graph's own default is 192: a "
@@ -293,11 +293,11 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        from ermedrag.testing import build_tiny_causal_lm
+        from ermedrag.testing.tiny_model import build_tiny_causal_lm
 
         model_path = build_tiny_causal_lm(work / "tiny")
     else:
-        from ermedrag.tools.offline_model import offline_model_dir
+        from ermedrag.tools.models.offline import offline_model_dir
 
         model_path = str(offline_model_dir())
     model = f"hf:{model_path}"

@@ -38,14 +38,14 @@ REPO = Path(__file__).resolve().parents[2]
 from learning_signal import abstracts_as_documents, answer_parsed_rate, log, write_result  # noqa: E402
 from seeds import hold_work_folder, inputs_key, part_over_seeds, run_or_reuse  # noqa: E402
 
-from ermedrag.tools.benchmarks import load_questions_file  # noqa: E402
-from ermedrag.tools.index import build_index, open_index  # noqa: E402
-from ermedrag.training.answer_rewards import correctness_reward, format_reward  # noqa: E402
+from ermedrag.tools.data.benchmarks import load_questions_file  # noqa: E402
+from ermedrag.tools.retrieval.index import build_index, open_index  # noqa: E402
+from ermedrag.training.rewards.answers import correctness_reward, format_reward  # noqa: E402
 from ermedrag.training.config import MedR3TrainingConfig, comparable_settings  # noqa: E402
-from ermedrag.training.med_r3 import STAGES, stage_rewards, stage_start_model, train_med_r3  # noqa: E402
-from ermedrag.training.med_r3_data import med_r3_dataset  # noqa: E402
-from ermedrag.training.rollouts import ENDINGS, index_search, run_search_rollouts  # noqa: E402
-from ermedrag.training.search_rewards import retrieval_hit_reward  # noqa: E402
+from ermedrag.training.med_r3.train import STAGES, stage_rewards, stage_start_model, train_med_r3  # noqa: E402
+from ermedrag.training.med_r3.data import med_r3_dataset  # noqa: E402
+from ermedrag.training.grpo.rollouts import ENDINGS, index_search, run_search_rollouts  # noqa: E402
+from ermedrag.training.rewards.search import retrieval_hit_reward  # noqa: E402
 
 
 def rows_for(questions, index_ids: set[str]) -> list[dict[str, Any]]:
@@ -165,13 +165,13 @@ def main() -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     work.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        from ermedrag.testing import build_tiny_causal_lm
+        from ermedrag.testing.tiny_model import build_tiny_causal_lm
 
         model_path = build_tiny_causal_lm(work / "tiny")
         args.train_questions, args.eval_questions, args.steps = 4, 3, 1
         args.generations, args.step_tokens, args.completion_tokens, args.micro_batch = 2, 16, 32, 1
     else:
-        from ermedrag.tools.offline_model import offline_model_dir
+        from ermedrag.tools.models.offline import offline_model_dir
 
         model_path = str(offline_model_dir())
 

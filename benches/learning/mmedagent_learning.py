@@ -6,12 +6,12 @@ LoRA on the offline model, on questions of the shared data whose benchmark metad
 Endocrine/Integumentary). The questions are split into train and held-out with a fixed seed (by default the
 same number per specialty, so the majority class is no shortcut).
 
-(a) Triage: the triage doctor's prompts (`agents.mmedagent.triage_messages`, the paper's seven specialties).
+(a) Triage: the triage doctor's prompts (`agents.triage.triage_messages`, the paper's seven specialties).
     Held-out accuracy (the specialty `parse_triage` reads == the gold one) before and after the triage stage,
     against chance (1/7) and the held-out majority-class rate.
 (b) Attending: three *scripted* specialists of known reliability answer every question (no model): specialist 1
     is right 80% of the time, 2 50%, 3 20%; a wrong one names a uniformly random other option (seeded). Their
-    opinions are frozen in the attending's prompt (`agents.mmedagent.attending_messages`), the prompts are
+    opinions are frozen in the attending's prompt (`agents.attending.attending_messages`), the prompts are
     bucketed by agreement (`specialist_agreement`, `bucket`) and the attending trains easy → medium → hard.
     Held-out accuracy before and after each stage, against what the opinions allow on the same prompts: the
     specialists' majority vote, always trusting specialist 1, the best single specialist in hindsight, and
@@ -102,8 +102,8 @@ def benchmarks_dir(data: str) -> Path | None:
 def labelled_questions(folder: Path, max_chars: int) -> dict[str, list[Any]]:
     """Questions with a gold specialty, by specialty, each list sorted by id; a question whose text and
     options exceed `max_chars` is left out (it bounds the prompt length, so the CPU time of a step)."""
-    from ermedrag.tools.benchmarks import load_benchmark
-    from ermedrag.tools.specialties import gold_specialty_for
+    from ermedrag.tools.data.benchmarks import load_benchmark
+    from ermedrag.tools.data.specialties import gold_specialty_for
 
     by_specialty: dict[str, list[Any]] = {}
     for name in ("medmcqa", "medxpertqa"):
@@ -139,12 +139,12 @@ def round_robin(pools: dict[str, list[Any]], n: int) -> list[Any]:
 
 def triage_rows(questions: Sequence[Any]) -> list[dict[str, Any]]:
     """The triage stage's rows, as `ermedrag export mmedagent` writes them."""
-    from ermedrag.agents import mmedagent as roles
+    from ermedrag.agents import triage
     from ermedrag.agents.base import to_chat
-    from ermedrag.tools.specialties import gold_specialty_for
+    from ermedrag.tools.data.specialties import gold_specialty_for
 
-    specialties = list(roles.SPECIALTIES)
-    return [{"prompt": to_chat(roles.triage_messages(q.question, q.options, specialties)),
+    specialties = list(triage.SPECIALTIES)
+    return [{"prompt": to_chat(triage.triage_messages(q.question, q.options, specialties)),
              "gold_specialty": gold_specialty_for(q), "specialties": specialties, "question": q.question,
              "id": q.id} for q in questions]
 
@@ -153,7 +153,7 @@ def scripted_opinions(question: Any, specialty: str, rng: random.Random,
                       reliabilities: Sequence[float]) -> list[dict[str, Any]]:
     """One opinion per specialist: the gold option with the specialist's reliability, else a uniformly random
     other option. The reasoning has the same shape either way, so only the answer carries the signal."""
-    from ermedrag.agents import mmedagent as roles
+    from ermedrag.agents import specialist
 
     keys = sorted(question.options)
     opinions = []
@@ -161,7 +161,7 @@ def scripted_opinions(question: Any, specialty: str, rng: random.Random,
         wrong = [k for k in keys if k != question.answer]
         answer = question.answer if rng.random() < reliability or not wrong else rng.choice(wrong)
         text = " ".join(str(question.options[answer]).split())[:80]
-        opinions.append(roles.Opinion(specialist=index, specialty=specialty, model=f"scripted p={reliability}",
+        opinions.append(specialist.Opinion(specialist=index, specialty=specialty, model=f"scripted p={reliability}",
                                       answer=answer, reasoning=f"The findings fit option {answer} ({text}) best.",
                                       ok=True, well_formed=True))
     return opinions
@@ -170,19 +170,19 @@ def scripted_opinions(question: Any, specialty: str, rng: random.Random,
 def attending_rows(questions: Sequence[Any], rng: random.Random,
                    reliabilities: Sequence[float]) -> list[dict[str, Any]]:
     """The attending's rows with their frozen opinions, bucketed by agreement as the export buckets them."""
-    from ermedrag.agents import mmedagent as roles
+    from ermedrag.agents import attending
     from ermedrag.agents.base import to_chat
-    from ermedrag.tools.specialties import gold_specialty_for
+    from ermedrag.tools.data.specialties import gold_specialty_for
 
     rows = []
     for q in questions:
         specialty = gold_specialty_for(q)
         opinions = scripted_opinions(q, specialty, rng, reliabilities)
         answers = [o["answer"] for o in opinions]
-        agreement = roles.specialist_agreement(answers, q.answer)
-        rows.append({"prompt": to_chat(roles.attending_messages(q.question, q.options, opinions)), "gold": q.answer,
-                     "options": q.options, "agreement": agreement, "bucket": roles.bucket(agreement),
-                     "majority": roles.majority(answers), "specialty": specialty, "specialist_answers": answers,
+        agreement = attending.specialist_agreement(answers, q.answer)
+        rows.append({"prompt": to_chat(attending.attending_messages(q.question, q.options, opinions)), "gold": q.answer,
+                     "options": q.options, "agreement": agreement, "bucket": attending.bucket(agreement),
+                     "majority": attending.majority(answers), "specialty": specialty, "specialist_answers": answers,
                      "question": q.question, "id": q.id})
     return rows
 
@@ -226,7 +226,7 @@ def greedy_rollouts(model_dir: str, prompts: Sequence[list[dict[str, str]]], max
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from ermedrag.training.rollouts import run_search_rollouts
+    from ermedrag.training.grpo.rollouts import run_search_rollouts
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token is None:
@@ -265,17 +265,17 @@ def _weighted_total(rewards, completions, columns) -> tuple[dict[str, float], fl
 
 
 def evaluate_triage(model_dir: str, rows: Sequence[dict[str, Any]], staged, args: argparse.Namespace) -> dict:
-    from ermedrag.agents import mmedagent as roles
-    from ermedrag.training.answer_rewards import format_reward
-    from ermedrag.training.mmedagent import stage_rewards
-    from ermedrag.training.triage_rewards import triage_correctness_reward
+    from ermedrag.agents import triage
+    from ermedrag.training.rewards.answers import format_reward
+    from ermedrag.training.mmedagent.train import stage_rewards
+    from ermedrag.training.rewards.triage import triage_correctness_reward
 
     texts, tokens = greedy_rollouts(model_dir, [r["prompt"] for r in rows], staged.max_completion_length,
                                     staged.stop_strings, args.eval_batch)
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     columns = {"gold_specialty": [r["gold_specialty"] for r in rows], "specialties": [r["specialties"] for r in rows],
                "model_text": texts}
-    parsed = [roles.parse_triage(t, r["specialties"], fallback=r["specialties"][0]) for t, r in zip(texts, rows)]
+    parsed = [triage.parse_triage(t, r["specialties"], fallback=r["specialties"][0]) for t, r in zip(texts, rows)]
     rewards, mean_reward = _weighted_total(stage_rewards(staged, "triage"), completions, columns)
     return {"accuracy": _mean(triage_correctness_reward(completions, **columns)), "n": len(rows),
             "named_a_specialty": _mean([p["ok"] for p in parsed]),
@@ -286,10 +286,10 @@ def evaluate_triage(model_dir: str, rows: Sequence[dict[str, Any]], staged, args
 
 
 def evaluate_attending(model_dir: str, rows: Sequence[dict[str, Any]], staged, args: argparse.Namespace) -> dict:
-    from ermedrag.agents import mmedagent as roles
+    from ermedrag.agents import attending
     from ermedrag.agents.respondent import parse_answer
-    from ermedrag.training.answer_rewards import correctness_reward, format_reward
-    from ermedrag.training.mmedagent import stage_rewards
+    from ermedrag.training.rewards.answers import correctness_reward, format_reward
+    from ermedrag.training.mmedagent.train import stage_rewards
 
     texts, tokens = greedy_rollouts(model_dir, [r["prompt"] for r in rows], staged.max_completion_length,
                                     staged.stop_strings, args.eval_batch)
@@ -298,7 +298,7 @@ def evaluate_attending(model_dir: str, rows: Sequence[dict[str, Any]], staged, a
     correct = correctness_reward(completions, **columns)  # what an eval counts: any answer the parser reads
     answers = [parse_answer(t, r["options"])["answer"] for t, r in zip(texts, rows)]
     rewards, mean_reward = _weighted_total(stage_rewards(staged, "easy"), completions, columns)
-    followed = [roles.followed_majority(a, r["majority"]) for a, r in zip(answers, rows)]
+    followed = [attending.followed_majority(a, r["majority"]) for a, r in zip(answers, rows)]
     by_bucket = {b: [c for c, r in zip(correct, rows) if r["bucket"] == b] for b in ATTENDING_STAGES}
     return {"accuracy": _mean(correct), "n": len(rows),
             "answer_parsed_rate": _mean([a is not None for a in answers]),
@@ -317,7 +317,7 @@ def evaluate_attending(model_dir: str, rows: Sequence[dict[str, Any]], staged, a
 def pass_through(config, name: str, start_model: str) -> None:
     """A stage with no training rows: record the start model as the stage's model, so the next stage of the
     chain starts from it (`training.mmedagent.stage_start_model` reads only `model_dir`)."""
-    from ermedrag.training.mmedagent import STAGE_RECORD
+    from ermedrag.training.mmedagent.train import STAGE_RECORD
 
     folder = Path(config.output_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -327,7 +327,7 @@ def pass_through(config, name: str, start_model: str) -> None:
 
 def run_stage(config, name: str, rows: int) -> dict[str, Any]:
     """Train one stage (or pass it through when its bucket is empty); its summary with minutes and rows."""
-    from ermedrag.training.mmedagent import stage_start_model, train_mmedagent
+    from ermedrag.training.mmedagent.train import stage_start_model, train_mmedagent
 
     started = time.time()
     if rows == 0:
@@ -497,7 +497,7 @@ def bench_config(args: argparse.Namespace, model_path: str, export: Path, output
 
 
 def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[str, Any]:
-    from ermedrag.training.mmedagent import STAGES, stage_config
+    from ermedrag.training.mmedagent.train import STAGES, stage_config
 
     return {
         "model": "tiny random (smoke)" if args.smoke else f"{args.model} (base, LoRA r={config.lora_r} per stage, "
@@ -530,8 +530,8 @@ def measured_once(measured: dict[tuple[str, str], dict], model_dir: str, part: s
 def triage_part(config, model_path: str, data: BenchData, args: argparse.Namespace,
                 measured: dict[tuple[str, str], dict]) -> tuple[dict, dict]:
     """(a): held-out triage accuracy before and after the triage stage; the result and the stage's summary."""
-    from ermedrag.agents.mmedagent import SPECIALTIES
-    from ermedrag.training.mmedagent import stage_config
+    from ermedrag.agents.triage import SPECIALTIES
+    from ermedrag.training.mmedagent.train import stage_config
 
     staged = stage_config(config, "triage")
     before = measured_once(measured, model_path, "triage",
@@ -550,7 +550,7 @@ def attending_part(config, data: BenchData, args: argparse.Namespace,
                    measured: dict[tuple[str, str], dict]) -> tuple[dict, dict[str, dict]]:
     """(b): held-out attending accuracy before the curriculum and after each of its stages, with the ceilings
     the opinions allow; the result and the stages' summaries."""
-    from ermedrag.training.mmedagent import stage_config, stage_start_model
+    from ermedrag.training.mmedagent.train import stage_config, stage_start_model
 
     staged = stage_config(config, "easy")  # the attending's rewards and budget are the same in every stage
     start = stage_start_model(config, "easy")
@@ -583,7 +583,7 @@ def entropy_part(config, summaries: dict[str, dict], data: BenchData, args: argp
                  output_dir: Path) -> dict[str, Any]:
     """(c): the entropy stage trained again with `entropy_bonus: false`, from the same start model (the
     previous stage's record is copied), same data and seed; TRL's per-step mean token entropy of both runs."""
-    from ermedrag.training.mmedagent import STAGE_RECORD, STAGES, stage_config
+    from ermedrag.training.mmedagent.train import STAGE_RECORD, STAGES, stage_config
 
     name = args.entropy_stage
     result: dict[str, Any] = {"stage": name, "entropy_coef": {"with_bonus": stage_config(config, name).entropy_coef,
@@ -626,7 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     from seeds import allocator_env, hold_work_folder, inputs_key, run_or_reuse
 
-    from ermedrag.training.mmedagent import stage_start_model
+    from ermedrag.training.mmedagent.train import stage_start_model
 
     if os.environ.get("ERMEDRAG_TORCH_THREADS"):  # the trainers do not read it; the hf backend does
         torch.set_num_threads(int(os.environ["ERMEDRAG_TORCH_THREADS"]))
@@ -641,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = work / "mmedagent_learning.json" if args.smoke else Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        from ermedrag.testing import build_tiny_causal_lm
+        from ermedrag.testing.tiny_model import build_tiny_causal_lm
 
         model_path = build_tiny_causal_lm(work / "tiny")
     else:

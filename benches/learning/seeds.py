@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ermedrag.evals.metrics import wilson_interval
-from ermedrag.tools.jsonl import replace_text
+from ermedrag.tools.records.jsonl import replace_text
 from ermedrag.training.config import comparable_settings
 from ermedrag.training.rewards import reward_code_sha256
 

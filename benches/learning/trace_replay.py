@@ -24,7 +24,7 @@ from seeds import LEARNING_WORK, learning_run
 
 from ermedrag.agents import extractor
 from ermedrag.tools.machine import cpu_model
-from ermedrag.tools.traces import TraceStore
+from ermedrag.tools.records.traces import TraceStore
 
 
 def main() -> None:

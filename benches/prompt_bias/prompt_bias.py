@@ -154,7 +154,7 @@ def run_arm(questions: list[Any], context: dict[str, Any], concurrency: int) -> 
 
 
 def completions(trace_db: str, rows: list[dict[str, Any]]) -> dict[str, str]:
-    from ermedrag.tools.traces import TraceStore
+    from ermedrag.tools.records.traces import TraceStore
 
     store = TraceStore(trace_db)
     return {row["id"]: next(store.events(run_id=row["run_id"], agent="respondent"))["completion"] for row in rows}
@@ -225,7 +225,7 @@ def what_it_shows(arms: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from ermedrag.tools.benchmarks import load_benchmark
+    from ermedrag.tools.data.benchmarks import load_benchmark
 
     questions = load_benchmark(args.benchmark, Path(args.data) / "benchmarks", limit=args.limit, seed=args.seed)
     keys = sorted({k for q in questions for k in q.options})
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             rows = run_arm(questions, context, args.concurrency)
         seconds = time.perf_counter() - started
         texts = completions(trace_db, rows)
-        # The graph strips the question before the respondent sees it (graphs.common.validate_question).
+        # The graph strips the question before the respondent sees it (graphs.state.validate_question).
         letters = {q.id: example_letter(q.question.strip(), q.options) for q in questions}
         figures[arm] = summarise(rows, texts, letters, keys) | {"seconds": round(seconds, 1)}
         rows_by_arm[arm] = [row | {"example_letter": letters[row["id"]], "completion": texts[row["id"]][:400]}

@@ -58,8 +58,8 @@ def document(attack: str) -> dict[str, Any]:
 def hostile_index(workspace: Workspace) -> Path:
     """The hostile corpus, read and indexed through the public functions (built once per bench run)."""
     def build() -> Path:
-        from ermedrag.tools.corpus import read_documents
-        from ermedrag.tools.index import build_index
+        from ermedrag.tools.retrieval.corpus import read_documents
+        from ermedrag.tools.retrieval.index import build_index
 
         corpus = workspace.path("hostile/corpus.jsonl")
         corpus.write_text("".join(json.dumps(document(a), ensure_ascii=False) + "\n" for a in PAYLOADS),
@@ -100,7 +100,7 @@ def live_markup_in_prompts(state: dict[str, Any], workspace: Workspace) -> list[
 
 
 def retrieved_doc_ids(state: dict[str, Any], workspace: Workspace) -> list[str]:
-    from ermedrag.tools.traces import TraceStore
+    from ermedrag.tools.records.traces import TraceStore
 
     return [s.get("doc_id") or "" for r in TraceStore(workspace.trace_db).retrievals(state["run_id"])
             for s in r["snippets"] or []]

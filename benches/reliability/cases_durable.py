@@ -1,8 +1,8 @@
 """Durable runs: an `ermedrag ask` (or `eval`) SIGKILLed mid-run, or failed by its model server, continues with
 `--resume` (a rerun for eval) without making a finished model call again; the trace run ends finished.
 
-Model calls are counted across processes by `tests/scripted_counting.py` (one line per finished call in the file
-named by ERMEDRAG_TEST_CALLS)."""
+Model calls are counted across processes by `ermedrag/testing/scripted/counting.py` (one line per finished call in the file
+named by SCRIPTED_COUNTING_CALLS)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from benches.reliability.harness import (REPO, SCRIPTED, CliResult, Verdict, Wor
                                          cli_subprocess, crash, data_lost, judge_cli, kill_group, ok, one_line,
                                          register, silent_wrong, wait_for)
 
-COUNTING = "scripted:tests.scripted_counting"
+COUNTING = "scripted:ermedrag.testing.scripted.counting"
 QUESTION = "What is the first-line treatment for anaphylaxis?"
 OPTIONS = ["-o", "A=Intramuscular epinephrine", "-o", "B=Oral antihistamine", "-o", "C=Inhaled salbutamol"]
 SNIPPETS = 3
@@ -38,7 +38,7 @@ def killed_ask(workspace: Workspace) -> Verdict:
     folder = workspace.path("durable/kill")
     folder.mkdir(parents=True, exist_ok=True)
     calls_file = folder / "calls.tsv"
-    env = workspace.env(ERMEDRAG_TEST_CALLS=str(calls_file), ERMEDRAG_TEST_STEP_S="1.0")
+    env = workspace.env(SCRIPTED_COUNTING_CALLS=str(calls_file), SCRIPTED_COUNTING_STEP_S="1.0")
     command = ["ask", QUESTION, *OPTIONS, "--model", COUNTING, "--snippets", str(SNIPPETS)]
     log = folder / "killed.err"
     with log.open("w") as stderr:
@@ -78,7 +78,7 @@ def killed_ask(workspace: Workspace) -> Verdict:
 
 
 def _retrievals(workspace: Workspace, run_id: str) -> list[dict[str, Any]]:
-    from ermedrag.tools.traces import TraceStore
+    from ermedrag.tools.records.traces import TraceStore
 
     return TraceStore(workspace.trace_db).retrievals(run_id)
 
@@ -165,7 +165,7 @@ def killed_eval(workspace: Workspace) -> Verdict:
                                              "options": {"A": "Epinephrine", "B": "Antihistamine"},
                                              "answer": "B" if i == 5 else "A"}) + "\n" for i in range(6)))
     calls_file, out = folder / "calls.tsv", folder / "out"
-    env = workspace.env(ERMEDRAG_TEST_CALLS=str(calls_file), ERMEDRAG_TEST_STEP_S="0.5")
+    env = workspace.env(SCRIPTED_COUNTING_CALLS=str(calls_file), SCRIPTED_COUNTING_STEP_S="0.5")
     command = ["eval", "--system", "cot", "--bench", str(questions), "--model", COUNTING, "--concurrency", "1",
                "--out", str(out)]
     results = out / "results.jsonl"

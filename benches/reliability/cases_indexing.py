@@ -44,7 +44,7 @@ def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> Path:
 
 def chunk_count(*paths: Path) -> int:
     """Chunks a clean build of these files commits (`chunk_documents` with the CLI's default chunking)."""
-    from ermedrag.tools.corpus import chunk_documents, read_documents
+    from ermedrag.tools.retrieval.corpus import chunk_documents, read_documents
 
     return len({c.id for c in chunk_documents(read_documents(list(paths)))})
 
@@ -187,7 +187,7 @@ for _seed in (1, 2, 3):
 
 @register("index_kill_during_repair", "indexing",
           "a build killed after adding vectors, then another build (other documents) killed while it removes the "
-          "first one's uncommitted chunks: opens with the old commit, consistent; a rerun completes", 
+          "first one's uncommitted chunks: opens with the old commit, consistent; a rerun completes",
           timeout_s=CHILD_TIMEOUT_S * 4)
 def kill_during_repair(workspace: Workspace) -> Verdict:
     files = corpus_files(workspace)
@@ -238,7 +238,7 @@ def refused_file(name: str, content: bytes, names: tuple[str, ...], what: str, s
                  encoding: str | None = None) -> None:
     @register(name, "indexing", f"read_documents refuses {what} with a CorpusError naming the file", quick=True)
     def run(workspace: Workspace) -> Verdict:
-        from ermedrag.tools.corpus import read_documents
+        from ermedrag.tools.retrieval.corpus import read_documents
 
         path = workspace.path(f"files/{name}{suffix}")
         path.write_bytes(content)
@@ -269,7 +269,7 @@ refused_file("file_unknown_encoding", b"plain text\n", ("klingon",), "--encoding
 @register("file_latin1_with_encoding", "indexing", "read_documents(encoding='latin-1') reads a latin-1 .txt exactly",
           quick=True)
 def latin1_with_encoding(workspace: Workspace) -> Verdict:
-    from ermedrag.tools.corpus import read_documents
+    from ermedrag.tools.retrieval.corpus import read_documents
 
     path = workspace.path("files/latin1_ok.txt")
     path.write_bytes(LATIN1)
@@ -283,7 +283,7 @@ def latin1_with_encoding(workspace: Workspace) -> Verdict:
 @register("file_missing_path", "indexing", "read_documents on a path that does not exist: CorpusError naming it",
           quick=True)
 def missing_path(workspace: Workspace) -> Verdict:
-    from ermedrag.tools.corpus import read_documents
+    from ermedrag.tools.retrieval.corpus import read_documents
 
     path = workspace.root / "no" / "such-corpus.jsonl"
     return judge_call(lambda: read_documents([path]), must_refuse("a missing path"), ("such-corpus.jsonl",))
@@ -292,7 +292,7 @@ def missing_path(workspace: Workspace) -> Verdict:
 @register("file_folder_without_text", "indexing",
           "read_documents on a folder holding only a .pdf: CorpusError naming the folder", quick=True)
 def folder_without_text(workspace: Workspace) -> Verdict:
-    from ermedrag.tools.corpus import read_documents
+    from ermedrag.tools.retrieval.corpus import read_documents
 
     folder = workspace.path("files/pdf_only")
     folder.mkdir(parents=True, exist_ok=True)
@@ -329,7 +329,7 @@ def big_text(chars: int, seed: int = 0) -> str:
           "a 1 MB document: its chunks (chunk_documents) are exact spans that cover the whole text", quick=True,
           timeout_s=120)
 def document_1mb(workspace: Workspace) -> Verdict:
-    from ermedrag.tools.corpus import Document, chunk_documents
+    from ermedrag.tools.retrieval.corpus import Document, chunk_documents
 
     text = big_text(1_000_000)
     chunks = chunk_documents([Document(id="big", text=text)])
@@ -348,8 +348,8 @@ def hash_vector(key: str) -> np.ndarray:
           "text, BM25 = Chroma = manifest (vectors precomputed: the encoder is not what is tested)",
           timeout_s=900)
 def document_5mb(workspace: Workspace) -> Verdict:
-    from ermedrag.tools.corpus import chunk_documents, read_documents
-    from ermedrag.tools.index import build_index
+    from ermedrag.tools.retrieval.corpus import chunk_documents, read_documents
+    from ermedrag.tools.retrieval.index import build_index
 
     path = workspace.path("files/five_mb.txt")
     text = big_text(5_000_000, seed=5)
@@ -369,7 +369,7 @@ def document_5mb(workspace: Workspace) -> Verdict:
     problem = consistency_problem(state, {len(vectors)})
     if problem:
         return data_lost(problem)
-    from ermedrag.tools.index import open_index
+    from ermedrag.tools.retrieval.index import open_index
 
     index = open_index(directory)
     got = index.collection.get(include=["documents", "metadatas"])
@@ -397,7 +397,7 @@ def duplicate_ids(workspace: Workspace) -> Verdict:
         summary = [line for line in result.stdout.splitlines() if line.startswith("indexed")]
         if not summary or "1 reused ids renamed" not in summary[0] or "1 exact repeats dropped" not in summary[0]:
             return silent_wrong(f"the summary does not count them: {one_line(summary or result.stdout, 300)}")
-        from ermedrag.tools.index import open_index
+        from ermedrag.tools.retrieval.index import open_index
 
         doc_ids = {m["doc_id"] for m in open_index(directory).collection.get(include=["metadatas"])["metadatas"]}
         if doc_ids != {"d1", "d1~2", "d2"}:
@@ -442,7 +442,7 @@ def nul_in_jsonl(workspace: Workspace) -> Verdict:
     result = cli_in_process(["index", str(corpus), "--index-dir", str(directory)])
 
     def check(result: Any) -> Verdict:
-        from ermedrag.tools.index import open_index
+        from ermedrag.tools.retrieval.index import open_index
 
         stored = open_index(directory).collection.get(include=["documents"])["documents"]
         if stored != [text]:

@@ -1,6 +1,6 @@
 """Hostile inputs: each must be refused with an error naming the field (graph: a ValueError; CLI: exit != 0 with
 one error line) or answered correctly. Graph cases use `cot` with the scripted model (it answers the first
-option, "A"); the input check is shared by every graph (`graphs.common.begin_run`), which one case per graph
+option, "A"); the input check is shared by every graph (`graphs.steps.begin_run`), which one case per graph
 confirms."""
 
 from __future__ import annotations

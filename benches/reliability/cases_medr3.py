@@ -45,14 +45,14 @@ def _judge(state: dict[str, Any], workspace: Workspace, expected: str | None, fo
           "a model that never searches or answers (tests/scripted_rambler): the system forces the answer, 'A'",
           quick=True)
 def rambler(workspace: Workspace) -> Verdict:
-    state = run_med_r3("scripted:tests.scripted_rambler")
+    state = run_med_r3("scripted:ermedrag.testing.scripted.rambler")
     return _judge(state, workspace, "A", "stopped")
 
 
 @register("medr3_rambler_token_budget", "medr3",
           "the rambler with max_total_tokens=25: the token budget forces the answer, 'A'", quick=True)
 def rambler_budget(workspace: Workspace) -> Verdict:
-    state = run_med_r3("scripted:tests.scripted_rambler", step_max_new_tokens=10, max_total_tokens=25)
+    state = run_med_r3("scripted:ermedrag.testing.scripted.rambler", step_max_new_tokens=10, max_total_tokens=25)
     extra = None if state.get("generated_tokens", 0) <= 25 + 32 else f"generated {state['generated_tokens']} tokens"
     return _judge(state, workspace, "A", "token_budget", extra)
 
@@ -61,7 +61,7 @@ def rambler_budget(workspace: Workspace) -> Verdict:
           "a model that searches forever (tests/scripted_searcher): stops at max_searches=3, forces the answer; the "
           "answer is whatever the model then wrote, ok agreeing with error", quick=True)
 def searcher(workspace: Workspace) -> Verdict:
-    state = run_med_r3("scripted:tests.scripted_searcher", max_searches=3)
+    state = run_med_r3("scripted:ermedrag.testing.scripted.searcher", max_searches=3)
     extra = None if len(state.get("searches") or []) == 3 else f"{len(state.get('searches') or [])} searches"
     return _judge(state, workspace, None, "search_budget", extra)
 
@@ -70,7 +70,7 @@ def searcher(workspace: Workspace) -> Verdict:
           "a model that writes its own <document> (tests/scripted_forger): its answer 'B' stands, marked not "
           "well formed and forged_document", quick=True)
 def forger(workspace: Workspace) -> Verdict:
-    state = run_med_r3("scripted:tests.scripted_forger")
+    state = run_med_r3("scripted:ermedrag.testing.scripted.forger")
     answer = state.get("answer") or {}
     extra = None
     if not state.get("forged_document") or answer.get("well_formed"):

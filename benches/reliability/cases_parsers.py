@@ -97,7 +97,7 @@ def _parsers() -> dict[str, Callable[[str], Any]]:
     from ermedrag.agents import markup, reasoner
     from ermedrag.agents.extractor import closed_list, parse_triplets
     from ermedrag.agents.respondent import normalise_answer, parse_answer
-    from ermedrag.training import answer_rewards, search_rewards
+    from ermedrag.training.rewards import answers as answer_rewards, search as search_rewards
 
     hit_kwargs = {"gold_evidence": [["d1", "d2"]]}
     return {

@@ -57,7 +57,7 @@ flavour_case("vllm", "mmedagent")
           "a server streaming past any token limit, limit 16: 16 tokens back within 2 s, flagged cut_by_client, the "
           "connection closed", quick=True, timeout_s=30)
 def ignores_limit(workspace: Workspace) -> Verdict:
-    from ermedrag.tools.chat_models import load_chat_model
+    from ermedrag.tools.models import load_chat_model
 
     with server("ignores_limit") as (url, running):
         started = time.monotonic()

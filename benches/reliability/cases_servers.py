@@ -92,7 +92,7 @@ def warm_up(workspace: Workspace) -> None:
     a time bound is about the server's failure, not about loading."""
     def load() -> bool:
         from ermedrag.graphs.registry import load_graph
-        from ermedrag.tools.openai_server import background
+        from ermedrag.tools.model_server import background
         from benches.reliability.harness import SCRIPTED
 
         background().client()

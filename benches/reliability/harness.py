@@ -48,7 +48,7 @@ MAX_DETAIL_CHARS = 600
 PROGRAMMING_ERRORS = (AssertionError, AttributeError, KeyError, IndexError, TypeError, NameError, UnicodeError,
                       RecursionError, ZeroDivisionError, NotImplementedError, MemoryError)
 ERROR_LINE = re.compile(r"^(?:error: |ermedrag(?: \S+)?: error: )")
-SCRIPTED = "scripted:ermedrag.agents.scripted"  # answers the first option
+SCRIPTED = "scripted:ermedrag.testing.scripted"  # answers the first option
 PARROT = "scripted:benches.reliability.scripted_parrot"  # quotes what it reads, answers B
 PARROT_ANSWER = "B"
 
@@ -144,12 +144,12 @@ class Workspace:
             return self._fixtures[name]
 
     def trace_run(self, run_id: str) -> dict[str, Any] | None:
-        from ermedrag.tools.traces import TraceStore
+        from ermedrag.tools.records.traces import TraceStore
 
         return TraceStore(self.trace_db).run(run_id)
 
     def trace_events(self, run_id: str) -> list[dict[str, Any]]:
-        from ermedrag.tools.traces import TraceStore
+        from ermedrag.tools.records.traces import TraceStore
 
         return list(TraceStore(self.trace_db).events(run_id=run_id))
 
@@ -163,8 +163,8 @@ class Workspace:
 CLEARED_ENV = ("ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL", "ERMEDRAG_RESPONDENT_MODEL",
                "OPENAI_BASE_URL", "ERMEDRAG_SNIPPETS_K", "ERMEDRAG_COARSE_K", "ERMEDRAG_CHROMA_URL",
                "ERMEDRAG_RERANKER", "ERMEDRAG_TEMPERATURE", "ERMEDRAG_REQUEST_TIMEOUT_S", "ERMEDRAG_CONNECT_TIMEOUT_S",
-               "ERMEDRAG_MAX_RETRIES", "ERMEDRAG_RETRY_BACKOFF_S", "ERMEDRAG_INDEX_PAUSE", "ERMEDRAG_TEST_CALLS",
-               "ERMEDRAG_TEST_STEP_S", "ERMEDRAG_TEST_FAIL", "ERMEDRAG_MAX_SEARCHES", "ERMEDRAG_SEARCH_K")
+               "ERMEDRAG_MAX_RETRIES", "ERMEDRAG_RETRY_BACKOFF_S", "ERMEDRAG_INDEX_PAUSE", "SCRIPTED_COUNTING_CALLS",
+               "SCRIPTED_COUNTING_STEP_S", "SCRIPTED_COUNTING_FAIL", "ERMEDRAG_MAX_SEARCHES", "ERMEDRAG_SEARCH_K")
 
 
 def prepare_environment(workspace: Workspace) -> None:

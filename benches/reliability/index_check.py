@@ -17,7 +17,7 @@ PAGE = 5000
 
 
 def index_state(directory: str) -> dict[str, Any]:
-    from ermedrag.tools.index import open_index
+    from ermedrag.tools.retrieval.index import open_index
 
     state: dict[str, Any] = {"directory": directory}
     try:

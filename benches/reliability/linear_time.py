@@ -1,5 +1,5 @@
 """Is a parser linear on a hostile input? One rule for the reliability bench's parser cases (which CI runs in
-tests/test_reliability.py) and the test that checks the rule itself.
+tests/benches/test_reliability.py) and the test that checks the rule itself.
 
 Timed in CPU time of the calling thread, so a call preempted on a shared CI core does not count as a slow one, and
 judged by growth: linear parsing costs ~4x on 4x the input, quadratic ~16x. A fixed wall-clock limit alone flakes

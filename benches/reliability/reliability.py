@@ -8,7 +8,7 @@ Run it from the repository root (the scripted models are `benches.reliability.*`
 
 Surfaces: the graphs by `graph.invoke` (registry `ermedrag.graphs.registry.GRAPHS`), the `ermedrag` CLI (in
 process through `ermedrag.cli.main`, or as a real process where a kill, a timeout or raw argv bytes need one),
-`ermedrag.tools.corpus.read_documents`, `ermedrag.tools.index.build_index` / `open_index`, and the parsers of
+`ermedrag.tools.retrieval.corpus.read_documents`, `ermedrag.tools.retrieval.index.build_index` / `open_index`, and the parsers of
 `ermedrag.agents.*` and `ermedrag.training.*`.
 
 Each case declares what correct looks like (`expect`) and gets one outcome:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ermedrag.tools.corpus import Document
+from ermedrag.tools.retrieval.corpus import Document
 
 HELD_OUT = 1000  # questions reported; the rest of the seeded order is the tuning split
 DOCUMENT_JOIN = "\n\n"
@@ -45,7 +45,7 @@ class SharedData:
 
 def load_passages(data: SharedData) -> list[Document]:
     """All passages via tools.corpus.read_documents (a repeated id with other text becomes `id~2`, ...)."""
-    from ermedrag.tools.corpus import read_documents
+    from ermedrag.tools.retrieval.corpus import read_documents
 
     return read_documents(data.corpora)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ermedrag.tools.corpus import Document
+from ermedrag.tools.retrieval.corpus import Document
 
 INDEX_FILES = {"manifest.json", "chroma", "bm25", "bench.json"}
 
@@ -23,7 +23,7 @@ INDEX_FILES = {"manifest.json", "chroma", "bm25", "bench.json"}
 def whole_passage_vectors(documents: list[Document], vectors: dict[str, np.ndarray],
                           chunk_size: int, chunk_overlap: int) -> tuple[dict[str, np.ndarray], Counter]:
     """Chunk id -> cached vector for chunks that are a whole passage; also chunks per document."""
-    from ermedrag.tools.corpus import chunk_documents
+    from ermedrag.tools.retrieval.corpus import chunk_documents
 
     chunks = chunk_documents(documents, chunk_size, chunk_overlap)
     per_doc = Counter(c.doc_id for c in chunks)
@@ -37,13 +37,13 @@ def whole_passage_vectors(documents: list[Document], vectors: dict[str, np.ndarr
 def ensure_index(index_dir: Path, documents: list[Document], vectors: dict[str, np.ndarray], *,
                  chunk_size: int, chunk_overlap: int, fingerprint: dict, rebuild: bool) -> dict:
     """Reuse a complete bench index (its bench.json matches `fingerprint` and the manifest), else build it."""
-    from ermedrag.tools.index import _manifest  # noqa: PLC2701 (read-only look at the manifest)
+    from ermedrag.tools.retrieval.index_files import read_manifest
 
     fingerprint = {**fingerprint, "chunk_size": chunk_size, "chunk_overlap": chunk_overlap}
     record_path = index_dir / "bench.json"
     if index_dir.exists() and not rebuild and record_path.exists():
         record = json.loads(record_path.read_text())
-        if record.get("fingerprint") == fingerprint and _manifest(index_dir).get("chunks") == record["index"]["chunks"]:
+        if record.get("fingerprint") == fingerprint and read_manifest(index_dir).get("chunks") == record["index"]["chunks"]:
             refresh_bm25(index_dir)
             print(f"reusing the complete index at {index_dir} ({record['index']['chunks']:,} chunks, "
                   f"built in {record['index']['build_seconds']:.0f} s)")
@@ -78,7 +78,7 @@ def _build_in_child(index_dir: Path, documents: list[Document], vectors: dict[st
 
 def _build(index_dir: Path, documents: list[Document], vectors: dict[str, np.ndarray], chunk_size: int,
            chunk_overlap: int, fingerprint: dict) -> dict:
-    from ermedrag.tools.index import build_index
+    from ermedrag.tools.retrieval.index import build_index
 
     t0 = time.perf_counter()
     reusable, per_doc = whole_passage_vectors(documents, vectors, chunk_size, chunk_overlap)
@@ -113,12 +113,13 @@ def _build(index_dir: Path, documents: list[Document], vectors: dict[str, np.nda
 
 def refresh_bm25(index_dir: Path) -> None:
     """Rebuild only the BM25 part when its parameters or the stemmer changed since the index was built."""
-    from ermedrag.tools.index import BM25_PARAMS, _manifest, rebuild_bm25  # noqa: PLC2701
+    from ermedrag.tools.retrieval.index_files import BM25_PARAMS, read_manifest
+    from ermedrag.tools.retrieval.index import rebuild_bm25  # noqa: PLC2701
 
     record_path = index_dir / "bench.json"
     record = json.loads(record_path.read_text())
     wanted = bm25_fingerprint()
-    if record.get("bm25") == wanted and _manifest(index_dir).get("bm25") == BM25_PARAMS:
+    if record.get("bm25") == wanted and read_manifest(index_dir).get("bm25") == BM25_PARAMS:
         return
     t0 = time.perf_counter()
     rebuild_bm25(index_dir)
@@ -129,7 +130,7 @@ def refresh_bm25(index_dir: Path) -> None:
 def bm25_fingerprint() -> dict:
     from importlib.metadata import version
 
-    from ermedrag.tools.index import BM25_PARAMS
+    from ermedrag.tools.retrieval.index_files import BM25_PARAMS
 
     return {"params": BM25_PARAMS, "stemmer": version("PyStemmer"), "layout": "segments"}
 

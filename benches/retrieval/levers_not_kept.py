@@ -32,7 +32,7 @@ Features = dict[str, dict[str, float]]  # chunk id -> feature -> value
 def two_pass_features(index, query: str, vector: np.ndarray) -> Features:
     """Every candidate of the default coarse stage's two passes with each list's normalised score (0 where
     absent) and the dense cosines: the inputs the learned fusion may weigh."""
-    from ermedrag.tools.retrieval import (DEFAULT_CONFIG, bm25_search, bm25_weighted_search, dense_search, feedback_query,
+    from ermedrag.tools.retrieval.search import (DEFAULT_CONFIG, bm25_search, bm25_weighted_search, dense_search, feedback_query,
                                  fuse, min_max, query_terms)
 
     k = max(DEFAULT_CONFIG.fetch_k, 2 * DEPTH)  # as coarse_hybrid fetches for DEPTH results
@@ -56,7 +56,7 @@ def two_pass_features(index, query: str, vector: np.ndarray) -> Features:
 
 
 def default_score(row: dict[str, float]) -> float:
-    from ermedrag.tools.retrieval import DEFAULT_CONFIG
+    from ermedrag.tools.retrieval.search import DEFAULT_CONFIG
 
     return DEFAULT_CONFIG.bm25_weight * row["bm25_2"] + (1 - DEFAULT_CONFIG.bm25_weight) * row["dense_2"]
 
@@ -78,7 +78,7 @@ def sibling_boost(index, lam: float) -> Callable[[str, Features], list[str]]:
 
 
 def term_coverage(index, gamma: float) -> Callable[[str, Features], list[str]]:
-    from ermedrag.tools.retrieval import query_terms
+    from ermedrag.tools.retrieval.search import query_terms
 
     position = {cid: i for i, cid in enumerate(index.bm25_ids)}
     n = len(index.bm25_ids)
@@ -156,8 +156,9 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(1)
 
-    from ermedrag.tools.index import encode, open_index
-    from ermedrag.tools.retrieval import DEFAULT_CONFIG, clean_query, coarse_hybrid
+    from ermedrag.tools.retrieval.encoder import encode
+    from ermedrag.tools.retrieval.index import open_index
+    from ermedrag.tools.retrieval.search import DEFAULT_CONFIG, clean_query, coarse_hybrid
 
     tuning, _ = split_qrels(SharedData(Path(args.data)), args.seed)
     train, scored = tuning[:args.train], tuning[args.train:]

@@ -93,8 +93,9 @@ def long_documents_setting(args, data: SharedData, passages, vectors) -> tuple[P
 
 def build_throughput(passages, n_documents: int, seed: int) -> dict:
     """Raw encoder vs build_index on the same chunks, side by side (fresh temporary index, no cached vectors)."""
-    from ermedrag.tools.corpus import chunk_documents
-    from ermedrag.tools.index import build_index, encode
+    from ermedrag.tools.retrieval.corpus import chunk_documents
+    from ermedrag.tools.retrieval.index import build_index
+    from ermedrag.tools.retrieval.encoder import encode
 
     documents, _ = long_documents(passages)
     sample = random.Random(seed).sample(documents, min(n_documents, len(documents)))
@@ -118,8 +119,8 @@ def build_throughput(passages, n_documents: int, seed: int) -> dict:
 SERVE_SCRIPT = """
 import json, resource, sys, time
 import torch; torch.set_num_threads({threads})
-from ermedrag.tools.index import open_index
-from ermedrag.tools.retrieval import retrieve
+from ermedrag.tools.retrieval.index import open_index
+from ermedrag.tools.retrieval.search import retrieve
 from benches.retrieval.common import peak_rss_mb  # the child's own VmHWM (see there)
 index = open_index({index!r}, {url!r})
 questions = json.loads(sys.stdin.read())
@@ -157,7 +158,7 @@ def through_chroma_server(index_dir: Path, questions: list[str], threads: int) -
 def vignette_latency(systems: dict, wanted: list[str], questions: list[str], warmup: int) -> dict:
     """Single-query latency of each system on clinical vignettes (no qrels: time only). `ours` is the call a
     user makes, `retrieve(index, q, k=10)`; `ours_k100` the pipeline asked for 100 snippets as in the table."""
-    from ermedrag.tools.index import load_encoder
+    from ermedrag.tools.retrieval.encoder import load_encoder
 
     import numpy as np
 
@@ -192,7 +193,7 @@ def load_vignettes(data: SharedData, count: int) -> list[str]:
 
 
 def batched_latency(index, questions: list[str], batch: int) -> dict:
-    from ermedrag.tools.retrieval import retrieve_many
+    from ermedrag.tools.retrieval.search import retrieve_many
 
     retrieve_many(index, questions[:2], k=10)
     t0 = time.perf_counter()
@@ -222,7 +223,8 @@ def main() -> None:
     passages = load_passages(data)
     vectors = passage_vectors(data, passages)
 
-    from ermedrag.tools.index import encode, open_index
+    from ermedrag.tools.retrieval.encoder import encode
+    from ermedrag.tools.retrieval.index import open_index
     from systems import make_systems
 
     wanted = SYSTEMS if args.systems == "all" else args.systems.split(",")

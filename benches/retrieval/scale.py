@@ -59,7 +59,7 @@ def synthetic_corpus(data_root: Path, first: int, count: int) -> tuple[list, dic
 
     from data import SharedData, load_passages, passage_vectors
 
-    from ermedrag.tools.corpus import Document, chunk_documents
+    from ermedrag.tools.retrieval.corpus import Document, chunk_documents
 
     data = SharedData(data_root)
     passages = load_passages(data)
@@ -88,7 +88,7 @@ def synthetic_corpus(data_root: Path, first: int, count: int) -> tuple[list, dic
 
 
 def child_build(index_dir: Path, data_root: Path, first: int, count: int) -> dict:
-    from ermedrag.tools.index import build_index
+    from ermedrag.tools.retrieval.index import build_index
 
     documents, precomputed = synthetic_corpus(data_root, first, count)
     stats = build_index(documents, index_dir, chunk_size=CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP,
@@ -105,8 +105,9 @@ def child_serve(index_dir: Path, data_root: Path, chroma_url: str | None) -> dic
     torch.set_num_threads(1)
     from data import SharedData, split_qrels
 
-    from ermedrag.tools.index import load_encoder, open_index
-    from ermedrag.tools.retrieval import retrieve
+    from ermedrag.tools.retrieval.encoder import load_encoder
+    from ermedrag.tools.retrieval.index import open_index
+    from ermedrag.tools.retrieval.search import retrieve
 
     questions = [q["question"] for q in split_qrels(SharedData(data_root), 0)[1][:QUERIES]]
     load_encoder()

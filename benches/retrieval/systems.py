@@ -17,7 +17,7 @@ MEDRAG_RRF_K = 100  # MedRAG's RRF constant; each retriever fetches max(2k, 100)
 
 
 def clean(query: str) -> str:
-    from ermedrag.tools.retrieval import clean_query
+    from ermedrag.tools.retrieval.search import clean_query
 
     return clean_query(query)
 
@@ -33,8 +33,8 @@ def default_bm25(index: Any) -> Any:
     """bm25s with its own default parameters over the index's chunks (the `bm25` baseline's index)."""
     import bm25s
 
-    from ermedrag.tools.bm25 import SingleBM25s, bm25_tokenize
-    from ermedrag.tools.index import chunk_texts
+    from ermedrag.tools.retrieval.bm25 import SingleBM25s, bm25_tokenize
+    from ermedrag.tools.retrieval.index_files import chunk_texts
 
     ids, texts = chunk_texts(index.collection)
     retriever = bm25s.BM25()
@@ -45,8 +45,8 @@ def default_bm25(index: Any) -> Any:
 def make_systems(index: Any) -> dict[str, System]:
     from dataclasses import replace
 
-    from ermedrag.tools.index import Index
-    from ermedrag.tools.retrieval import (DEFAULT_CONFIG, ChunkHit, RetrievalConfig, bm25_search, coarse_hybrid, dense_search,
+    from ermedrag.tools.retrieval.index import Index
+    from ermedrag.tools.retrieval.search import (DEFAULT_CONFIG, ChunkHit, RetrievalConfig, bm25_search, coarse_hybrid, dense_search,
                                  retrieve, rrf_fuse)
 
     bm25, bm25_ids = default_bm25(index)
@@ -90,8 +90,8 @@ def llamaindex_fusion(index: Any, chunk_ids: list[str]) -> System:
     from llama_index.retrievers.bm25 import BM25Retriever
     from llama_index.vector_stores.chroma import ChromaVectorStore
 
-    from ermedrag.tools.bm25 import snowball_stemmer
-    from ermedrag.tools.index import encode
+    from ermedrag.tools.retrieval.bm25 import snowball_stemmer
+    from ermedrag.tools.retrieval.encoder import encode
 
     class LocalEmbedding(BaseEmbedding):
         """The bench's encoder for llama-index (its HuggingFace embedding package is not installed)."""
@@ -105,7 +105,7 @@ def llamaindex_fusion(index: Any, chunk_ids: list[str]) -> System:
         async def _aget_query_embedding(self, query: str) -> list[float]:
             return self._get_query_embedding(query)
 
-    from ermedrag.tools.index import chunk_texts
+    from ermedrag.tools.retrieval.index_files import chunk_texts
 
     ids, texts = chunk_texts(index.collection)
     nodes = [TextNode(id_=cid, text=text) for cid, text in zip(ids, texts)]

@@ -53,8 +53,8 @@ VARIANTS: list[dict] = [
 def bm25_variants(index, questions: list[dict]) -> list[dict]:
     import bm25s
 
-    from ermedrag.tools.bm25 import snowball_stemmer
-    from ermedrag.tools.index import chunk_texts
+    from ermedrag.tools.retrieval.bm25 import snowball_stemmer
+    from ermedrag.tools.retrieval.index_files import chunk_texts
 
     ids, texts = chunk_texts(index.collection)
     rows = []
@@ -82,8 +82,8 @@ def hnsw_vs_exact(index, questions: list[dict]) -> dict:
     of the exact top-100 chunks HNSW returns, and the time of each."""
     import numpy as np
 
-    from ermedrag.tools.index import encode
-    from ermedrag.tools.retrieval import dense_search
+    from ermedrag.tools.retrieval.encoder import encode
+    from ermedrag.tools.retrieval.search import dense_search
 
     ids, vectors = [], []
     for offset in range(0, index.size, 5000):
@@ -119,8 +119,8 @@ def fine_variants(index_dir: str, data: SharedData, questions: list[dict]) -> li
     chunk may give, scored as retrieval_bench.py scores that setting."""
     from data import long_documents, load_passages
     from scoring import snippet_metrics
-    from ermedrag.tools.index import open_index
-    from ermedrag.tools.retrieval import RetrievalConfig, clean_query, coarse_hybrid, fine_sentence_windows
+    from ermedrag.tools.retrieval.index import open_index
+    from ermedrag.tools.retrieval.search import RetrievalConfig, clean_query, coarse_hybrid, fine_sentence_windows
 
     _, spans = long_documents(load_passages(data))
     index = open_index(index_dir)
@@ -151,8 +151,9 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
 
-    from ermedrag.tools.index import BM25_PARAMS, open_index
-    from ermedrag.tools.retrieval import RetrievalConfig, coarse_hybrid
+    from ermedrag.tools.retrieval.index_files import BM25_PARAMS
+    from ermedrag.tools.retrieval.index import open_index
+    from ermedrag.tools.retrieval.search import RetrievalConfig, coarse_hybrid
 
     data = SharedData(Path(args.data))
     tuning, _ = split_qrels(data, args.seed)

@@ -20,7 +20,7 @@ GEMMA_STOP_TOKEN_IDS = [106, 1]  # <end_of_turn>, <eos>: where the converted off
 def register_chat_format() -> None:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter, register_chat_completion_handler
 
-    from ermedrag.tools.offline_model import END_OF_TURN, GEMMA_CHAT_TEMPLATE
+    from ermedrag.tools.models.offline import END_OF_TURN, GEMMA_CHAT_TEMPLATE
 
     formatter = Jinja2ChatFormatter(template=GEMMA_CHAT_TEMPLATE, eos_token=END_OF_TURN, bos_token="<bos>",
                                     add_generation_prompt=True, stop_token_ids=GEMMA_STOP_TOKEN_IDS)

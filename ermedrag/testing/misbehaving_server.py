@@ -69,7 +69,7 @@ def scripted_content(body: dict[str, Any]) -> str:
     """What the scripted model would reply to the request's messages (so a whole graph runs against `ok`)."""
     from langchain_core.messages import convert_to_messages
 
-    from ermedrag.agents.scripted import reply
+    from ermedrag.testing.scripted import reply
 
     messages = body.get("messages") or [{"role": "user", "content": ""}]
     return reply(convert_to_messages([{**m, "content": _text(m.get("content"))} for m in messages]))

@@ -1,5 +1,5 @@
 """Real OpenAI-compatible servers from packages, started on 127.0.0.1 with the offline model: what the server tests
-(tests/test_real_servers.py) and the parity bench (benches/server_parity.py) run the graphs through.
+(tests/tools/model_server/test_real_servers.py) and the parity bench (benches/server_parity.py) run the graphs through.
 
     with real_server("llamacpp_server", workdir) as server:
         load_chat_model(f"openai:{server.model}", base_url=server.base_url)   # server.in_process: the same weights
@@ -48,7 +48,7 @@ class RealServer:
 def server_command(kind: str, port: int, threads: int | None = None) -> tuple[list[str], str]:
     """The command that starts a `kind` server on `port`, and the model name it answers to."""
     if kind == "llamacpp_server":
-        from ermedrag.tools.offline_model import offline_gguf
+        from ermedrag.tools.models.offline import offline_gguf
 
         gguf = str(offline_gguf())
         # --interrupt_requests False: by default a new request cuts the one streaming (ending it with [DONE] and no
@@ -59,8 +59,8 @@ def server_command(kind: str, port: int, threads: int | None = None) -> tuple[li
             command += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
         return command, gguf
     if kind == "transformers_serve":
-        from ermedrag.tools.offline_model import offline_model_dir
-        from ermedrag.tools.precision import checkpoint_dtype, inference_dtype
+        from ermedrag.tools.models.offline import offline_model_dir
+        from ermedrag.tools.machine import checkpoint_dtype, inference_dtype
 
         folder = str(offline_model_dir())
         dtype = str(inference_dtype("cpu", checkpoint_dtype(folder))).removeprefix("torch.")

@@ -1,0 +1,1 @@
+"""MMedAgent-RL as a graph: triage → specialists (fan-out) → attending (`graph`), its state and its steps."""

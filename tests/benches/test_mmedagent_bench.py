@@ -1,0 +1,179 @@
+"""The MMedAgent-RL learning bench (benches/learning/mmedagent_learning.py): its `--smoke` run end to end (real
+shared questions, the real staged trainer on a tiny random model, every section of the result file), its clean
+skip without the shared data, and the parts a random model cannot exercise: the split, the scripted
+specialists' reliabilities, the ceilings, and the held-out scoring on replies that are right or wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benches.learning import mmedagent_learning as bench
+from tests.conftest import REPO
+
+SCRIPT = REPO / "benches" / "learning" / "mmedagent_learning.py"
+SMOKE_TIMEOUT_S = 600  # ~20 s on one thread of an idle 2-core machine; far more only when something hangs
+
+
+def run_bench(*args: str, timeout: float = SMOKE_TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_smoke_run_with_two_seeds_writes_every_section(shared_data: Path, tmp_path: Path) -> None:
+    proc = run_bench("--smoke", "--seeds", "2", "--data", str(shared_data), "--work", str(tmp_path))
+    out = tmp_path / "smoke" / "mmedagent_learning.json"
+    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    sizes = bench.SMOKE_SIZES
+
+    triage = result["triage"]
+    assert triage["chance"] == pytest.approx(1 / 7, abs=1e-4)
+    assert triage["majority_class"] == pytest.approx(1 / 6, abs=1e-4)  # balanced: 2 held out per specialty
+    for when in ("before", "after"):
+        assert triage[when]["n"] == sizes["eval_questions"] and 0 <= triage[when]["accuracy"] <= 1
+    assert triage["steps"] == sizes["triage_steps"]
+
+    attending = result["attending"]
+    assert set(attending["ceiling"]) >= {"majority_vote", "trust_best", "best_single"}
+    assert attending["ceiling"]["best_single"] >= attending["ceiling"]["trust_best"]
+    assert list(attending["after_each_stage"]) == ["easy", "medium", "hard"]
+    rows = result["settings"]["train_rows_by_stage"]
+    assert rows["triage"] == sizes["train_questions"] == rows["easy"] + rows["medium"] + rows["hard"]
+    for name in ("easy", "medium", "hard"):  # every bucket has rows with the smoke's split: every stage trained
+        assert attending["after_each_stage"][name]["steps"] == sizes[f"{name}_steps"]
+    assert attending["after"]["n"] == sizes["eval_questions"]
+
+    entropy = result["entropy"]
+    assert entropy["stage"] == "hard" and entropy["entropy_coef"] == {"with_bonus": 3e-2, "without_bonus": 0.0}
+    assert len(entropy["with_bonus"]) == len(entropy["without_bonus"]) == sizes["hard_steps"]
+    # Same start model, data and seed: the first step's entropy is measured before any update, so it is equal.
+    assert entropy["with_bonus"][0] == pytest.approx(entropy["without_bonus"][0], rel=1e-4)
+
+    seeds = result["seeds"]
+    assert seeds["n"] == 2 and seeds["training_seeds"] == [42, 43]
+    for part in ("triage", "attending"):
+        entry = seeds[part]["accuracy"]
+        assert entry["before"]["values"] == [result[part]["before"]["accuracy"]] * 2  # the base model, measured once
+        assert len(entry["after"]["values"]) == 2 and 0 <= entry["seeds_higher_after"] <= 2
+        assert entry["after"]["values"][0] == result[part]["after"]["accuracy"]  # the first seed is the run reported
+        assert [a["n"] for a in seeds[part]["accuracy_after"]] == [sizes["eval_questions"]] * 2
+    assert (tmp_path / "smoke" / "train-s1" / "hard").is_dir()  # the second seed trained its own chain
+
+    assert result["seconds"] > 0 and result["date"] and "CPUs" in result["machine"]
+    for name in ("triage", "easy", "medium", "hard"):
+        assert (tmp_path / "smoke" / f"mmedagent_smoke_{name}_curves.png").stat().st_size > 0
+    assert (tmp_path / "smoke" / "mmedagent_smoke_entropy.png").stat().st_size > 0
+
+    # --reuse takes every finished seed (and the entropy ablation) from its record: the same figures, no training.
+    for plot in (tmp_path / "smoke").glob("mmedagent_smoke_*.png"):
+        plot.unlink()
+    proc = run_bench("--smoke", "--seeds", "2", "--reuse", "--data", str(shared_data), "--work", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads(out.read_text())
+    assert again["reused_training_seeds"] == [42, 43] and result["reused_training_seeds"] == []
+    assert again["seeds"] == seeds and again["entropy"] == entropy and again["attending"] == attending
+    assert "steps on" not in proc.stdout  # no stage trained again
+    for name in ("triage", "easy", "medium", "hard", "entropy"):  # drawn again from the reused records
+        plot = tmp_path / "smoke" / (f"mmedagent_smoke_{name}_curves.png" if name != "entropy" else
+                                     "mmedagent_smoke_entropy.png")
+        assert plot.stat().st_size > 0, plot
+
+
+def test_without_the_shared_data_it_says_so_and_exits_cleanly(tmp_path: Path) -> None:
+    proc = run_bench("--smoke", "--data", str(tmp_path / "absent"), "--work", str(tmp_path), timeout=60)
+    assert proc.returncode == 0
+    assert "skipped" in proc.stderr and str(tmp_path / "absent") in proc.stderr
+    assert "ERMEDRAG_SHARED_DATA" in proc.stderr
+    assert not (tmp_path / "smoke").exists()
+
+
+# ------------------------------------------------------------------- the parts a random model cannot exercise
+
+
+def question(qid: str, benchmark: str = "medmcqa_dev", subject: str = "Pathology", meta: dict | None = None):
+    from ermedrag.tools.data.benchmarks import Question
+
+    return Question(id=qid, question=f"Case {qid}: what is the diagnosis?", answer="B", benchmark=benchmark,
+                    options={"A": "Alpha", "B": "Beta", "C": "Gamma", "D": "Delta"}, subject=subject,
+                    meta=meta or {})
+
+
+def test_balanced_split_is_disjoint_seeded_and_even_across_specialties() -> None:
+    pools = {s: [question(f"{s}-{i}") for i in range(n)] for s, n in (("P", 20), ("R", 4), ("S", 30))}
+    train, held_out = bench.split_questions(pools, 9, 6, seed=3, sampling="balanced")
+    assert len(train) == 9 and len(held_out) == 6
+    assert not {q.id for q in train} & {q.id for q in held_out}
+    assert sorted(q.id[0] for q in train) == list("PPPRRRSSS")
+    assert sorted(q.id[0] for q in held_out) == list("PPPRSS")  # R had one left: its next turn went to P
+    assert [q.id for q in bench.split_questions(pools, 9, 6, seed=3, sampling="balanced")[0]] == [q.id for q in train]
+    # A specialty that runs out leaves its turn to the others.
+    train, held_out = bench.split_questions(pools, 12, 9, seed=0, sampling="balanced")
+    assert sum(q.id.startswith("R") for q in train + held_out) == 4 and len(train) + len(held_out) == 21
+
+
+def test_scripted_specialists_are_right_at_their_reliability_and_wrong_uniformly() -> None:
+    rng = random.Random(0)
+    draws = [bench.scripted_opinions(question(str(i)), "Pathologist", rng, (0.8, 0.5, 0.2)) for i in range(4000)]
+    for index, reliability in enumerate((0.8, 0.5, 0.2)):
+        answers = [opinions[index]["answer"] for opinions in draws]
+        assert sum(a == "B" for a in answers) / len(answers) == pytest.approx(reliability, abs=0.03)
+        wrong = [a for a in answers if a != "B"]
+        assert set(wrong) == {"A", "C", "D"}
+        assert all(abs(wrong.count(k) / len(wrong) - 1 / 3) < 0.05 for k in "ACD")
+    # Right or wrong, the reasoning has the same shape: only the answer carries the signal.
+    assert {o["reasoning"].split("(")[0].replace(o["answer"], "?") for opinions in draws[:50] for o in opinions} == {
+        "The findings fit option ? "}
+
+
+def test_ceilings_on_hand_made_prompts() -> None:
+    rows = [{"gold": "A", "specialist_answers": ["A", "A", "B"], "majority": "A", "bucket": "medium"},
+            {"gold": "A", "specialist_answers": ["B", "A", "C"], "majority": None, "bucket": "medium"},  # a tie
+            {"gold": "C", "specialist_answers": ["A", "B", "B"], "majority": "B", "bucket": "hard"},
+            {"gold": "D", "specialist_answers": ["D", "D", "D"], "majority": "D", "bucket": "easy"}]
+    got = bench.ceilings(rows)
+    assert got == {"majority_vote": 0.5, "trust_best": 0.5, "best_single": 0.75, "per_specialist": [0.5, 0.75, 0.25],
+                   "any_specialist_right": 0.75}
+
+
+def test_held_out_scoring_counts_right_and_wrong_replies(monkeypatch, tmp_path) -> None:
+    """The scoring of held-out replies, with fixed replies in place of a model's rollouts."""
+    from ermedrag.training.config import MMedAgentTrainingConfig
+    from ermedrag.training.mmedagent.train import stage_config
+
+    config = MMedAgentTrainingConfig(model="unused", dataset=str(tmp_path), output_dir=str(tmp_path / "out"))
+    args = SimpleNamespace(eval_batch=4)
+    cases = [question("1"), question("2", "medxpertqa_text_test", "", {"body_system": "Endocrine"})]
+    triage = bench.triage_rows(cases)
+    assert [r["gold_specialty"] for r in triage] == ["Pathologist", "Endocrinologist"]
+    replies = ["<think>A biopsy.</think><answer>Pathologist</answer>", "<answer>Surgeon</answer>"]
+    monkeypatch.setattr(bench, "greedy_rollouts", lambda *a, **k: (replies, [10, 4]))
+    scored = bench.evaluate_triage("unused", triage, stage_config(config, "triage"), args)
+    assert (scored["accuracy"], scored["well_formed_rate"], scored["named_a_specialty"]) == (0.5, 0.5, 1.0)
+    assert scored["predicted"] == {"Pathologist": 1, "Surgeon": 1}
+
+    attending = bench.attending_rows(cases, random.Random(0), (1.0, 1.0, 0.0))
+    assert [r["bucket"] for r in attending] == ["medium", "medium"] and attending[0]["majority"] == "B"
+    replies = ["<think>Specialists 1 and 2 agree.</think><answer>B</answer>", "Answer: C"]
+    scored = bench.evaluate_attending("unused", attending, stage_config(config, "easy"), args)
+    assert (scored["accuracy"], scored["answer_parsed_rate"], scored["well_formed_rate"]) == (0.5, 1.0, 0.5)
+    assert (scored["followed_specialist_1"], scored["followed_majority"]) == (0.5, 0.5)
+    assert scored["accuracy_by_bucket"]["medium"] == {"accuracy": 0.5, "n": 2}
+
+
+def test_an_empty_bucket_passes_its_start_model_on_to_the_next_stage(tmp_path) -> None:
+    from ermedrag.training.config import MMedAgentTrainingConfig
+    from ermedrag.training.mmedagent.train import stage_start_model
+
+    config = MMedAgentTrainingConfig(model=str(tmp_path), dataset=str(tmp_path), output_dir=str(tmp_path / "out"))
+    skipped = bench.run_stage(config, "easy", 0)
+    assert skipped["skipped"] and skipped["steps"] == 0 and skipped["model_dir"] == str(tmp_path)
+    assert stage_start_model(config, "medium") == str(tmp_path)
