@@ -30,7 +30,7 @@ LLAMACPP_BUILD := CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_B
 	CMAKE_BUILD_PARALLEL_LEVEL=$(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
 	PIP_NO_CACHE_DIR=1
 
-.PHONY: install llamacpp demo test test-fast studio lock clean
+.PHONY: install llamacpp demo test test-all lint studio lock clean
 
 # Re-runs when pyproject.toml or the lock changes: pip then moves every locked package to its pinned version.
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -56,11 +56,18 @@ demo: install
 TEST_WORKERS ?= 2
 PYTEST := $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-test: install llamacpp
+# The fast suite: every part against its real component (Chroma on disk and as a server, real HTTP servers, the
+# checkpointer, a real trainer step), the slow real-model runs and what needs llama.cpp's source build left out.
+test: install lint
+	$(PYTEST) -m "not slow and not llamacpp"
+
+# Everything: the fast suite, then real-model runs, real model servers and the llamacpp: backend.
+test-all: install llamacpp
 	$(PYTEST)
 
-test-fast: install llamacpp
-	$(PYTEST) -m "not slow"
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 studio: install
 	$(VENV)/bin/langgraph dev --port 8123 --no-browser

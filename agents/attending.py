@@ -50,19 +50,43 @@ def attending_example(question: str, options: dict[str, str] | None) -> tuple[st
     wrong = next((key for key, text in (shown or {}).items() if key != answer), answer) if shown else "Vitamin C"
     wrong_text = shown.get(wrong, "") if shown else wrong
     opinions = [
-        Opinion(specialist=1, specialty=EXAMPLE_SPECIALTY, model="", answer=answer, ok=True, well_formed=True,
-                reasoning="Bowed legs and poor mineralisation are rickets, which vitamin D deficiency causes."),
-        Opinion(specialist=2, specialty=EXAMPLE_SPECIALTY, model="", answer=wrong, ok=True, well_formed=True,
-                reasoning=f"{wrong_text or 'This'} deficiency weakens bones."),
-        Opinion(specialist=3, specialty=EXAMPLE_SPECIALTY, model="", answer=answer, ok=True, well_formed=True,
-                reasoning="Rickets: defective mineralisation from lack of vitamin D."),
+        Opinion(
+            specialist=1,
+            specialty=EXAMPLE_SPECIALTY,
+            model="",
+            answer=answer,
+            ok=True,
+            well_formed=True,
+            reasoning="Bowed legs and poor mineralisation are rickets, which vitamin D deficiency causes.",
+        ),
+        Opinion(
+            specialist=2,
+            specialty=EXAMPLE_SPECIALTY,
+            model="",
+            answer=wrong,
+            ok=True,
+            well_formed=True,
+            reasoning=f"{wrong_text or 'This'} deficiency weakens bones.",
+        ),
+        Opinion(
+            specialist=3,
+            specialty=EXAMPLE_SPECIALTY,
+            model="",
+            answer=answer,
+            ok=True,
+            well_formed=True,
+            reasoning="Rickets: defective mineralisation from lack of vitamin D.",
+        ),
     ]
-    user = ATTENDING_TEMPLATE.format(question=EXAMPLE_QUESTION, options=format_options(shown),
-                                     opinions=render_opinions(opinions))
+    user = ATTENDING_TEMPLATE.format(
+        question=EXAMPLE_QUESTION, options=format_options(shown), opinions=render_opinions(opinions)
+    )
     because = f": option {answer}" if shown else ""
-    return user, ("<think>Specialists 1 and 3 name rickets, the disorder of bone mineralisation caused by vitamin D "
-                  f"deficiency; specialist 2's reason does not explain rickets. I agree with 1 and 3{because}."
-                  f"</think><answer>{answer}</answer>")
+    return user, (
+        "<think>Specialists 1 and 3 name rickets, the disorder of bone mineralisation caused by vitamin D "
+        f"deficiency; specialist 2's reason does not explain rickets. I agree with 1 and 3{because}."
+        f"</think><answer>{answer}</answer>"
+    )
 
 
 def render_opinions(opinions: Sequence[Opinion]) -> str:
@@ -74,17 +98,21 @@ def render_opinions(opinions: Sequence[Opinion]) -> str:
     for o in opinions:
         answer = quote(o["answer"], MAX_OPINION_ANSWER_CHARS) if o["answer"] is not None else "none (no valid answer)"
         reasoning = quote(o["reasoning"], MAX_OPINION_REASONING_CHARS) or "(no reasoning given)"
-        lines.append(f"Specialist {int(o['specialist'])} ({quote(o['specialty'], MAX_SPECIALTY_CHARS)}): "
-                     f"answer {answer} — {reasoning}")
+        lines.append(
+            f"Specialist {int(o['specialist'])} ({quote(o['specialty'], MAX_SPECIALTY_CHARS)}): "
+            f"answer {answer} — {reasoning}"
+        )
     return "\n".join(lines)
 
 
-def attending_messages(question: str, options: dict[str, str] | None, opinions: Sequence[Opinion],
-                       images: Sequence[str] = ()) -> list:
+def attending_messages(
+    question: str, options: dict[str, str] | None, opinions: Sequence[Opinion], images: Sequence[str] = ()
+) -> list:
     """The attending's conversation: the case and the opinions (all defused), after its worked example; the
     case's images go with the case."""
-    user = ATTENDING_TEMPLATE.format(question=defuse(clip(question)), options=format_options(options),
-                                     opinions=render_opinions(opinions))
+    user = ATTENDING_TEMPLATE.format(
+        question=defuse(clip(question)), options=format_options(options), opinions=render_opinions(opinions)
+    )
     return with_images(chat_messages(ATTENDING_SYSTEM_PROMPT, user, attending_example(question, options)), images)
 
 

@@ -64,7 +64,7 @@ def with_images(messages: list[BaseMessage], images: Iterable[str]) -> list[Base
     if last is None:
         raise ValueError("images need a human turn to attach to")
     text_block = {"type": "text", "text": messages[last].text}
-    return [*messages[:last], HumanMessage(content=[*blocks, text_block]), *messages[last + 1:]]
+    return [*messages[:last], HumanMessage(content=[*blocks, text_block]), *messages[last + 1 :]]
 
 
 def message_images(message: BaseMessage) -> list[str]:
@@ -89,8 +89,13 @@ def block_image_url(block: Any) -> str | None:
 # The one mapping between LangChain's message types (also the roles traces record) and the chat roles of
 # TRL datasets and chat templates.
 CHAT_ROLES = {"system": "system", "human": "user", "ai": "assistant"}
-_MESSAGE_TYPES = {"system": SystemMessage, "human": HumanMessage, "ai": AIMessage,
-                  "user": HumanMessage, "assistant": AIMessage}
+_MESSAGE_TYPES = {
+    "system": SystemMessage,
+    "human": HumanMessage,
+    "ai": AIMessage,
+    "user": HumanMessage,
+    "assistant": AIMessage,
+}
 
 
 def to_chat(messages: Iterable[BaseMessage | Mapping[str, Any]]) -> list[dict[str, str]]:

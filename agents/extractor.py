@@ -115,7 +115,7 @@ def closed_list(completion: str) -> str | None:
         end = text.rfind("}", start, end)
         if end < 0:
             return None
-        closed = text[:end + 1] + "]"
+        closed = text[: end + 1] + "]"
         items, strict = _first_json_triplets(closed)  # as the parser will read it, from the start
         if strict and items and all(_lower_keys(item).keys() & set(FIELDS) for item in items):
             return closed
@@ -130,7 +130,7 @@ def _first_json_triplets(text: str) -> tuple[list[Any] | None, bool]:
     for attempt, start in enumerate(_json_starts(text)):
         if attempt >= MAX_JSON_ATTEMPTS or budget <= 0:
             break
-        window = text[start:start + min(MAX_JSON_CHARS, budget)]
+        window = text[start : start + min(MAX_JSON_CHARS, budget)]
         try:
             value, end = decoder.raw_decode(window)
         except json.JSONDecodeError as err:
@@ -182,7 +182,7 @@ def _salvaged_fields(text: str) -> list[dict[str, str]] | None:
         if not rows or name in rows[-1]:
             rows.append({})
         value_end = min(match.end(2), match.start(2) + 2 * MAX_FIELD_CHARS)  # `_triplet` keeps MAX_FIELD_CHARS
-        rows[-1][name] = text[match.start(2):value_end].replace('\\"', '"')
+        rows[-1][name] = text[match.start(2) : value_end].replace('\\"', '"')
     rows = [row for row in rows if "condition" in row and "conclusion" in row]
     return rows or None
 
@@ -198,7 +198,7 @@ def _pipe_lines(text: str) -> list[dict[str, str]] | None:
             break
         breaks_before = LINE_BREAK.search(text[start:bar][::-1])  # the last break before the bar, if any
         line_start = bar - breaks_before.start() if breaks_before else start
-        line_end = (end.start() if (end := LINE_BREAK.search(text, bar)) else len(text))
+        line_end = end.start() if (end := LINE_BREAK.search(text, bar)) else len(text)
         line = text[line_start:line_end]
         start = line_end + 1
         if line.count("|") != 2:

@@ -56,8 +56,10 @@ PIPE = "|\uff5c\u2223\uffe8\u2502\u2758\u23d0\u00a6"
 # space / joiners, direction marks and embeddings, word joiner and invisible operators, BOM, combining grapheme
 # joiner, Hangul and Braille blanks, variation selectors. Inside a name every non-space character is part of
 # the name, so an invisible one there (`<ans\u200bwer>`) never hides the tag.
-INVISIBLE = ("\u00ad\u061c\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f\ufeff\u034f\u115f\u1160"
-             "\u2800\u3164\ufe00-\ufe0f\uffa0")
+INVISIBLE = (
+    "\u00ad\u061c\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f\ufeff\u034f\u115f\u1160"
+    "\u2800\u3164\ufe00-\ufe0f\uffa0"
+)
 # ASCII punctuation that starts comparisons and arrows (`<=`, `<-`, `<(`, `<.05`, `<!--`), never a tag name.
 _NOT_A_NAME_START = re.escape("!\"#$%&'()*+,-.:;=?@[\\]^`{}~")
 

@@ -42,9 +42,11 @@ def example(question: str, options: dict[str, str] | None) -> tuple[str, str]:
     """The worked example (user turn, assistant turn) shown before `question`."""
     shown, answer = example_options(question, options)
     user = USER_TEMPLATE.format(question=EXAMPLE_QUESTION, options=format_options(shown)).rstrip()
-    return user, ("<think>Rickets is a bone mineralisation disorder. <search>cause of rickets</search>\n<document>\n"
-                  "[ex-1] Rickets in children is caused by vitamin D deficiency.\n</document>\n"
-                  f"The document says vitamin D deficiency causes rickets.</think><answer>{answer}</answer>")
+    return user, (
+        "<think>Rickets is a bone mineralisation disorder. <search>cause of rickets</search>\n<document>\n"
+        "[ex-1] Rickets in children is caused by vitamin D deficiency.\n</document>\n"
+        f"The document says vitamin D deficiency causes rickets.</think><answer>{answer}</answer>"
+    )
 
 
 SEARCH_STOP = "</search>"
@@ -108,17 +110,28 @@ def parse_step(segment: str) -> Step:
         body_end = len(tail) - len(SEARCH_STOP)
         opened = tail.rfind("<search>", 0, body_end)
         if opened >= 0:
-            query = " ".join(text[opened + len("<search>"):body_end].split())[:MAX_QUERY_CHARS]
-    return Step(query=query or None, closed_search=closed, forged_document=DOCUMENT_TAG.search(text) is not None,
-                answered="<answer>" in lowered)
+            query = " ".join(text[opened + len("<search>") : body_end].split())[:MAX_QUERY_CHARS]
+    return Step(
+        query=query or None,
+        closed_search=closed,
+        forged_document=DOCUMENT_TAG.search(text) is not None,
+        answered="<answer>" in lowered,
+    )
 
 
 LoopAction = Literal["search", "continue", "answered", "force_answer"]
 ForceReason = Literal["search_budget", "token_budget", "bad_search", "stopped"]
 
 
-def after_step(step: Step, *, hit_step_limit: bool, searches_done: int, generated_tokens: int, max_searches: int,
-               max_total_tokens: int) -> tuple[LoopAction, ForceReason | None]:
+def after_step(
+    step: Step,
+    *,
+    hit_step_limit: bool,
+    searches_done: int,
+    generated_tokens: int,
+    max_searches: int,
+    max_total_tokens: int,
+) -> tuple[LoopAction, ForceReason | None]:
     """The one rule of the reason ↔ search loop (its graph and its training rollout): what follows a step, and
     why an answer must be forced.
 
@@ -148,8 +161,10 @@ def force_answer_prompt(model_written: str) -> str:
 def render_documents(snippets: Sequence[dict]) -> str:
     """Search results as the document block the model reads: one line per snippet, every field defused and
     clipped (`agents.markup.quote`), so no field can close the block, start a line or inject an answer."""
-    body = "\n".join(f"[{quote(s['id'], MAX_ID_CHARS)}] {quote(s['text'], MAX_DOCUMENT_CHARS)}"
-                     for s in snippets) or "(no results)"
+    body = (
+        "\n".join(f"[{quote(s['id'], MAX_ID_CHARS)}] {quote(s['text'], MAX_DOCUMENT_CHARS)}" for s in snippets)
+        or "(no results)"
+    )
     return f"\n<document>\n{body}\n</document>\n"
 
 

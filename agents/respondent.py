@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import re
 
-from typing_extensions import NotRequired, TypedDict  # pydantic (Studio's schemas) rejects typing.TypedDict on Python < 3.12
+from typing_extensions import (
+    NotRequired,
+    TypedDict,
+)  # pydantic (Studio's schemas) rejects typing.TypedDict on Python < 3.12
 
 from ermedrag.agents.base import chat_messages, clip, fold_case, word_boundary
 from ermedrag.agents.extractor import NO_EVIDENCE
@@ -39,8 +42,17 @@ EXAMPLE_EVIDENCE = "1. [ex-1] vitamin D deficiency in children — causes — ri
 EXAMPLE_QUESTION = "A toddler with bowed legs and poor bone mineralisation most likely lacks which vitamin?"
 EXAMPLE_ANSWER_TEXT = "Vitamin D"
 EXAMPLE_REASONING = "The evidence says vitamin D deficiency causes rickets, which fits bowed legs"
-EXAMPLE_DISTRACTORS = ("Vitamin C", "Vitamin B12", "Vitamin K", "Vitamin A", "Vitamin E", "Iron", "Zinc", "Folate",
-                       "Iodine")
+EXAMPLE_DISTRACTORS = (
+    "Vitamin C",
+    "Vitamin B12",
+    "Vitamin K",
+    "Vitamin A",
+    "Vitamin E",
+    "Iron",
+    "Zinc",
+    "Folate",
+    "Iodine",
+)
 MAX_EXAMPLE_OPTIONS = len(EXAMPLE_DISTRACTORS) + 1  # a question with more options shows its first ten
 
 
@@ -59,8 +71,9 @@ def example_options(question: str, options: dict[str, str] | None) -> tuple[dict
 def example(question: str, options: dict[str, str] | None) -> tuple[str, str]:
     """The worked example (user turn, assistant turn) shown before `question`."""
     shown, answer = example_options(question, options)
-    user = USER_TEMPLATE.format(evidence=EXAMPLE_EVIDENCE, question=EXAMPLE_QUESTION,
-                                options=format_options(shown)).rstrip()
+    user = USER_TEMPLATE.format(
+        evidence=EXAMPLE_EVIDENCE, question=EXAMPLE_QUESTION, options=format_options(shown)
+    ).rstrip()
     because = f": option {answer}" if shown else ""
     return user, f"<think>{EXAMPLE_REASONING}{because}.</think><answer>{answer}</answer>"
 
@@ -106,8 +119,9 @@ def format_options(options: dict[str, str] | None) -> str:
 def build_messages(question: str, options: dict[str, str] | None, evidence: str) -> list:
     """`evidence` is rendered by the caller: triplets (ER-MedRAG), raw snippets (vanilla RAG) or none (CoT).
     It is defused again here (idempotent): whatever a caller renders, no tag of it reaches the model live."""
-    user = USER_TEMPLATE.format(evidence=defuse(evidence), question=defuse(clip(question)),
-                                options=format_options(options))
+    user = USER_TEMPLATE.format(
+        evidence=defuse(evidence), question=defuse(clip(question)), options=format_options(options)
+    )
     return chat_messages(SYSTEM_PROMPT, user.rstrip(), example(question, options))
 
 
@@ -138,22 +152,32 @@ def parse_answer(completion: str, options: dict[str, str] | None = None) -> Answ
     think = folded.find(THINK_OPEN)
     think_closed = folded.find(THINK_CLOSE, think + len(THINK_OPEN)) if think >= 0 else -1
     if think_closed >= 0:
-        reasoning = text[think + len(THINK_OPEN):think_closed]
+        reasoning = text[think + len(THINK_OPEN) : think_closed]
     else:
         reasoning = text[:opened] if opened >= 0 else text
     reasoning = reasoning.strip()[:MAX_REASONING_CHARS]
     if opened >= 0:
-        raw = text[opened + len(ANSWER_OPEN):closed if closed >= 0 else len(text)]
+        raw = text[opened + len(ANSWER_OPEN) : closed if closed >= 0 else len(text)]
     else:
         lenient = LENIENT_ANSWER.search(folded)
         if not lenient:
-            return Answer(answer=None, reasoning=reasoning, ok=False, well_formed=False,
-                          error="no <answer> tag" if NOT_SPACE.search(text) else "empty completion")
-        raw = text[lenient.start(1):lenient.end(1)]
+            return Answer(
+                answer=None,
+                reasoning=reasoning,
+                ok=False,
+                well_formed=False,
+                error="no <answer> tag" if NOT_SPACE.search(text) else "empty completion",
+            )
+        raw = text[lenient.start(1) : lenient.end(1)]
     answer = normalise_answer(raw, options)
     if answer is None:
-        return Answer(answer=None, reasoning=reasoning, ok=False, well_formed=False,
-                      error=f"answer {' '.join(raw[:200].split())[:80]!r} matches no option")
+        return Answer(
+            answer=None,
+            reasoning=reasoning,
+            ok=False,
+            well_formed=False,
+            error=f"answer {' '.join(raw[:200].split())[:80]!r} matches no option",
+        )
     well_formed = think_closed >= 0 and closed >= 0 and not NOT_SPACE.search(text, closed + len(ANSWER_CLOSE))
     return Answer(answer=answer, reasoning=reasoning, ok=True, well_formed=well_formed, error=None)
 
@@ -173,7 +197,7 @@ def extraction_messages(question: str, options: dict[str, str] | None, reasoning
     `MAX_EXTRACTION_REASONING_CHARS`), continued at `<answer>`: the model writes only the answer."""
     from langchain_core.messages import AIMessage
 
-    evidence = " ".join(defuse(reasoning[-MAX_EXTRACTION_REASONING_CHARS * 4:]).split())
+    evidence = " ".join(defuse(reasoning[-MAX_EXTRACTION_REASONING_CHARS * 4 :]).split())
     messages = build_messages(question, options, evidence[-MAX_EXTRACTION_REASONING_CHARS:] or NO_EVIDENCE)
     return messages + [AIMessage(content=f"{THINK_OPEN}{EXTRACTION_THOUGHT}{THINK_CLOSE}{ANSWER_OPEN}")]
 
@@ -184,8 +208,9 @@ def parse_extracted(completion: str, options: dict[str, str] | None, reply: Answ
     extracted = parse_answer(ANSWER_OPEN + (completion or ""), options)
     if not extracted["ok"]:
         return {**reply, "extracted": False, "error": f"{reply['error']}; answer extraction: {extracted['error']}"}
-    return Answer(answer=extracted["answer"], reasoning=reply["reasoning"], ok=True, well_formed=False, error=None,
-                  extracted=True)
+    return Answer(
+        answer=extracted["answer"], reasoning=reply["reasoning"], ok=True, well_formed=False, error=None, extracted=True
+    )
 
 
 def normalise_answer(raw: str, options: dict[str, str] | None) -> str | None:

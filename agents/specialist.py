@@ -30,8 +30,13 @@ MAX_SPECIALISTS = 16  # a bound on the fan-out (the paper uses three)
 MAX_OPINION_REASONING_CHARS = 400  # what the attending reads of one specialist's reasoning
 
 
-def specialist_messages(specialty: str, question: str, options: dict[str, str] | None,
-                        evidence: str | None = None, images: Sequence[str] = ()) -> list:
+def specialist_messages(
+    specialty: str,
+    question: str,
+    options: dict[str, str] | None,
+    evidence: str | None = None,
+    images: Sequence[str] = (),
+) -> list:
     """The respondent's conversation (its template and its rotated worked example, which does not lead) under
     a specialist's system prompt. Every specialist of a case gets exactly these messages: they differ only by
     sampling (at temperature 0 they agree). The case's images go with the case."""
@@ -57,8 +62,12 @@ class Opinion(TypedDict):
 
 
 def opinion(index: int, specialty: str, model: str, answer: Answer) -> Opinion:
-    return Opinion(specialist=index, specialty=specialty, model=model, answer=answer["answer"],
-                   reasoning=clip(answer["reasoning"] or "", MAX_OPINION_REASONING_CHARS), ok=answer["ok"],
-                   well_formed=answer["well_formed"])
-
-
+    return Opinion(
+        specialist=index,
+        specialty=specialty,
+        model=model,
+        answer=answer["answer"],
+        reasoning=clip(answer["reasoning"] or "", MAX_OPINION_REASONING_CHARS),
+        ok=answer["ok"],
+        well_formed=answer["well_formed"],
+    )

@@ -52,13 +52,19 @@ from ermedrag.tools.machine import describe_machine
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = [
-    ("A 52-year-old man is newly diagnosed with type 2 diabetes; his kidney function is normal. "
-     "Which drug should he start first?",
-     {"A": "Insulin glargine", "B": "Glipizide", "C": "Metformin", "D": "Pioglitazone"}),
-    ("A woman develops hives, wheeze and low blood pressure minutes after a bee sting. What is the first treatment?",
-     {"A": "Oral antihistamine", "B": "Intramuscular epinephrine", "C": "Inhaled salbutamol", "D": "IV fluids"}),
-    ("A healthy 30-year-old has community-acquired pneumonia and no risk factors. Which antibiotic first?",
-     {"A": "Amoxicillin", "B": "Vancomycin", "C": "Meropenem", "D": "Ciprofloxacin"}),
+    (
+        "A 52-year-old man is newly diagnosed with type 2 diabetes; his kidney function is normal. "
+        "Which drug should he start first?",
+        {"A": "Insulin glargine", "B": "Glipizide", "C": "Metformin", "D": "Pioglitazone"},
+    ),
+    (
+        "A woman develops hives, wheeze and low blood pressure minutes after a bee sting. What is the first treatment?",
+        {"A": "Oral antihistamine", "B": "Intramuscular epinephrine", "C": "Inhaled salbutamol", "D": "IV fluids"},
+    ),
+    (
+        "A healthy 30-year-old has community-acquired pneumonia and no risk factors. Which antibiotic first?",
+        {"A": "Amoxicillin", "B": "Vancomycin", "C": "Meropenem", "D": "Ciprofloxacin"},
+    ),
 ]
 # name: (environment, what the child measures)
 CONFIGURATIONS = {
@@ -92,19 +98,28 @@ def speed_prompt(tokenizer) -> list[int]:
     from ermedrag.agents import extractor
 
     question, _ = QUESTIONS[0]
-    snippet = ("Metformin is the usual first drug for type 2 diabetes with normal kidney function; it lowers "
-               "hepatic glucose output, rarely causes hypoglycaemia and is weight neutral. ") * 3
-    return list(tokenizer.apply_chat_template(extractor.build_messages(question, snippet), add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
+    snippet = (
+        "Metformin is the usual first drug for type 2 diabetes with normal kidney function; it lowers "
+        "hepatic glucose output, rarely causes hypoglycaemia and is weight neutral. "
+    ) * 3
+    return list(
+        tokenizer.apply_chat_template(
+            extractor.build_messages(question, snippet), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def speed(timed, new_tokens: int) -> dict:
     """Single-stream figures from `timed(n)`: the seconds one greedy call takes to write exactly n tokens."""
     prefill = statistics.median(timed(1) for _ in range(3))
     total = statistics.median(timed(new_tokens) for _ in range(3))
-    return dict(new_tokens=new_tokens, prefill_s=round(prefill, 3), generate_s=round(total, 3),
-                tokens_per_s=round(new_tokens / total, 2),
-                decode_tokens_per_s=round((new_tokens - 1) / (total - prefill), 2) if total > prefill else None)
+    return dict(
+        new_tokens=new_tokens,
+        prefill_s=round(prefill, 3),
+        generate_s=round(total, 3),
+        tokens_per_s=round(new_tokens / total, 2),
+        decode_tokens_per_s=round((new_tokens - 1) / (total - prefill), 2) if total > prefill else None,
+    )
 
 
 def hf_measurements(parts: list[str], quick: bool) -> dict:
@@ -127,8 +142,14 @@ def hf_measurements(parts: list[str], quick: bool) -> dict:
         def timed(tokens: int) -> float:
             started = time.perf_counter()
             with torch.inference_mode():
-                model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                               pad_token_id=tokenizer.pad_token_id, **extra)
+                model.generate(
+                    ids,
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **extra,
+                )
             return time.perf_counter() - started
 
         if os.environ.get("BENCH_COMPILE"):
@@ -138,8 +159,9 @@ def hf_measurements(parts: list[str], quick: bool) -> dict:
         out["warm_up_s"] = round(time.perf_counter() - compile_started, 1)
         out.update(prompt_tokens=int(ids.shape[1]), **speed(timed, 16 if quick else 64))
     if "agreement" in parts:
-        out["greedy_ids"] = greedy_outputs(tokenizer, hf_greedy(tokenizer, model), 16 if quick else 64,
-                                           3 if quick else 24)
+        out["greedy_ids"] = greedy_outputs(
+            tokenizer, hf_greedy(tokenizer, model), 16 if quick else 64, 3 if quick else 24
+        )
     return out
 
 
@@ -169,6 +191,7 @@ def llamacpp_measurements(parts: list[str], quick: bool) -> dict:
         out["warm_up_s"] = round(time.perf_counter() - warm_up_started, 1)
         out.update(prompt_tokens=len(ids), **speed(timed, 16 if quick else 64))
     if "agreement" in parts:
+
         def greedy(ids: list[int], new_tokens: int) -> list[int]:
             generator.forget_cache()
             return generator.generate(ids, GenerationParams(max_new_tokens=new_tokens)).token_ids
@@ -190,16 +213,19 @@ def extract_fanout(quick: bool) -> dict:
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp:
         context = {"trace_db": str(Path(tmp) / "traces.sqlite")}
-        graph.invoke({"question": "What treats anaphylaxis?", "options": None},
-                     context={**context, "snippets_k": 1})  # warm-up: index, encoder, first batch
+        graph.invoke(
+            {"question": "What treats anaphylaxis?", "options": None}, context={**context, "snippets_k": 1}
+        )  # warm-up: index, encoder, first batch
         for question, options in QUESTIONS[:1] if quick else QUESTIONS:
             row = {"question": question[:60]}
             for k in (1, 4):
                 started = time.perf_counter()
                 state = graph.invoke({"question": question, "options": options}, context={**context, "snippets_k": k})
-                row[f"k{k}"] = {"extract_s": round(state["timings"]["extract_s"], 2),
-                                "total_s": round(time.perf_counter() - started, 2),
-                                "snippets": [s["id"] for s in state["snippets"]]}
+                row[f"k{k}"] = {
+                    "extract_s": round(state["timings"]["extract_s"], 2),
+                    "total_s": round(time.perf_counter() - started, 2),
+                    "snippets": [s["id"] for s in state["snippets"]],
+                }
             row["same_first_snippet"] = row["k1"]["snippets"][:1] == row["k4"]["snippets"][:1]
             # The stage is timed on the wall clock (it lives in the graph's state, across processes): a clock
             # step while it ran makes it longer than the whole call, measured on the monotonic clock.
@@ -208,9 +234,12 @@ def extract_fanout(quick: bool) -> dict:
             runs.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     kept = [r for r in runs if not r["clock_step"]] or runs
-    return {"fanout_runs": runs, "extract_fanout_ratio": round(statistics.median(r["ratio"] for r in kept), 2),
-            "extract_s_k1": round(statistics.median(r["k1"]["extract_s"] for r in kept), 2),
-            "extract_s_k4": round(statistics.median(r["k4"]["extract_s"] for r in kept), 2)}
+    return {
+        "fanout_runs": runs,
+        "extract_fanout_ratio": round(statistics.median(r["ratio"] for r in kept), 2),
+        "extract_s_k1": round(statistics.median(r["k1"]["extract_s"] for r in kept), 2),
+        "extract_s_k4": round(statistics.median(r["k4"]["extract_s"] for r in kept), 2),
+    }
 
 
 def int8_output_layer(weight, rows_per_chunk: int = 16384):
@@ -226,11 +255,11 @@ def int8_output_layer(weight, rows_per_chunk: int = 16384):
             self.register_buffer("scales", torch.empty(weight.shape[0], dtype=weight.dtype))
             with torch.no_grad():
                 for start in range(0, weight.shape[0], rows_per_chunk):
-                    rows = weight[start:start + rows_per_chunk].float()
+                    rows = weight[start : start + rows_per_chunk].float()
                     scale = (rows.abs().amax(dim=1).clamp(min=1e-12) / 127).to(weight.dtype)
-                    self.scales[start:start + rows_per_chunk] = scale
+                    self.scales[start : start + rows_per_chunk] = scale
                     quantized = rows.div_(scale.float()[:, None]).round_().clamp_(-127, 127)
-                    self.qweight[start:start + rows_per_chunk] = quantized
+                    self.qweight[start : start + rows_per_chunk] = quantized
 
         def forward(self, hidden):
             rows = hidden.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
@@ -245,9 +274,10 @@ def hf_greedy(tokenizer, model):
 
     def greedy(ids: list[int], new_tokens: int) -> list[int]:
         with torch.inference_mode():
-            new = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-        return new[0, len(ids):].tolist()
+            new = model.generate(
+                torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+        return new[0, len(ids) :].tolist()
 
     return greedy
 
@@ -261,8 +291,12 @@ def greedy_outputs(tokenizer, greedy, new_tokens: int, count: int) -> list[list[
     outputs = []
     for number, passage in enumerate(passages):
         question, _ = QUESTIONS[number % len(QUESTIONS)]
-        ids = tokenizer.apply_chat_template(extractor.build_messages(question, passage["text"]),
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            extractor.build_messages(question, passage["text"]),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         outputs.append(greedy(list(ids), new_tokens))
     return outputs
 
@@ -270,24 +304,34 @@ def greedy_outputs(tokenizer, greedy, new_tokens: int, count: int) -> list[list[
 def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
     """How many outputs are identical, and the mean share of each reference output kept before the first
     differing token."""
+
     def kept(a: list[int], b: list[int]) -> float:
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         return 1.0 if a == b else same / max(len(a), 1)
 
-    return {"identical": sum(a == b for a, b in zip(reference, other)), "prompts": len(reference),
-            "mean_share_before_first_difference": round(statistics.fmean(map(kept, reference, other)), 3)}
+    return {
+        "identical": sum(a == b for a, b in zip(reference, other)),
+        "prompts": len(reference),
+        "mean_share_before_first_difference": round(statistics.fmean(map(kept, reference, other)), 3),
+    }
 
 
 def compared(results: dict, greedy: dict, name: str) -> dict:
     """A configuration's figures beside `after` (and `before`, when measured)."""
     this, after, before = results[name], results["after"], results.get("before")
-    summary = {"tokens_per_s": this.get("tokens_per_s"),
-               "speedup_over_after": round(this["tokens_per_s"] / after["tokens_per_s"], 2),
-               "speedup_over_before": round(this["tokens_per_s"] / before["tokens_per_s"], 2) if before else None,
-               "extract_fanout_ratio": this.get("extract_fanout_ratio"), "extract_s_k4": this.get("extract_s_k4"),
-               "extract_s_k4_over_after": (round(this["extract_s_k4"] / after["extract_s_k4"], 2)
-                                           if "extract_s_k4" in this and "extract_s_k4" in after else None),
-               "demo_s": this.get("demo_s")}
+    summary = {
+        "tokens_per_s": this.get("tokens_per_s"),
+        "speedup_over_after": round(this["tokens_per_s"] / after["tokens_per_s"], 2),
+        "speedup_over_before": round(this["tokens_per_s"] / before["tokens_per_s"], 2) if before else None,
+        "extract_fanout_ratio": this.get("extract_fanout_ratio"),
+        "extract_s_k4": this.get("extract_s_k4"),
+        "extract_s_k4_over_after": (
+            round(this["extract_s_k4"] / after["extract_s_k4"], 2)
+            if "extract_s_k4" in this and "extract_s_k4" in after
+            else None
+        ),
+        "demo_s": this.get("demo_s"),
+    }
     if name in greedy and "after" in greedy:
         summary["greedy_agreement"] = greedy_agreement(greedy["after"], greedy[name])
     return summary
@@ -306,8 +350,9 @@ def run_child(name: str, environment: dict[str, str], parts: tuple[str, ...], qu
         result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
     if "demo" in parts and not quick:
         started = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "ermedrag", "demo"], env=env, cwd=REPO, capture_output=True,
-                              text=True, timeout=3600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ermedrag", "demo"], env=env, cwd=REPO, capture_output=True, text=True, timeout=3600
+        )
         result["demo_s"] = round(time.perf_counter() - started, 1)
         result["demo_exit_code"] = proc.returncode
     shown = {k: v for k, v in result.items() if k not in ("fanout_runs", "greedy_ids")}
@@ -334,20 +379,27 @@ def main() -> None:
     if {"before", "after"} <= results.keys():
         before, after = results["before"], results["after"]
         record["summary"] = {
-            "tokens_per_s": {"before": before.get("tokens_per_s"), "after": after.get("tokens_per_s"),
-                             "speedup": round(after["tokens_per_s"] / before["tokens_per_s"], 2)},
-            "extract_fanout_ratio": {"before": before.get("extract_fanout_ratio"),
-                                     "after": after.get("extract_fanout_ratio")},
+            "tokens_per_s": {
+                "before": before.get("tokens_per_s"),
+                "after": after.get("tokens_per_s"),
+                "speedup": round(after["tokens_per_s"] / before["tokens_per_s"], 2),
+            },
+            "extract_fanout_ratio": {
+                "before": before.get("extract_fanout_ratio"),
+                "after": after.get("extract_fanout_ratio"),
+            },
             "extract_s_k4": {"before": before.get("extract_s_k4"), "after": after.get("extract_s_k4")},
             "demo_s": {"before": before.get("demo_s"), "after": after.get("demo_s")},
         }
     for name in COMPARED:
         if {"after", name} <= results.keys():
             record.setdefault("summary", {})[name] = compared(results, greedy, name)
-    record.update(command="python benches/cpu_inference.py" + (" --quick" if args.quick else ""),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  machine=at_start,
-                  seconds=round(time.perf_counter() - started, 1))
+    record.update(
+        command="python benches/cpu_inference.py" + (" --quick" if args.quick else ""),
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        machine=at_start,
+        seconds=round(time.perf_counter() - started, 1),
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -25,7 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from ermedrag.tools.data.benchmarks import Question  # noqa: E402
-from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
+from ermedrag.evals.rows import EvalConfig
+from ermedrag.evals.runner import run_questions  # noqa: E402
 from ermedrag.graphs.registry import load_graph  # noqa: E402
 from ermedrag.tools.machine import describe_machine  # noqa: E402
 
@@ -38,8 +39,10 @@ def free_port() -> int:
 
 def start_server(delay: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(REPO / "benches" / "fixed_delay_server.py"), "--port", str(port),
-                             "--delay", str(delay)], start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "benches" / "fixed_delay_server.py"), "--port", str(port), "--delay", str(delay)],
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):
         try:
@@ -52,8 +55,16 @@ def start_server(delay: float) -> tuple[subprocess.Popen, str]:
 
 def synthetic_questions(n: int) -> list[Question]:
     # Content does not matter to throughput; the system under test is the runner.
-    return [Question(id=f"q{i:04d}", question=f"Synthetic question {i}: which option?",
-                     options={"A": "first", "B": "second"}, answer="A", benchmark="synthetic") for i in range(n)]
+    return [
+        Question(
+            id=f"q{i:04d}",
+            question=f"Synthetic question {i}: which option?",
+            options={"A": "first", "B": "second"},
+            answer="A",
+            benchmark="synthetic",
+        )
+        for i in range(n)
+    ]
 
 
 def main() -> None:
@@ -73,12 +84,29 @@ def main() -> None:
             trace_db = str(Path(tmp) / "traces.sqlite")
             questions = synthetic_questions(args.questions)
             # Warm-up (imports, HTTP client, trace db), not timed: the bench measures steady throughput.
-            asyncio.run(run_questions(config, questions[:8], Path(tmp) / "warm-up", concurrency=8,
-                                      base_url=base_url, trace_db=trace_db, progress=False))
+            asyncio.run(
+                run_questions(
+                    config,
+                    questions[:8],
+                    Path(tmp) / "warm-up",
+                    concurrency=8,
+                    base_url=base_url,
+                    trace_db=trace_db,
+                    progress=False,
+                )
+            )
             started = time.perf_counter()
-            counts = asyncio.run(run_questions(config, questions, Path(tmp) / "concurrent",
-                                               concurrency=args.concurrency, base_url=base_url,
-                                               trace_db=trace_db, progress=False))
+            counts = asyncio.run(
+                run_questions(
+                    config,
+                    questions,
+                    Path(tmp) / "concurrent",
+                    concurrency=args.concurrency,
+                    base_url=base_url,
+                    trace_db=trace_db,
+                    progress=False,
+                )
+            )
             concurrent_s = time.perf_counter() - started
             assert counts["answered"] == args.questions, counts
 

@@ -72,17 +72,40 @@ def run_measured(command: list[str], env: dict[str, str], timeout_s: float) -> t
 
 def measure_eval(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="eval-memory-") as tmp:
-        command = [sys.executable, "-m", "ermedrag", "eval", "--system", args.system, "--bench", args.bench,
-                   "--limit", str(args.limit), "--data", str(args.data), "--out", str(Path(tmp) / "results"),
-                   "--trace-db", str(Path(tmp) / "traces.sqlite")]
-        shown = (f"ermedrag eval --system {args.system} --bench {args.bench} --limit {args.limit} "
-                 f"--data {args.data} --out TMP/results --trace-db TMP/traces.sqlite")
-        code, peak, seconds, tail = run_measured(command, offline_env({"ERMEDRAG_HOME": args.ermedrag_home}
-                                                                    if args.ermedrag_home else None), args.timeout)
+        command = [
+            sys.executable,
+            "-m",
+            "ermedrag",
+            "eval",
+            "--system",
+            args.system,
+            "--bench",
+            args.bench,
+            "--limit",
+            str(args.limit),
+            "--data",
+            str(args.data),
+            "--out",
+            str(Path(tmp) / "results"),
+            "--trace-db",
+            str(Path(tmp) / "traces.sqlite"),
+        ]
+        shown = (
+            f"ermedrag eval --system {args.system} --bench {args.bench} --limit {args.limit} "
+            f"--data {args.data} --out TMP/results --trace-db TMP/traces.sqlite"
+        )
+        code, peak, seconds, tail = run_measured(
+            command, offline_env({"ERMEDRAG_HOME": args.ermedrag_home} if args.ermedrag_home else None), args.timeout
+        )
     if code != 0:
         raise SystemExit(f"the eval failed (exit {code}); its output ends:\n{tail}")
-    return {"peak_rss_mb": peak, "command": shown, "seconds": seconds, "exit_code": code,
-            "output_tail": tail.strip().splitlines()[-6:]}
+    return {
+        "peak_rss_mb": peak,
+        "command": shown,
+        "seconds": seconds,
+        "exit_code": code,
+        "output_tail": tail.strip().splitlines()[-6:],
+    }
 
 
 # ------------------------------------------------------------------------------ one generation batch (child)
@@ -133,13 +156,19 @@ def one_batch_child(variant: str, new_tokens: int) -> None:
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=False,
-                                 max_new_tokens=new_tokens, return_dict_in_generate=True, output_logits=True,
-                                 pad_token_id=pad)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                return_dict_in_generate=True,
+                output_logits=True,
+                pad_token_id=pad,
+            )
             new = out.sequences[:, width:]
             for step, logits in enumerate(out.logits):
                 logp = torch.log_softmax(logits.float(), dim=-1)
-                logp.gather(1, new[:, step:step + 1])
+                logp.gather(1, new[:, step : step + 1])
                 (logp.exp() * torch.nan_to_num(logp, neginf=0.0)).sum(-1)
         written.extend(len(row) for row in new.tolist())
 
@@ -154,11 +183,20 @@ def one_batch_child(variant: str, new_tokens: int) -> None:
     seconds = time.perf_counter() - started
     # ru_maxrss forgets the load's peak once the high-water mark is reset: the process's peak is the larger one.
     batch_peak_mb = proc_status_mb("VmHWM") or rss_mb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    print(json.dumps({"variant": variant, "peak_rss_after_load_mb": rss_mb(loaded_kb),
-                      "rss_before_batch_mb": before_batch_mb, "peak_rss_during_batch_mb": batch_peak_mb,
-                      "batch_added_mb": round(batch_peak_mb - before_batch_mb, 1) if before_batch_mb else None,
-                      "peak_rss_mb": max(rss_mb(loaded_kb), batch_peak_mb), "tokens_written": written,
-                      "seconds": round(seconds, 1)}))
+    print(
+        json.dumps(
+            {
+                "variant": variant,
+                "peak_rss_after_load_mb": rss_mb(loaded_kb),
+                "rss_before_batch_mb": before_batch_mb,
+                "peak_rss_during_batch_mb": batch_peak_mb,
+                "batch_added_mb": round(batch_peak_mb - before_batch_mb, 1) if before_batch_mb else None,
+                "peak_rss_mb": max(rss_mb(loaded_kb), batch_peak_mb),
+                "tokens_written": written,
+                "seconds": round(seconds, 1),
+            }
+        )
+    )
 
 
 def proc_status_mb(field: str) -> float | None:
@@ -183,8 +221,14 @@ def reset_peak_rss() -> None:
 def measure_one_batch(args: argparse.Namespace) -> dict:
     results = {}
     for variant in ("full_logits_before", "streaming"):
-        command = [sys.executable, str(Path(__file__).resolve()), "--one-batch-child", variant,
-                   "--new-tokens", str(args.new_tokens)]
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--one-batch-child",
+            variant,
+            "--new-tokens",
+            str(args.new_tokens),
+        ]
         # (Its wait4 peak is not reported: the child resets its high-water mark before the batch.)
         code, _, _, tail = run_measured(command, offline_env({"ERMEDRAG_TORCH_THREADS": "1"}), args.timeout)
         if code != 0:
@@ -215,13 +259,19 @@ def main() -> None:
     at_start = describe_machine()
     if not args.no_eval:
         result |= measure_eval(args)
-    result |= {"target_mb": TARGET_MB, "before_mb": BEFORE_MB,
-               "before_note": f"the same eval ({SYSTEMS}, medqa, --limit 8) on main 9d103d9, from issue 13"}
+    result |= {
+        "target_mb": TARGET_MB,
+        "before_mb": BEFORE_MB,
+        "before_note": f"the same eval ({SYSTEMS}, medqa, --limit 8) on main 9d103d9, from issue 13",
+    }
     if args.one_batch:
         result["one_batch"] = measure_one_batch(args)
-    result |= {"parent_rss_mb": rss_mb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss),
-               "bench_command": "python benches/eval_memory.py " + " ".join(sys.argv[1:]),
-               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": at_start}
+    result |= {
+        "parent_rss_mb": rss_mb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss),
+        "bench_command": "python benches/eval_memory.py " + " ".join(sys.argv[1:]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": at_start,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -29,18 +29,27 @@ def make_app(delay_s: float) -> Starlette:
             content = json.dumps([{"condition": "c", "relation": "r", "conclusion": "x"}])
         else:
             content = "<think>fixed reply</think><answer>A</answer>"
-        return JSONResponse({
-            "id": "cmpl-fixed", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
-            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}],
-            "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": 8,
-                      "total_tokens": len(prompt.split()) + 8},
-        })
+        return JSONResponse(
+            {
+                "id": "cmpl-fixed",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
+                ],
+                "usage": {
+                    "prompt_tokens": len(prompt.split()),
+                    "completion_tokens": 8,
+                    "total_tokens": len(prompt.split()) + 8,
+                },
+            }
+        )
 
     async def models(request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": "fixed", "object": "model"}]})
 
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
-                             Route("/v1/models", models)])
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/models", models)])
 
 
 if __name__ == "__main__":

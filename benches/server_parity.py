@@ -43,25 +43,49 @@ def answer_record(graph: str, question: Question, state: dict[str, Any], store: 
     """What one question's run showed: its answer and format, its searches, its extractions, its completions."""
     answer = state.get("answer") or {}
     events = list(store.events(run_id=state["run_id"]))
-    return {"graph": graph, "id": question.id, "gold": question.answer, "answer": answer.get("answer"),
-            "well_formed": bool(answer.get("well_formed")), "searches": len(state.get("searches") or []),
-            "extractions_strict": [bool(e.get("strict")) for e in state.get("extractions") or []],
-            "completions": [{"agent": e["agent"], "completion": e["completion"], "stop_sequence": e.get("stop_sequence"),
-                             "finish_reason": e.get("finish_reason")} for e in events]}
+    return {
+        "graph": graph,
+        "id": question.id,
+        "gold": question.answer,
+        "answer": answer.get("answer"),
+        "well_formed": bool(answer.get("well_formed")),
+        "searches": len(state.get("searches") or []),
+        "extractions_strict": [bool(e.get("strict")) for e in state.get("extractions") or []],
+        "completions": [
+            {
+                "agent": e["agent"],
+                "completion": e["completion"],
+                "stop_sequence": e.get("stop_sequence"),
+                "finish_reason": e.get("finish_reason"),
+            }
+            for e in events
+        ],
+    }
 
 
-def run_backend(graph: str, spec: str, base_url: str | None, questions: list[Question], workdir: Path,
-                label: str) -> list[dict[str, Any]]:
+def run_backend(
+    graph: str, spec: str, base_url: str | None, questions: list[Question], workdir: Path, label: str
+) -> list[dict[str, Any]]:
     trace_db = workdir / f"{label}-{graph}.sqlite"
-    context = {"extractor_model": spec, "respondent_model": spec, "base_url": base_url or "", "temperature": 0.0,
-               "trace_db": str(trace_db), "index_dir": "", "chroma_url": "", "request_timeout_s": 600.0}
+    context = {
+        "extractor_model": spec,
+        "respondent_model": spec,
+        "base_url": base_url or "",
+        "temperature": 0.0,
+        "trace_db": str(trace_db),
+        "index_dir": "",
+        "chroma_url": "",
+        "request_timeout_s": 600.0,
+    }
     store, records = TraceStore(trace_db), []
     for number, question in enumerate(questions, 1):
         started = time.monotonic()
-        state = load_graph(graph).invoke({"question": question.question, "options": question.options,
-                                          "gold": question.answer}, context=context)
-        records.append(answer_record(graph, question, state, store) | {"backend": label,
-                                                                        "seconds": time.monotonic() - started})
+        state = load_graph(graph).invoke(
+            {"question": question.question, "options": question.options, "gold": question.answer}, context=context
+        )
+        records.append(
+            answer_record(graph, question, state, store) | {"backend": label, "seconds": time.monotonic() - started}
+        )
         print(f"  {label:22} {graph:10} {number}/{len(questions)} {records[-1]['seconds']:.1f} s", flush=True)
     return records
 
@@ -70,12 +94,16 @@ def row(label: str, graph: str, records: list[dict[str, Any]], twin: list[dict[s
     n = len(records)
     extractions = [strict for r in records for strict in r["extractions_strict"]]
     agree = sum(a["answer"] == b["answer"] for a, b in zip(records, twin))
-    return {"backend": label, "graph": graph, "n": n,
-            "well_formed_rate": sum(r["well_formed"] for r in records) / n,
-            "search_rate": sum(r["searches"] > 0 for r in records) / n if graph == "med_r3" else None,
-            "strict_json_rate": sum(extractions) / len(extractions) if extractions else None,
-            "answer_agreement_with_in_process": agree / n,
-            "seconds_per_question": sum(r["seconds"] for r in records) / n}
+    return {
+        "backend": label,
+        "graph": graph,
+        "n": n,
+        "well_formed_rate": sum(r["well_formed"] for r in records) / n,
+        "search_rate": sum(r["searches"] > 0 for r in records) / n if graph == "med_r3" else None,
+        "strict_json_rate": sum(extractions) / len(extractions) if extractions else None,
+        "answer_agreement_with_in_process": agree / n,
+        "seconds_per_question": sum(r["seconds"] for r in records) / n,
+    }
 
 
 def verdict(rows: list[dict[str, Any]]) -> list[str]:
@@ -96,8 +124,11 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA"),
-                        help="shared data root (default: ERMEDRAG_SHARED_DATA)")
+    parser.add_argument(
+        "--data",
+        default=os.environ.get("ERMEDRAG_SHARED_DATA"),
+        help="shared data root (default: ERMEDRAG_SHARED_DATA)",
+    )
     parser.add_argument("--bench", default="medqa", help="benchmark to draw the questions from")
     parser.add_argument("--n", type=int, default=20, help="questions (a seeded sample)")
     parser.add_argument("--graphs", default=",".join(GRAPHS), help="comma-separated graphs")
@@ -125,13 +156,28 @@ def main() -> None:
                     rows += [row(twin_label, graph, twin, twin), row(kind, graph, served, twin) | {"twin": twin_label}]
                     replies += twin + served
     misses = verdict(rows)
-    record = {"rows": rows, "target": f"each server rate within {TOLERANCE} of its in-process twin's; med_r3 "
-                                      f"search_rate > 0 through every server", "misses": misses, "met": not misses,
-              "settings": {"bench": args.bench, "n": len(questions), "seed": 0, "graphs": graphs, "servers": kinds,
-                           "temperature": 0.0, "budgets": "the graphs' defaults", "index": "starter knowledge base",
-                           "threads": args.threads},
-              "machine": machine, "load_average_end": os.getloadavg(), "minutes": (time.monotonic() - started) / 60,
-              "command": " ".join(sys.argv)}
+    record = {
+        "rows": rows,
+        "target": f"each server rate within {TOLERANCE} of its in-process twin's; med_r3 "
+        f"search_rate > 0 through every server",
+        "misses": misses,
+        "met": not misses,
+        "settings": {
+            "bench": args.bench,
+            "n": len(questions),
+            "seed": 0,
+            "graphs": graphs,
+            "servers": kinds,
+            "temperature": 0.0,
+            "budgets": "the graphs' defaults",
+            "index": "starter knowledge base",
+            "threads": args.threads,
+        },
+        "machine": machine,
+        "load_average_end": os.getloadavg(),
+        "minutes": (time.monotonic() - started) / 60,
+        "command": " ".join(sys.argv),
+    }
     out = Path(args.out)
     out.write_text(json.dumps(record, indent=1) + "\n")
     with gzip.open(out.with_name(out.stem + "_replies.jsonl.gz"), "wt") as handle:

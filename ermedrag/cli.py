@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
-import time
-import uuid
-from pathlib import Path
-from typing import Any
 
 from ermedrag.graphs.registry import GRAPHS
-from ermedrag.tools.models import DEFAULT_MODEL, ModelSpecError, parse_model_spec
+from ermedrag.tools.models import DEFAULT_MODEL, ModelSpecError
 from ermedrag.tools.model_server import ModelServerError
 from ermedrag.tools.retrieval.corpus import CorpusError
 from ermedrag.tools.retrieval.encoder import DEFAULT_ENCODER
 from ermedrag.tools.retrieval.index_files import IndexUnavailable
 from ermedrag.tools.records.traces import TraceStoreError
+from ermedrag import commands
 
-DEMO_QUESTION = ("A 52-year-old man is newly diagnosed with type 2 diabetes; his kidney function is normal. "
-                 "Which drug should he start first?")
-DEMO_OPTIONS = {"A": "Insulin glargine", "B": "Glipizide", "C": "Metformin", "D": "Pioglitazone"}
 USER_ERRORS = (CorpusError, IndexUnavailable, TraceStoreError, ModelSpecError, ValueError, FileNotFoundError)
 SERVER_ERROR_EXIT = 3  # a model server failed (not the user's input): scripts can tell the two apart
 
@@ -46,11 +38,11 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="answer a sample question offline and show every stage")
     _add_question_args(demo, default_question=True)
-    demo.set_defaults(handler=_ask)
+    demo.set_defaults(handler=commands.ask)
 
     ask = sub.add_parser("ask", help="answer one question")
     _add_question_args(ask, default_question=False)
-    ask.set_defaults(handler=_ask)
+    ask.set_defaults(handler=commands.ask)
 
     index = sub.add_parser("index", help="index corpus files or folders (JSONL[.gz], .txt/.md, hf://dataset)")
     index.add_argument("paths", nargs="+", help="files, folders, or hf://name[:split]")
@@ -59,43 +51,64 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument("--chunk-size", type=int, default=256, help="chunk size in tokens")
     index.add_argument("--chunk-overlap", type=int, default=32, help="overlap between chunks in tokens")
     index.add_argument("--chroma-url", default=None, help="a Chroma server (http://host:port) instead of embedded")
-    index.add_argument("--encoding", default=None,
-                       help=".txt/.md/.jsonl encoding (default UTF-8, read strictly; e.g. latin-1, cp1252)")
-    index.add_argument("--on-duplicate-id", choices=("rename", "error"), default="rename",
-                       help="a reused id with other text: index it as id~2, id~3, ... (default) or stop")
-    index.set_defaults(handler=_index)
+    index.add_argument(
+        "--encoding", default=None, help=".txt/.md/.jsonl encoding (default UTF-8, read strictly; e.g. latin-1, cp1252)"
+    )
+    index.add_argument(
+        "--on-duplicate-id",
+        choices=("rename", "error"),
+        default="rename",
+        help="a reused id with other text: index it as id~2, id~3, ... (default) or stop",
+    )
+    index.set_defaults(handler=commands.index)
 
     evaluate = sub.add_parser("eval", help="run systems on benchmarks (concurrent, resumable)")
     evaluate.add_argument("--system", default="er_medrag", help=f"comma-separated graphs: {', '.join(GRAPHS)}")
-    evaluate.add_argument("--bench", default="medqa",
-                          help="comma-separated benchmark names or JSONL question files, or 'all'")
+    evaluate.add_argument(
+        "--bench", default="medqa", help="comma-separated benchmark names or JSONL question files, or 'all'"
+    )
     evaluate.add_argument("--out", required=True, help="results folder (rerun with the same folder to resume)")
-    evaluate.add_argument("--samples", type=int, default=1, help="answers per question (answer entropy; "
-                                                                   "needs --temperature > 0)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=None,
-                          help="respondent generation budget (default: the graph context's)")
-    evaluate.add_argument("--permute-options", type=int, default=1, metavar="N",
-                          help="also ask each question with its options in N-1 other cyclic orders (answers mapped "
-                               "back to the option text) and add a position-bias section to the report (default 1: "
-                               "as given; results of order 0 are those of a run without it)")
+    evaluate.add_argument(
+        "--samples", type=int, default=1, help="answers per question (answer entropy; needs --temperature > 0)"
+    )
+    evaluate.add_argument(
+        "--max-new-tokens", type=int, default=None, help="respondent generation budget (default: the graph context's)"
+    )
+    evaluate.add_argument(
+        "--permute-options",
+        type=int,
+        default=1,
+        metavar="N",
+        help="also ask each question with its options in N-1 other cyclic orders (answers mapped "
+        "back to the option text) and add a position-bias section to the report (default 1: "
+        "as given; results of order 0 are those of a run without it)",
+    )
     _add_batch_args(evaluate)
-    evaluate.set_defaults(handler=_eval)
+    evaluate.set_defaults(handler=commands.evaluate)
 
     record = sub.add_parser("run", help="record traces for a file of questions (no report): training data")
     record.add_argument("--bench", required=True, help="JSONL questions file in the shared schema, or a benchmark name")
     record.add_argument("--system", default="er_medrag", choices=list(GRAPHS), help="graph that answers them")
     record.add_argument("--out", default=None, help="progress log folder (default: beside the trace db)")
     _add_batch_args(record)
-    record.set_defaults(handler=_record)
+    record.set_defaults(handler=commands.record)
 
-    export = sub.add_parser("export", help="recorded traces → DPO pairs (extractor), GRPO prompts (respondent), "
-                                           "Med-R³ prompts (replayed from med_r3 runs) or MMedAgent-RL triage and "
-                                           "curriculum data (mmedagent runs)")
+    export = sub.add_parser(
+        "export",
+        help="recorded traces → DPO pairs (extractor), GRPO prompts (respondent), "
+        "Med-R³ prompts (replayed from med_r3 runs) or MMedAgent-RL triage and "
+        "curriculum data (mmedagent runs)",
+    )
     export.add_argument("kind", choices=["dpo", "grpo", "med-r3", "mmedagent"])
-    export.add_argument("--traces", "--trace-db", default=None,
-                        help="trace database (default: ERMEDRAG_TRACE_DB or the cache)")
-    export.add_argument("--data", default=None, help="mmedagent: shared data root (or its benchmarks/ folder) whose "
-                                                     "metadata labels the triage (default: ERMEDRAG_SHARED_DATA)")
+    export.add_argument(
+        "--traces", "--trace-db", default=None, help="trace database (default: ERMEDRAG_TRACE_DB or the cache)"
+    )
+    export.add_argument(
+        "--data",
+        default=None,
+        help="mmedagent: shared data root (or its benchmarks/ folder) whose "
+        "metadata labels the triage (default: ERMEDRAG_SHARED_DATA)",
+    )
     export.add_argument("--out", required=True, help="output folder (rerun with the same folder to resume)")
     export.add_argument("--model", default=None, help="dpo: model that samples alternatives (default: recorded)")
     export.add_argument("--base-url", default=None)
@@ -103,28 +116,41 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--temperature", type=float, default=0.7, help="dpo: sampling temperature (default 0.7)")
     export.add_argument("--margin", type=float, default=0.1, help="dpo: minimum reward gap of a pair")
     export.add_argument("--no-usefulness", action="store_true", help="dpo: skip the respondent usefulness check")
-    export.add_argument("--close-cut-lists", action=argparse.BooleanOptionalAction, default=True,
-                        help="dpo: also score each candidate the token budget cut, ended after its last complete "
-                             "triplet (default: on)")
+    export.add_argument(
+        "--close-cut-lists",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="dpo: also score each candidate the token budget cut, ended after its last complete triplet (default: on)",
+    )
     export.add_argument("--noise", type=float, default=0.25, help="grpo: fraction of distractor triplets")
-    export.add_argument("--questions", nargs="*", default=[],
-                        help="med-r3: benchmark JSONL files the runs came from (gold evidence for the retrieval "
-                             "reward); mmedagent: more benchmark files whose metadata labels the triage")
+    export.add_argument(
+        "--questions",
+        nargs="*",
+        default=[],
+        help="med-r3: benchmark JSONL files the runs came from (gold evidence for the retrieval "
+        "reward); mmedagent: more benchmark files whose metadata labels the triage",
+    )
     export.add_argument("--qrels", default=None, help="med-r3: bioasq_qrels.jsonl for BioASQ questions")
     export.add_argument("--corpus-dir", default=None, help="med-r3: corpora folder (exact PubMedQA passage ids)")
     export.add_argument("--seed", type=int, default=0)
     export.add_argument("--limit", type=int, default=None)
-    export.set_defaults(handler=_export)
+    export.set_defaults(handler=commands.export)
 
     train = sub.add_parser("train", help="train an agent with TRL from an exported dataset (config as YAML)")
-    train.add_argument("kind", choices=["dpo", "grpo", "med-r3", "mmedagent"],
-                       help="dpo: extractor pairs; grpo: respondent prompts; med-r3: the Med-R³ stage schedule; "
-                            "mmedagent: MMedAgent-RL's triage and attending curriculum")
+    train.add_argument(
+        "kind",
+        choices=["dpo", "grpo", "med-r3", "mmedagent"],
+        help="dpo: extractor pairs; grpo: respondent prompts; med-r3: the Med-R³ stage schedule; "
+        "mmedagent: MMedAgent-RL's triage and attending curriculum",
+    )
     train.add_argument("--config", required=True, help="YAML of training.config fields (see training/configs/)")
-    train.add_argument("--stages", default=None,
-                       help="med-r3: stages to run, e.g. 1,2,3 or 2 (default 1,2,3); mmedagent: e.g. "
-                            "triage,easy,medium,hard or hard (default: the config's whole schedule)")
-    train.set_defaults(handler=_train)
+    train.add_argument(
+        "--stages",
+        default=None,
+        help="med-r3: stages to run, e.g. 1,2,3 or 2 (default 1,2,3); mmedagent: e.g. "
+        "triage,easy,medium,hard or hard (default: the config's whole schedule)",
+    )
+    train.set_defaults(handler=commands.train)
 
     report = sub.add_parser("report", help="markdown table and plots from result folders")
     report.add_argument("results", nargs="+", help="folders written by `ermedrag eval`")
@@ -134,406 +160,127 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--qrels", default=None, help="BioASQ qrels (default: ERMEDRAG_SHARED_DATA/retrieval/…)")
     report.add_argument("--judge", default=None, help="judge model for ragas faithfulness/answer relevancy")
     report.add_argument("--base-url", default=None, help="server of an openai: judge")
-    report.set_defaults(handler=_report)
+    report.set_defaults(handler=commands.report)
 
     traces = sub.add_parser("traces", help="list or show recorded runs")
     traces.add_argument("action", choices=["list", "show"])
     traces.add_argument("run_id", nargs="?", help="run id (for show)")
     traces.add_argument("--db", default=None, help="trace database (default: ERMEDRAG_TRACE_DB or the cache)")
     traces.add_argument("--limit", type=int, default=20, help="runs to list")
-    traces.set_defaults(handler=_traces)
+    traces.set_defaults(handler=commands.traces)
     return parser
 
 
 def _add_batch_args(parser: argparse.ArgumentParser) -> None:
     """What `eval` and `run` share: the model, the questions' selection, retrieval and concurrency."""
     parser.add_argument("--model", default=None, help=f"chat model for every agent (default {DEFAULT_MODEL})")
-    parser.add_argument("--base-url", action="append", default=None, metavar="URL",
-                        help="OpenAI-compatible server for openai: models; repeat it for replicas of one model (each "
-                             "question goes to the least busy live one, a server that is down leaves the rotation)")
-    parser.add_argument("--data", default=None,
-                        help="the data root holding benchmarks/, or that benchmarks folder itself (default: "
-                             "ERMEDRAG_SHARED_DATA, either form; without either, the upstream datasets)")
+    parser.add_argument(
+        "--base-url",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="OpenAI-compatible server for openai: models; repeat it for replicas of one model (each "
+        "question goes to the least busy live one, a server that is down leaves the rotation)",
+    )
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="the data root holding benchmarks/, or that benchmarks folder itself (default: "
+        "ERMEDRAG_SHARED_DATA, either form; without either, the upstream datasets)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="seeded sample of N questions per benchmark")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for --limit")
     parser.add_argument("--concurrency", type=int, default=8, help="questions in flight at once")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0)")
     parser.add_argument("--snippets", type=int, default=None, help="snippets per question (RAG graphs)")
     parser.add_argument("--index-dir", default=None, help="corpus index (default: the starter knowledge base)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
-                        help="any other context field of the graphs, e.g. --set max_searches=2 (repeat)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="settings",
+        help="any other context field of the graphs, e.g. --set max_searches=2 (repeat)",
+    )
     parser.add_argument("--trace-db", default=None, help="trace database for the runs")
     _add_server_args(parser)
-    parser.add_argument("--checkpoint-db", default=None,
-                        help="where questions in flight keep their checkpoints (a rerun continues them): a SQLite "
-                             "file or a postgres:// URL (default: OUT/checkpoints.sqlite)")
+    parser.add_argument(
+        "--checkpoint-db",
+        default=None,
+        help="where questions in flight keep their checkpoints (a rerun continues them): a SQLite "
+        "file or a postgres:// URL (default: OUT/checkpoints.sqlite)",
+    )
 
 
 def _add_question_args(parser: argparse.ArgumentParser, default_question: bool) -> None:
     if default_question:
         parser.add_argument("--question", default=None, help="the question to answer (default: a sample question)")
     else:
-        parser.add_argument("question", nargs="?", default=None,
-                            help="the question to answer (with --resume: optional, must be the run's question)")
+        parser.add_argument(
+            "question",
+            nargs="?",
+            default=None,
+            help="the question to answer (with --resume: optional, must be the run's question)",
+        )
     parser.set_defaults(sample_question=default_question)
-    parser.add_argument("--option", "-o", action="append", default=[], metavar="KEY=TEXT",
-                        help="an answer option, e.g. -o 'A=Metformin' (repeat)")
-    parser.add_argument("--graph", default=None, choices=list(GRAPHS),
-                        help="the graph that answers (default er_medrag)")
+    parser.add_argument(
+        "--option",
+        "-o",
+        action="append",
+        default=[],
+        metavar="KEY=TEXT",
+        help="an answer option, e.g. -o 'A=Metformin' (repeat)",
+    )
+    parser.add_argument(
+        "--graph", default=None, choices=list(GRAPHS), help="the graph that answers (default er_medrag)"
+    )
     parser.add_argument("--model", default=None, help=f"chat model for every agent (default {DEFAULT_MODEL})")
     parser.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
     parser.add_argument("--index-dir", default=None, help="corpus index (default: the starter knowledge base)")
     parser.add_argument("--snippets", type=int, default=None, help="snippets to extract from")
     parser.add_argument("--json", action="store_true", help="print the final state as JSON")
     _add_server_args(parser)
-    parser.add_argument("--resume", default=None, metavar="RUN_ID",
-                        help="continue a killed or failed run from its last finished node (its question, graph and "
-                             "settings come from its checkpoints; flags given here override those settings)")
-    parser.add_argument("--checkpoint-db", default=None,
-                        help="checkpoint store: a SQLite file or a postgres:// URL (default: ERMEDRAG_CHECKPOINT_DB, "
-                             "else ~/.cache/ermedrag/checkpoints.sqlite)")
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_ID",
+        help="continue a killed or failed run from its last finished node (its question, graph and "
+        "settings come from its checkpoints; flags given here override those settings)",
+    )
+    parser.add_argument(
+        "--checkpoint-db",
+        default=None,
+        help="checkpoint store: a SQLite file or a postgres:// URL (default: ERMEDRAG_CHECKPOINT_DB, "
+        "else ~/.cache/ermedrag/checkpoints.sqlite)",
+    )
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
     """Timeouts and retries of model-server calls (openai: models); they never change an answer."""
-    parser.add_argument("--timeout", type=float, default=None, dest="request_timeout_s", metavar="SECONDS",
-                        help="seconds a model server may take to answer one request (default 60; "
-                             "env ERMEDRAG_REQUEST_TIMEOUT_S)")
-    parser.add_argument("--connect-timeout", type=float, default=None, dest="connect_timeout_s", metavar="SECONDS",
-                        help="seconds to connect to a model server (default 5; env ERMEDRAG_CONNECT_TIMEOUT_S)")
-    parser.add_argument("--retries", type=int, default=None, dest="max_retries", metavar="N",
-                        help="retries of a failed model-server request, with exponential backoff (default 2; "
-                             "env ERMEDRAG_MAX_RETRIES)")
-
-
-def _server_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The context fields that the server flags set (None: not given), checked before any work starts."""
-    from ermedrag.tools.model_server import ServerPolicy
-
-    given = {name: getattr(args, name) for name in ("request_timeout_s", "connect_timeout_s", "max_retries")}
-    policy_fields = {"request_timeout_s": "timeout_s", "connect_timeout_s": "connect_timeout_s",
-                     "max_retries": "max_retries"}
-    ServerPolicy(**{policy_fields[name]: value for name, value in given.items() if value is not None})
-    return given
-
-
-def _ask(args: argparse.Namespace) -> int:
-    from ermedrag.graphs.durable import default_checkpoint_db, durable, open_saver, run_config, run_durably
-    from ermedrag.graphs.registry import load_graph
-
-    checkpoint_db = args.checkpoint_db or default_checkpoint_db()
-    overrides = _ask_overrides(args)
-    with open_saver(checkpoint_db) as saver:
-        if args.resume:
-            run_id = args.resume
-            graph_name, inputs, context = _resumed_run(args, saver, checkpoint_db, overrides)
-        else:
-            run_id = uuid.uuid4().hex
-            graph_name, inputs = args.graph or "er_medrag", _new_question(args, run_id)
-            # The whole context is recorded with the run, so a resume runs with what the run started with.
-            context = dataclasses.asdict(load_graph(graph_name).context_schema(**overrides))
-            again = " with the same --checkpoint-db" if args.checkpoint_db else ""
-            print(f"Run id: {run_id}; if interrupted, continue it with `ermedrag ask --resume {run_id}`{again}",
-                  file=sys.stderr)  # stderr, and before any work: a killed run can still be resumed
-        if not context.get("index_dir"):
-            from ermedrag.tools.data.starter_kb import starter_index_dir
-
-            print("Starter knowledge base (demo content, not clinical advice): building/opening its index…",
-                  file=sys.stderr)  # stderr: keeps `ask --json` output parseable
-            starter_index_dir(progress=True)
-        graph = durable(load_graph(graph_name), saver)
-        started = time.perf_counter()
-        state = run_durably(graph, run_config(run_id, graph_name, context), inputs, context)
-        total = time.perf_counter() - started
-    if args.json:
-        print(json.dumps(state, indent=2, default=str))
-    else:
-        print(render_run(state, total))
-    return 0
-
-
-def _ask_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The context fields that `ask`'s flags set."""
-    context: dict[str, Any] = {}
-    if args.model:
-        parse_model_spec(args.model)  # fail before retrieval, not in the middle of a run
-        context.update(extractor_model=args.model, respondent_model=args.model)
-    if args.base_url:
-        context["base_url"] = args.base_url
-    if args.snippets is not None:
-        context["snippets_k"] = args.snippets
-    if args.index_dir:
-        context["index_dir"] = args.index_dir
-    context.update({name: value for name, value in _server_overrides(args).items() if value is not None})
-    return context
-
-
-def _new_question(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
-    question = args.question
-    if question is None:
-        if not args.sample_question:
-            raise ValueError("ask needs a question (or --resume RUN_ID to continue a run)")
-        question = DEMO_QUESTION
-    options = _parse_options(args.option)
-    if question == DEMO_QUESTION and not options:
-        options = DEMO_OPTIONS
-    return {"question": question, "options": options, "run_id": run_id}
-
-
-def _resumed_run(args: argparse.Namespace, saver: Any, checkpoint_db: str, overrides: dict[str, Any]
-                 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """The graph, inputs and context of the run to resume. The run's own question is the one answered: another
-    question, options or graph given with --resume is an error; other flags override the recorded settings
-    (e.g. a server that moved) and are named on stderr."""
-    from ermedrag.graphs.durable import saved_run
-
-    saved = saved_run(saver, args.resume, checkpoint_db)
-    question = str(saved.values.get("question") or "").strip()
-    if args.question is not None and args.question.strip() != question:
-        raise ValueError(f"run {args.resume} answers {question[:80]!r}, not the question given; "
-                         "omit the question to resume it, or drop --resume to ask a new one")
-    options, saved_options = _parse_options(args.option), saved.values.get("options")
-    if options is not None and _same_options(options) != _same_options(saved_options):
-        raise ValueError(f"run {args.resume} has options {saved_options}; omit -o to resume it")
-    if args.graph and args.graph != saved.graph:
-        raise ValueError(f"run {args.resume} ran the graph {saved.graph!r}, not {args.graph!r}")
-    changed = sorted(key for key, value in overrides.items() if saved.context.get(key) != value)
-    if changed:
-        print(f"Resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
-    state = "finished; printing its result" if saved.finished else "continuing from its last finished node"
-    print(f"Run {args.resume} ({saved.graph}): {state}", file=sys.stderr)
-    return saved.graph, {}, saved.context | overrides
-
-
-def _same_options(options: Any) -> dict[str, str]:
-    """Options as the graph keeps them (keys 'a' and ' A ' are the option 'A'), to compare a resume's with its run's."""
-    if not isinstance(options, dict):
-        return {}
-    return {str(key).strip().upper(): str(text).strip() for key, text in options.items()}
-
-
-def _parse_options(pairs: list[str]) -> dict[str, str] | None:
-    options: dict[str, str] = {}
-    seen: dict[str, str] = {}  # upper-cased key → the key as given: 'a' and 'A' are one option
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"option {pair!r} must look like KEY=TEXT, e.g. 'A=Metformin'")
-        key = key.strip()
-        if key.upper() in seen:
-            raise ValueError(f"option {key!r} is given twice (-o {seen[key.upper()]}=... and -o {key}=...); "
-                             "option keys are letters A-Z, case-insensitive")
-        seen[key.upper()] = key
-        options[key] = text.strip()
-    return options or None
-
-
-def render_run(state: dict[str, Any], total_s: float) -> str:
-    """What `ask` prints: the question, what the graph's stages produced (the sections its state has), the answer."""
-    lines = [f"Question: {state['question']}"]
-    for key, text in (state.get("options") or {}).items():
-        lines.append(f"  {key}. {text}")
-    if "snippets" in state:
-        lines.append(f"\nRetrieved snippets ({len(state['snippets'])}):")
-        for i, s in enumerate(state["snippets"], 1):
-            lines.append(f"  [{i}] {s['id']}  score={s['score']:.3f}  source={s['source']}  title={s['title']!r}")
-            lines.append(f"      {s['text'][:240]}")
-    if "extractions" in state:
-        lines.append("\nExtracted triplets:")
-        for extraction in state["extractions"]:
-            status = "ok" if extraction["ok"] else f"unparsed ({extraction['error']})"
-            lines.append(f"  from {extraction['snippet_id']}: {status}")
-            for t in extraction["triplets"]:
-                lines.append(f"    ({t['condition']}) —[{t['relation']}]→ ({t['conclusion']})")
-    if "searches" in state:
-        lines.append(f"\nSearches ({len(state['searches'])}):")
-        lines.extend(f"  {s['query']!r} → {', '.join(s['snippet_ids']) or 'no results'}" for s in state["searches"])
-    if "specialty" in state:
-        lines.extend(_panel_lines(state))
-    answer = state.get("answer", {})
-    lines.append(f"\nReasoning: {answer.get('reasoning', '')[:400]}")
-    lines.append(f"Answer: {answer.get('answer')}  (parsed={answer.get('ok')}, well-formed={answer.get('well_formed')}"
-                 + (", read back from its reasoning" if answer.get("extracted") else "")
-                 + (f", error={answer.get('error')}" if answer.get("error") else "") + ")")
-    timings = state.get("timings", {})
-    lines.append("Timings: " + ", ".join(f"{k}={v:.2f}s" for k, v in timings.items()) + f", total={total_s:.2f}s")
-    lines.append(f"Run id: {state.get('run_id')} (see `ermedrag traces show {state.get('run_id')}`)")
-    return "\n".join(lines)
-
-
-def _panel_lines(state: dict[str, Any]) -> list[str]:
-    """MMedAgent-RL's triage and the specialists' opinions."""
-    triage = state.get("triage") or {}
-    fell_back = f" (fell back: {triage.get('reason')})" if triage.get("fell_back") else ""
-    lines = [f"\nTriage: {state['specialty']}{fell_back}", "Specialists:"]
-    for o in state.get("opinions", []):
-        lines.append(f"  {o['specialist']} ({o['specialty']}, {o['model']}): answer {o['answer']}  "
-                     f"{' '.join(str(o.get('reasoning', '')).split())[:160]}")
-    lines.append(f"Majority: {state.get('majority')}  bucket: {state.get('bucket')}  "
-                 f"attending followed it: {state.get('followed_majority')}")
-    return lines
-
-
-def _index(args: argparse.Namespace) -> int:
-    from ermedrag.tools.retrieval.corpus import read_corpus
-    from ermedrag.tools.retrieval.index import build_index
-
-    started = time.perf_counter()
-    corpus = read_corpus(args.paths, on_duplicate_id=args.on_duplicate_id, encoding=args.encoding)
-    print(f"read {len(corpus.documents)} documents in {time.perf_counter() - started:.1f}s")
-    stats = build_index(corpus.documents, Path(args.index_dir), encoder=args.encoder, chunk_size=args.chunk_size,
-                        chunk_overlap=args.chunk_overlap, chroma_url=args.chroma_url)
-    print(_index_summary(len(corpus.documents), corpus.summary(), stats, time.perf_counter() - started))
-    return 0
-
-
-def _index_summary(documents: int, left_out: str, stats: dict[str, Any], seconds: float) -> str:
-    """One line: documents (and what was renamed or left out), chunks new / already there / in the index."""
-    resumed, removed = stats["chunks_resumed"], stats["uncommitted_removed"]
-    new = stats["chunks_added"] + resumed
-    there = stats["chunks_seen"] - new
-    repairs = (f"; {resumed} of them left by an interrupted build" if resumed else "") + (
-        f"; removed {removed} uncommitted chunks of an interrupted build" if removed else "")
-    return (f"indexed {documents} documents" + (f" ({left_out})" if left_out else "")
-            + f": {new} new chunks ({there} already indexed{repairs}), {stats['chunks_total']} in the index; "
-            f"{seconds:.1f}s")
-
-
-def _eval(args: argparse.Namespace) -> int:
-    from ermedrag.tools.data.benchmarks import BENCHMARKS
-    from ermedrag.evals.runner import run_eval
-
-    benches = list(BENCHMARKS) if args.bench == "all" else [b.strip() for b in args.bench.split(",") if b.strip()]
-    systems = [s.strip() for s in args.system.split(",") if s.strip()]
-    summary = run_eval(systems, benches, args.model, args.out, data_dir=args.data, limit=args.limit, seed=args.seed,
-                       concurrency=args.concurrency, base_url=args.base_url, trace_db=args.trace_db,
-                       checkpoint_db=args.checkpoint_db, samples=args.samples, permute_options=args.permute_options,
-                       progress=True, **_context_overrides(args, systems),
-                       respondent_max_new_tokens=args.max_new_tokens)
-    for system, counts in summary.items():
-        print(f"{system}: {counts}")
-    from ermedrag.evals.report import write_report
-
-    written = write_report([args.out], args.out)
-    print(f"report: {written['report']}  plots: {', '.join(written['plots'])}")
-    return 0
-
-
-def _context_overrides(args: argparse.Namespace, systems: list[str]) -> dict[str, Any]:
-    """The graph context fields that `eval` and `run` set (None: the graph's default)."""
-    from ermedrag.evals.runner import parse_overrides
-
-    named = {"index_dir": args.index_dir, "snippets_k": args.snippets, "temperature": args.temperature,
-             **_server_overrides(args)}  # timeouts/retries: context fields outside every graph's settings
-    return {**named, **parse_overrides(args.settings, systems)}
-
-
-def _record(args: argparse.Namespace) -> int:
-    from ermedrag.evals.runner import run_eval
-    from ermedrag.tools.records.traces import default_trace_db
-
-    trace_db = args.trace_db or default_trace_db()
-    out = args.out or str(Path(trace_db).with_suffix("")) + "-runs"
-    summary = run_eval([args.system], [args.bench], args.model, out, data_dir=args.data, limit=args.limit,
-                       seed=args.seed, concurrency=args.concurrency, base_url=args.base_url, trace_db=trace_db,
-                       checkpoint_db=args.checkpoint_db, **_context_overrides(args, [args.system]))
-    print(f"{summary[args.system]}; traces in {trace_db}")
-    return 0
-
-
-def _export(args: argparse.Namespace) -> int:
-    from ermedrag.tools.records.traces import default_trace_db
-    from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, MedR3ExportConfig, export_dpo, export_grpo,
-                                 export_med_r3)
-
-    traces = args.traces or default_trace_db()
-    if not Path(traces).exists():
-        raise FileNotFoundError(f"no trace database at {traces}")
-    if args.kind == "mmedagent":
-        from ermedrag.training.mmedagent.data import MMedAgentExportConfig, export_mmedagent, export_summary
-
-        counts = export_mmedagent(MMedAgentExportConfig(traces=traces, out=args.out, data=args.data,
-                                                        questions=args.questions, limit=args.limit))
-        print(export_summary(counts, args.out))
-        return 0
-    if args.kind == "dpo":
-        counts = export_dpo(DPOExportConfig(
-            traces=traces, out=args.out, model=args.model, base_url=args.base_url, samples=args.samples,
-            temperature=args.temperature, margin=args.margin, usefulness=not args.no_usefulness, limit=args.limit,
-            close_cut_lists=args.close_cut_lists))
-    elif args.kind == "med-r3":
-        counts = export_med_r3(MedR3ExportConfig(traces=traces, out=args.out, questions=args.questions,
-                                                 qrels=args.qrels, corpus_dir=args.corpus_dir, limit=args.limit))
-    else:
-        counts = export_grpo(GRPOExportConfig(traces=traces, out=args.out, noise_fraction=args.noise,
-                                              seed=args.seed, limit=args.limit))
-    print(f"{args.kind}: {counts}; dataset in {Path(args.out) / 'dataset'} (datasets.load_from_disk)")
-    return 0
-
-
-def _train(args: argparse.Namespace) -> int:
-    if args.kind == "med-r3":
-        from ermedrag.training.med_r3.train import train_med_r3
-
-        summary = train_med_r3(args.config, stages=args.stages or "1,2,3")
-        print(json.dumps(summary, indent=2, default=str))
-        return 0
-    if args.kind == "mmedagent":
-        from ermedrag.training.mmedagent.train import train_mmedagent
-
-        summary = train_mmedagent(args.config, stages=args.stages)
-        print(json.dumps(summary, indent=2, default=str))
-        return 0
-    from ermedrag.training.trainers import train_from_file
-
-    summary = train_from_file(args.kind, args.config)
-    print(json.dumps({k: v for k, v in summary.items() if k != "final_metrics"}, indent=2, default=str))
-    return 0
-
-
-def _report(args: argparse.Namespace) -> int:
-    from ermedrag.evals.report import write_report
-
-    written = write_report(args.results, args.out or args.results[0], trace_db=args.trace_db,
-                           corpus_dir=args.corpus_dir, qrels=args.qrels, judge=args.judge, base_url=args.base_url)
-    print(Path(written["report"]).read_text())
-    print(f"plots: {', '.join(written['plots'])}")
-    return 0
-
-
-def _traces(args: argparse.Namespace) -> int:
-    from ermedrag.tools.records.traces import TraceStore, default_trace_db
-
-    path = Path(args.db or default_trace_db())
-    if not path.exists():
-        raise FileNotFoundError(f"no trace database at {path}")
-    store = TraceStore(path)
-    if args.action == "list":
-        for run in store.runs(args.limit):
-            answer = (run.get("answer") or {}).get("answer")
-            outcome = {"finished": f"answer={answer}", "failed": "FAILED"}.get(run["status"], "unfinished")
-            error = f"  error: {' '.join(run['error'].split())[:300]}" if run["status"] == "failed" else ""
-            print(f"{run['run_id']}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run['created_at']))}  "
-                  f"{run['graph']}  events={run['n_events']}  retrievals={run['n_retrievals']}  {outcome}  "
-                  f"gold={run['gold']}  "
-                  f"{run['question']['question'][:60]!r}{error}")
-        return 0
-    if not args.run_id:
-        raise ValueError("traces show needs a run id (see `ermedrag traces list`)")
-    run = store.run(args.run_id)
-    if run is None:
-        raise ValueError(f"no run {args.run_id!r} in {path}")
-    events = [{k: v for k, v in e.items() if k != "logprobs"} for e in store.events(run_id=args.run_id)]
-    retrievals = [_retrieval_view(r) for r in store.retrievals(args.run_id)]
-    print(json.dumps({"run": run, "events": events, "retrievals": retrievals}, indent=2, default=str))
-    return 0
-
-
-def _retrieval_view(retrieval: dict[str, Any]) -> dict[str, Any]:
-    """A retrieval event with one line per snippet (`id  score`) instead of a block of JSON each."""
-    lines = [f"{s['id']}  {s['score']:.4f}" if isinstance(s.get("score"), (int, float)) else str(s.get("id"))
-             for s in retrieval["snippets"] or []]
-    return retrieval | {"snippets": lines}
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        dest="request_timeout_s",
+        metavar="SECONDS",
+        help="seconds a model server may take to answer one request (default 60; env ERMEDRAG_REQUEST_TIMEOUT_S)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=None,
+        dest="connect_timeout_s",
+        metavar="SECONDS",
+        help="seconds to connect to a model server (default 5; env ERMEDRAG_CONNECT_TIMEOUT_S)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        dest="max_retries",
+        metavar="N",
+        help="retries of a failed model-server request, with exponential backoff (default 2; env ERMEDRAG_MAX_RETRIES)",
+    )
 
 
 if __name__ == "__main__":

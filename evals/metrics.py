@@ -98,7 +98,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     stages: dict[str, list[float | None]] = defaultdict(list)
     for r in rows:
         timings = r.get("timings")
-        for stage, seconds in (timings.items() if isinstance(timings, dict) else ()):
+        for stage, seconds in timings.items() if isinstance(timings, dict) else ():
             stages[str(stage)].append(number(seconds))
     entropy, entropy_note = _entropy(rows)
     token_entropies = [number(r.get("token_entropy")) for r in rows]

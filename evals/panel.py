@@ -40,10 +40,15 @@ def _config_summary(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
     buckets = Counter(r.get("bucket") or "unknown" for r in rows)
     followed = [bool(r["followed_majority"]) for r in rows if r.get("followed_majority") is not None]
     return {
-        "system": config.get("system"), "model": config.get("model"), "n": len(rows),
-        "triage": {**_rate(labelled), "unlabelled": len(rows) - len(labelled),
-                   "fell_back": sum(bool(r.get("triage_fell_back")) for r in rows),
-                   "specialties": dict(Counter(r.get("specialty") or "none" for r in rows).most_common())},
+        "system": config.get("system"),
+        "model": config.get("model"),
+        "n": len(rows),
+        "triage": {
+            **_rate(labelled),
+            "unlabelled": len(rows) - len(labelled),
+            "fell_back": sum(bool(r.get("triage_fell_back")) for r in rows),
+            "specialties": dict(Counter(r.get("specialty") or "none" for r in rows).most_common()),
+        },
         "buckets": {name: buckets.get(name, 0) for name in (*BUCKETS, "unknown")},
         "attending": _rate([bool(r.get("correct")) for r in rows]),
         "majority_vote": _rate([bool(r.get("majority_correct")) for r in rows]),
@@ -64,18 +69,26 @@ def panel_section(rows: Iterable[Mapping[str, Any]], labels: Mapping[str, str] |
     summary = panel_summary(rows)
     if summary is None:
         return ""
-    lines = ["", "## Panel (MMedAgent-RL)", "",
-             "Triage accuracy counts questions whose benchmark metadata names a specialty (`tools/data/specialties.py`: "
-             "MedMCQA subject, MedXpertQA body system); others are unlabelled, not wrong. Buckets: the share s of "
-             "specialists who were right (easy s = 1, medium 0 < s < 1, hard s = 0). The majority vote is the "
-             "specialists' most common answer in the same runs (a tie goes to the answer given first, as in the "
-             "attending's own vote): the attending should beat it.",
-             "", "| configuration | triage accuracy | unlabelled | fell back | easy / medium / hard | attending "
-             "accuracy | majority-vote accuracy | followed majority |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Panel (MMedAgent-RL)",
+        "",
+        "Triage accuracy counts questions whose benchmark metadata names a specialty (`tools/data/specialties.py`: "
+        "MedMCQA subject, MedXpertQA body system); others are unlabelled, not wrong. Buckets: the share s of "
+        "specialists who were right (easy s = 1, medium 0 < s < 1, hard s = 0). The majority vote is the "
+        "specialists' most common answer in the same runs (a tie goes to the answer given first, as in the "
+        "attending's own vote): the attending should beat it.",
+        "",
+        "| configuration | triage accuracy | unlabelled | fell back | easy / medium / hard | attending "
+        "accuracy | majority-vote accuracy | followed majority |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, s in summary.items():
         label = (labels or {}).get(key) or f"{s['system']} · {s['model']}"
         mix = " / ".join(str(s["buckets"][name]) for name in BUCKETS)
-        lines.append(f"| {label} | {_cell(s['triage'])} | {s['triage']['unlabelled']} | {s['triage']['fell_back']} | "
-                     f"{mix} | {_cell(s['attending'])} | {_cell(s['majority_vote'])} | "
-                     f"{_cell(s['followed_majority'])} |")
+        lines.append(
+            f"| {label} | {_cell(s['triage'])} | {s['triage']['unlabelled']} | {s['triage']['fell_back']} | "
+            f"{mix} | {_cell(s['attending'])} | {_cell(s['majority_vote'])} | "
+            f"{_cell(s['followed_majority'])} |"
+        )
     return "\n".join(lines) + "\n"

@@ -65,9 +65,14 @@ def position_bias_summary(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[s
 
 def _config_summary(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
     config = rows[0].get("config") or {}
-    return {"system": config.get("system"), "model": config.get("model"),
-            "orders": max(_orders(r) for r in rows), "by_order": _accuracy_by_order(rows),
-            "consistency": _consistency(rows), "positions": _positions(rows)}
+    return {
+        "system": config.get("system"),
+        "model": config.get("model"),
+        "orders": max(_orders(r) for r in rows),
+        "by_order": _accuracy_by_order(rows),
+        "consistency": _consistency(rows),
+        "positions": _positions(rows),
+    }
 
 
 def _orders(row: Mapping[str, Any]) -> int:
@@ -81,8 +86,10 @@ def _accuracy_by_order(rows: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
         tally = counts[int(row.get("order") or 0)]
         tally[0] += bool(row.get("correct"))
         tally[1] += 1
-    return [{"order": order, "n": n, "correct": correct, "accuracy": correct / n,
-             "ci95": list(wilson_interval(correct, n))} for order, (correct, n) in sorted(counts.items())]
+    return [
+        {"order": order, "n": n, "correct": correct, "accuracy": correct / n, "ci95": list(wilson_interval(correct, n))}
+        for order, (correct, n) in sorted(counts.items())
+    ]
 
 
 def _consistency(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -94,12 +101,15 @@ def _consistency(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
         unit = (row.get("benchmark"), row.get("question_id"), row.get("sample", 0))
         answers[unit][int(row.get("order") or 0)] = row.get("answer")
         wanted[unit] = max(wanted.get(unit, 1), _orders(row))
-    complete = [by_order for unit, by_order in answers.items()
-                if wanted[unit] > 1 and set(by_order) >= set(range(wanted[unit]))]
-    consistent = sum(1 for by_order in complete
-                     if None not in by_order.values() and len(set(by_order.values())) == 1)
-    return {"questions": len(complete), "consistent": consistent,
-            "rate": consistent / len(complete) if complete else None}
+    complete = [
+        by_order for unit, by_order in answers.items() if wanted[unit] > 1 and set(by_order) >= set(range(wanted[unit]))
+    ]
+    consistent = sum(1 for by_order in complete if None not in by_order.values() and len(set(by_order.values())) == 1)
+    return {
+        "questions": len(complete),
+        "consistent": consistent,
+        "rate": consistent / len(complete) if complete else None,
+    }
 
 
 def _positions(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -117,10 +127,15 @@ def _positions(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
             tally = by_gold[str(row["gold_position"])]
             tally[0] += bool(row.get("correct"))
             tally[1] += 1
-    return {"letters": letters, "n": n, "unanswered": len(rows) - n,
-            "chosen": {k: chosen[k] for k in letters}, "gold": {k: gold[k] for k in letters},
-            "total_variation": distance,
-            "accuracy_by_gold_position": {k: {"n": t[1], "accuracy": t[0] / t[1]} for k, t in sorted(by_gold.items())}}
+    return {
+        "letters": letters,
+        "n": n,
+        "unanswered": len(rows) - n,
+        "chosen": {k: chosen[k] for k in letters},
+        "gold": {k: gold[k] for k in letters},
+        "total_variation": distance,
+        "accuracy_by_gold_position": {k: {"n": t[1], "accuracy": t[0] / t[1]} for k, t in sorted(by_gold.items())},
+    }
 
 
 # ------------------------------------------------------------------------------------------- markdown
@@ -141,40 +156,60 @@ def position_bias_section(rows: Iterable[Mapping[str, Any]]) -> str:
     if summary is None:
         return ""
     orders = max(s["orders"] for s in summary.values())
-    lines = ["", "## Position bias", "",
-             "Each question was also asked with its options in other orders (`--permute-options`): order i moves "
-             "every option's text i letters up, wrapping around, over the same letters. Answers are mapped back to "
-             "the option text before scoring, so accuracy compares across orders. Accuracy % per order (Wilson 95% "
-             "interval, n answers); consistency: the share of questions whose chosen option text is the same in every "
-             "order they were asked in (questions answered in all of them; an unparsed answer is never consistent).",
-             "", "| system | model | " + " | ".join(f"order {i}" for i in range(orders))
-             + " | consistency | TV distance chosen vs gold position |",
-             "|---|---|" + "---|" * (orders + 2)]
+    lines = [
+        "",
+        "## Position bias",
+        "",
+        "Each question was also asked with its options in other orders (`--permute-options`): order i moves "
+        "every option's text i letters up, wrapping around, over the same letters. Answers are mapped back to "
+        "the option text before scoring, so accuracy compares across orders. Accuracy % per order (Wilson 95% "
+        "interval, n answers); consistency: the share of questions whose chosen option text is the same in every "
+        "order they were asked in (questions answered in all of them; an unparsed answer is never consistent).",
+        "",
+        "| system | model | "
+        + " | ".join(f"order {i}" for i in range(orders))
+        + " | consistency | TV distance chosen vs gold position |",
+        "|---|---|" + "---|" * (orders + 2),
+    ]
     for s in summary.values():
         by_order = {entry["order"]: entry for entry in s["by_order"]}
         cells = [_accuracy_cell(by_order[i]) if i in by_order else "–" for i in range(orders)]
         consistency = s["consistency"]
         distance = s["positions"]["total_variation"]
-        lines.append(f"| {s['system']} | {s['model']} | " + " | ".join(cells)
-                     + f" | {_pct(consistency['rate'])} (n={consistency['questions']}) | "
-                     + ("–" if distance is None else f"{distance:.3f}") + " |")
-    lines += ["", "Letter positions the model chose against those where the gold option stood (answers it gave, all "
-              "orders), and accuracy by where the gold stood:", "",
-              "| system | model | position | chosen | gold | accuracy when gold here |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {s['system']} | {s['model']} | "
+            + " | ".join(cells)
+            + f" | {_pct(consistency['rate'])} (n={consistency['questions']}) | "
+            + ("–" if distance is None else f"{distance:.3f}")
+            + " |"
+        )
+    lines += [
+        "",
+        "Letter positions the model chose against those where the gold option stood (answers it gave, all "
+        "orders), and accuracy by where the gold stood:",
+        "",
+        "| system | model | position | chosen | gold | accuracy when gold here |",
+        "|---|---|---|---|---|---|",
+    ]
     for s in summary.values():
         positions = s["positions"]
         for letter in positions["letters"]:
             by_gold = positions["accuracy_by_gold_position"].get(letter)
             accuracy = f"{_pct(by_gold['accuracy'])} (n={by_gold['n']})" if by_gold else "–"
-            lines.append(f"| {s['system']} | {s['model']} | {letter} | {positions['chosen'][letter]} | "
-                         f"{positions['gold'][letter]} | {accuracy} |")
-    lines += ["", "What this shows: whether accuracy depends on where the right option stands, whether a system keeps "
-              "its answer when only the order changes, and which letters it prefers beyond where the gold stood "
-              "(total variation distance: 0 = it picks each letter as often as the gold stands there, 1 = the letters it "
-              "picks and those where the gold stood never overlap). "
-              "What it cannot show: only cyclic shifts are asked (N of the n! orders; an option keeps its neighbours), "
-              "so a bias tied to which options stand together goes unseen; at temperature > 0 an inconsistent answer "
-              "may be sampling noise rather than position bias (compare answer entropy from `--samples`); with fewer "
-              "orders than options the gold does not stand equally often at every letter; and differences between "
-              "orders inside their intervals, or over few questions, are noise."]
+            lines.append(
+                f"| {s['system']} | {s['model']} | {letter} | {positions['chosen'][letter]} | "
+                f"{positions['gold'][letter]} | {accuracy} |"
+            )
+    lines += [
+        "",
+        "What this shows: whether accuracy depends on where the right option stands, whether a system keeps "
+        "its answer when only the order changes, and which letters it prefers beyond where the gold stood "
+        "(total variation distance: 0 = it picks each letter as often as the gold stands there, 1 = the letters it "
+        "picks and those where the gold stood never overlap). "
+        "What it cannot show: only cyclic shifts are asked (N of the n! orders; an option keeps its neighbours), "
+        "so a bias tied to which options stand together goes unseen; at temperature > 0 an inconsistent answer "
+        "may be sampling noise rather than position bias (compare answer entropy from `--samples`); with fewer "
+        "orders than options the gold does not stand equally often at every letter; and differences between "
+        "orders inside their intervals, or over few questions, are noise.",
+    ]
     return "\n".join(lines) + "\n"

@@ -136,8 +136,10 @@ def context_scores(retrieved: Sequence[str], gold: GoldEvidence) -> dict[str, fl
 
 def _scores_for(items: Sequence[tuple[list[str], GoldEvidence]]) -> list[dict[str, float | None]]:
     raw = id_scores([(retrieved, gold.reference_ids(retrieved)) for retrieved, gold in items])
-    return [{"context_precision": p, "context_recall": r if gold.complete else None}
-            for (p, r), (_, gold) in zip(raw, items)]
+    return [
+        {"context_precision": p, "context_recall": r if gold.complete else None}
+        for (p, r), (_, gold) in zip(raw, items)
+    ]
 
 
 def _result_rows(result_dirs: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
@@ -203,8 +205,9 @@ def rag_quality(
         if not retrieved:
             skipped["no_retrieval"] += 1
             continue
-        items.append(((_system(row, store), benchmark), str((row.get("config") or {}).get("model") or ""),
-                      retrieved, gold))
+        items.append(
+            ((_system(row, store), benchmark), str((row.get("config") or {}).get("model") or ""), retrieved, gold)
+        )
 
     scores = _scores_for([(retrieved, gold) for _, _, retrieved, gold in items])
     grouped: dict[tuple[str, str], list[tuple[str, dict[str, float | None]]]] = defaultdict(list)
@@ -214,14 +217,23 @@ def rag_quality(
     for (system, benchmark), entries in sorted(grouped.items()):
         precision, _ = _mean([s["context_precision"] for _, s in entries])
         recall, n_recall = _mean([s["context_recall"] for _, s in entries])
-        groups.append({"system": system, "benchmark": benchmark, "n": len(entries),
-                       "context_precision": precision, "context_recall": recall, "n_recall": n_recall,
-                       "models": sorted({m for m, _ in entries if m})})
+        groups.append(
+            {
+                "system": system,
+                "benchmark": benchmark,
+                "n": len(entries),
+                "context_precision": precision,
+                "context_recall": recall,
+                "n_recall": n_recall,
+                "models": sorted({m for m, _ in entries if m}),
+            }
+        )
     classes = metric_classes()
     return {
         "backend": BACKEND,
-        "metrics": {name: f"{cls.__module__}.{cls.__qualname__}" if cls else "fallback"
-                    for name, cls in classes.items()},
+        "metrics": {
+            name: f"{cls.__module__}.{cls.__qualname__}" if cls else "fallback" for name, cls in classes.items()
+        },
         "groups": groups,
         "skipped": skipped,
         "notes": notes,
@@ -274,7 +286,8 @@ def build_judge(
     if not judge_model:
         raise JudgeUnavailable(
             "judge_metrics needs a judge model: pass judge_model, e.g. 'openai:Qwen/Qwen3-8B' with base_url "
-            "of an OpenAI-compatible server, or 'hf:<local model path>'")
+            "of an OpenAI-compatible server, or 'hf:<local model path>'"
+        )
     from ragas.embeddings.base import BaseRagasEmbeddings
     from ragas.llms import LangchainLLMWrapper
     from ragas.metrics._answer_relevance import ResponseRelevancy
@@ -331,11 +344,20 @@ def judge_samples(
         answer = parsed.get("answer")
         option = (inputs.get("options") or {}).get(answer) if answer else None
         final = f"{answer}. {option}" if option else str(answer or "")
-        response = "\n".join(p for p in (str(parsed.get("reasoning") or "").strip(), f"Answer: {final}" if final else "") if p)
-        samples.append({"user_input": inputs.get("question") or "", "response": response or respondent["completion"],
-                        "retrieved_contexts": contexts, "run_id": run_id,
-                        "benchmark": row.get("benchmark"), "question_id": row.get("question_id"),
-                        "system": (row.get("config") or {}).get("system") or row.get("system")})
+        response = "\n".join(
+            p for p in (str(parsed.get("reasoning") or "").strip(), f"Answer: {final}" if final else "") if p
+        )
+        samples.append(
+            {
+                "user_input": inputs.get("question") or "",
+                "response": response or respondent["completion"],
+                "retrieved_contexts": contexts,
+                "run_id": run_id,
+                "benchmark": row.get("benchmark"),
+                "question_id": row.get("question_id"),
+                "system": (row.get("config") or {}).get("system") or row.get("system"),
+            }
+        )
     return samples
 
 
@@ -363,9 +385,11 @@ def judge_metrics(
         semaphore = asyncio.Semaphore(max(1, concurrency))
 
         async def one(row: dict[str, Any]) -> dict[str, Any]:
-            sample = SingleTurnSample(user_input=str(row.get("user_input") or ""),
-                                      response=str(row.get("response") or ""),
-                                      retrieved_contexts=[str(c) for c in row.get("retrieved_contexts") or []])
+            sample = SingleTurnSample(
+                user_input=str(row.get("user_input") or ""),
+                response=str(row.get("response") or ""),
+                retrieved_contexts=[str(c) for c in row.get("retrieved_contexts") or []],
+            )
             out = dict(row)
             async with semaphore:
                 for name, metric in metrics.items():
@@ -383,6 +407,10 @@ def judge_metrics(
     for name in metrics:
         mean, n = _mean([r.get(name) for r in scored])
         means[name] = {"mean": mean, "n": n}
-    return {"judge": judge_model, "metrics": {n: f"{type(m).__module__}.{type(m).__qualname__}" for n, m in metrics.items()},
-            "relevancy_skipped": None if "answer_relevancy" in metrics else "relevancy=False",
-            "rows": scored, "summary": means}
+    return {
+        "judge": judge_model,
+        "metrics": {n: f"{type(m).__module__}.{type(m).__qualname__}" for n, m in metrics.items()},
+        "relevancy_skipped": None if "answer_relevancy" in metrics else "relevancy=False",
+        "rows": scored,
+        "summary": means,
+    }

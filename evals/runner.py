@@ -18,16 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
@@ -35,232 +33,29 @@ from ermedrag.tools.data.benchmarks import BadRow, Question, load_benchmark, loa
 from ermedrag.tools.model_server import ModelServerError
 from ermedrag.tools.retrieval.encoder import load_encoder
 from ermedrag.tools.retrieval.search import load_cross_encoder
-from ermedrag.tools.data.specialties import gold_specialty_for
-from ermedrag.agents import attending, triage
 from ermedrag.graphs.state import MAX_OPTIONS
 from ermedrag.graphs.steps import chat_model, index_for, retrieval_config
-from ermedrag.tools.settings import parse_bool
 from ermedrag.graphs.durable import arun_durably, describe_target, durable, open_async_saver, run_config
-from ermedrag.graphs.registry import context_fields, graph_spec, load_graph, resolved_settings
-from ermedrag.tools.records.jsonl import AppendLog, read_records
+from ermedrag.graphs.registry import context_fields, graph_spec, load_graph
+from ermedrag.tools.records.jsonl import AppendLog
 from ermedrag.tools.records.traces import TraceStore, default_trace_db
-from ermedrag.evals.position_bias import option_orders, original_key, rotate_options, shown_key
 from ermedrag.evals.servers import ServerPool, server_list
+from ermedrag.evals.rows import (
+    EvalConfig,
+    Asking,
+    askings,
+    done_keys,
+    question_thread,
+    failure_record,
+    result_row,
+    panel_inputs,
+)
 
 RESULTS = "results.jsonl"
 BAD_ROWS = "bad_rows.jsonl"
 FAILURES = "failures.jsonl"
 LOCK = ".lock"
 CHECKPOINTS = "checkpoints.sqlite"
-MAX_ERROR_CHARS = 2000  # a server's error text is untrusted and unbounded
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """What defines a result: the graph, its prompts' version and every setting it uses (`graphs.registry`), the
-    samples per question. Change any of them and the questions are answered again. `plumbing` holds the other
-    context fields given (where the vectors are served, ...): they reach the graph but do not change its answers,
-    so not the key."""
-
-    system: str
-    settings: dict[str, Any] = field(default_factory=dict)
-    samples: int = 1
-    plumbing: dict[str, Any] = field(default_factory=dict)
-    prompt_version: str = ""  # the graph's prompts (`graphs.registry.PROMPT_VERSIONS`); "" = the current ones
-
-    def __post_init__(self) -> None:
-        if not self.prompt_version:
-            object.__setattr__(self, "prompt_version", graph_spec(self.system).prompt_version)
-
-    @classmethod
-    def for_graph(cls, system: str, overrides: Mapping[str, Any] | None = None, samples: int = 1) -> EvalConfig:
-        """`system`'s settings with `overrides` (context fields; None = the default) applied."""
-        known = context_fields(system)
-        given = {key: value for key, value in (overrides or {}).items() if value is not None and key in known}
-        settings = resolved_settings(system, given)
-        if samples > 1 and settings.get("temperature", 0) <= 0:
-            raise ValueError("--samples > 1 measures answer entropy and needs --temperature > 0")
-        plumbing = {key: value for key, value in given.items() if key not in settings}
-        load_graph(system).context_schema(**settings, **plumbing)  # a bad value fails here, before any question
-        return cls(system=system, settings=settings, samples=samples, plumbing=plumbing)
-
-    @property
-    def model(self) -> str:
-        """The chat models the graph uses, for labels: one name when every role has the same model."""
-        models = [str(v) for k, v in self.settings.items() if k.endswith("_model") and v]
-        return " + ".join(dict.fromkeys(models))
-
-    def record(self) -> dict[str, Any]:
-        return {"system": self.system, "model": self.model, "settings": self.settings, "samples": self.samples,
-                "prompt_version": self.prompt_version}
-
-    def key(self) -> str:
-        identity = {"system": self.system, "prompt_version": self.prompt_version, "settings": self.settings,
-                    "samples": self.samples}
-        return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-    def context(self, base_url: str | None, trace_db: str) -> dict[str, Any]:
-        return {**self.plumbing, **self.settings, "trace_db": trace_db, **({"base_url": base_url} if base_url else {})}
-
-
-def parse_overrides(pairs: Iterable[str], systems: Iterable[str]) -> dict[str, Any]:
-    """`KEY=VALUE` strings → context overrides, each value converted to the type of the field it sets (a bool
-    field takes true/false, 1/0, yes/no, on/off); a key that no graph in `systems` has is an error naming the keys
-    they do have."""
-    types: dict[str, Any] = {}
-    for system in systems:
-        schema = load_graph(system).context_schema
-        types.update(typing.get_type_hints(schema))
-    overrides = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or key not in types:
-            raise ValueError(f"--set {pair!r}: expected KEY=VALUE with KEY among {', '.join(sorted(types))}")
-        kind = types[key]
-        try:
-            overrides[key] = parse_bool(value) if kind is bool else kind(value) if kind in (int, float) else value
-        except ValueError:
-            takes = "true or false" if kind is bool else f"a{'n' if kind is int else ''} {kind.__name__}"
-            raise ValueError(f"--set {pair!r}: {key} takes {takes}") from None
-    return overrides
-
-
-@dataclass(frozen=True)
-class Asking:
-    """One time a question is asked: which sample, and in which of its `orders` option orders (0 = as given)."""
-
-    question: Question
-    sample: int = 0
-    order: int = 0
-    orders: int = 1
-
-    @property
-    def options(self) -> dict[str, str]:
-        """The options as this order shows them (`evals.position_bias.rotate_options`)."""
-        options = self.question.options
-        return rotate_options(options, self.order) if self.order and options else options
-
-    @property
-    def shown_gold(self) -> str | None:
-        """The letter the gold option stands at in this order."""
-        if not self.question.options:
-            return self.question.answer
-        return shown_key(list(self.question.options), self.question.answer, self.order)
-
-    def key(self, config: EvalConfig) -> tuple[str, str, str, int, int]:
-        return (config.key(), self.question.benchmark, self.question.id, self.sample, self.order)
-
-
-def askings(question: Question, samples: int, permute_options: int) -> list[Asking]:
-    """Every (order, sample) a question is asked in: orders interleaved, so a cut-short run has whole questions."""
-    orders = option_orders(question.options, permute_options)
-    return [Asking(question, sample, order, orders) for order in range(orders) for sample in range(samples)]
-
-
-def done_keys(path: Path) -> set[tuple[str, str, str, int, int]]:
-    """Keys already recorded, (config, benchmark, question, sample, order); a row written before orders existed is
-    order 0. A line cut short by a kill is not one: its question is redone."""
-    return {(r["config_key"], r["benchmark"], r["question_id"], r["sample"], int(r.get("order") or 0))
-            for r in read_records(path) if {"config_key", "benchmark", "question_id", "sample"} <= r.keys()}
-
-
-def question_thread(out_dir: Path, config: EvalConfig, question: Question, sample: int, order: int = 0) -> str:
-    """The checkpoint thread of one (config, question, sample, order) of this results folder: the same on every
-    rerun (so a rerun finds it), different for another folder (so folders sharing a Postgres store never meet).
-    Order 0 is named as before orders existed, so a run killed before them continues."""
-    identity = [str(out_dir.resolve()), config.key(), question.benchmark, question.id, sample]
-    identity += [order] if order else []
-    return "eval-" + hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]
-
-
-def failure_record(config: EvalConfig, question: Question, sample: int, thread_id: str,
-                   err: BaseException, order: int = 0) -> dict[str, Any]:
-    """One line of `failures.jsonl`: which question failed, how, and when."""
-    return {"config_key": config.key(), "system": config.system, "benchmark": question.benchmark,
-            "question_id": question.id, "sample": sample, "order": order, "thread_id": thread_id,
-            "error_type": type(err).__name__, "error": str(err)[:MAX_ERROR_CHARS], "time": time.time()}
-
-
-def respondent_stats(store: TraceStore, run_id: str) -> dict[str, Any]:
-    """Tokens over the whole run, and the mean token entropy of the respondent's completion (when known)."""
-    return token_stats(list(store.events(run_id=run_id)))
-
-
-def token_stats(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """`respondent_stats` of a run's events."""
-    output_tokens, entropy = 0, None
-    for event in events:
-        output_tokens += (event.get("usage") or {}).get("output_tokens", 0)
-        if event["agent"] == "respondent":
-            values = [t["entropy"] for t in event.get("logprobs") or [] if t.get("entropy") is not None]
-            entropy = sum(values) / len(values) if values else None
-    return {"output_tokens": output_tokens, "token_entropy": entropy}
-
-
-def call_seconds(events: list[dict[str, Any]]) -> dict[str, float | None]:
-    """The model's own time over a run's calls (`compute_s`, else the call's `latency_s`), and the time the calls
-    waited before computing (`queue_s`, summed; None when no call recorded it: a backend that does not queue)."""
-    model_seconds, wait_seconds = 0.0, None
-    for event in events:
-        compute = event.get("compute_s")
-        model_seconds += float(compute if compute is not None else event.get("latency_s") or 0.0)
-        if event.get("queue_s") is not None:
-            wait_seconds = (wait_seconds or 0.0) + float(event["queue_s"])
-    return {"model_seconds": model_seconds, "wait_seconds": wait_seconds}
-
-
-def result_row(config: EvalConfig, asking: Asking, state: dict[str, Any], store: TraceStore,
-               seconds: float) -> dict[str, Any]:
-    """The row of one answered question. `answer`, `gold` and `correct` are in the question's own option keys
-    whatever order it was asked in; `answer_position`/`gold_position` are the letters in the order it saw."""
-    question = asking.question
-    answer = state.get("answer") or {}
-    shown = answer.get("answer")
-    keys = list(question.options or {})
-    chosen = original_key(keys, shown, asking.order) if keys else shown
-    events = list(store.events(run_id=state["run_id"]))
-    return {
-        "config_key": config.key(), "config": config.record(), "benchmark": question.benchmark,
-        "question_id": question.id, "subject": question.subject, "sample": asking.sample, "order": asking.order,
-        "orders": asking.orders, "options_count": len(keys), "gold": question.answer, "answer": chosen,
-        "answer_position": shown if shown in keys else None, "gold_position": asking.shown_gold,
-        "ok": bool(answer.get("ok")), "well_formed": bool(answer.get("well_formed")),
-        "extracted": bool(answer.get("extracted")), "correct": chosen == question.answer,
-        "error": answer.get("error"),
-        "run_id": state.get("run_id"), "timings": state.get("timings", {}), "seconds": seconds,
-        **token_stats(events), **call_seconds(events),
-        **panel_fields(state, asking, config.settings.get("specialties")),
-    }
-
-
-def panel_inputs(graph_inputs: set[str], question: Question) -> dict[str, Any]:
-    """A panel graph's extra input: the question's specialty from its benchmark metadata (`tools.specialties`),
-    the triage's gold label; nothing for a graph without that input or a question no table labels."""
-    specialty = gold_specialty_for(question) if "gold_specialty" in graph_inputs else None
-    return {"gold_specialty": specialty} if specialty else {}
-
-
-def panel_fields(state: Mapping[str, Any], asking: Asking, specialties: str | None) -> dict[str, Any]:
-    """A panel graph's (`mmedagent`) row fields: the specialty triage chose and whether it was the gold one (None
-    when no gold specialty is known or the configuration's list lacks it), the curriculum bucket, and the
-    specialists' majority vote (ties go to the answer given first, the attending's own rule) in the question's
-    own keys and whether it was right: the majority-vote baseline, from the same run."""
-    if "specialty" not in state:
-        return {}
-    keys = list(asking.question.options or {})
-    answers = [o.get("answer") for o in state.get("opinions", [])]
-    chosen = attending.vote(answers)
-    majority = answers[chosen] if chosen is not None else None
-    majority = original_key(keys, majority, asking.order) if keys else majority
-    # The gold the run was given (`panel_inputs`), spelled as the configuration's list spells it (None if absent).
-    gold_specialty = triage.canonical_specialty(state.get("gold_specialty"),
-                                               triage.parse_specialties(specialties or ",".join(triage.SPECIALTIES)))
-    return {"specialty": state.get("specialty"), "gold_specialty": gold_specialty,
-            "triage_correct": None if gold_specialty is None else state.get("specialty") == gold_specialty,
-            "triage_fell_back": bool((state.get("triage") or {}).get("fell_back")), "bucket": state.get("bucket"),
-            "majority": majority, "majority_correct": majority is not None and majority == asking.question.answer,
-            "followed_majority": state.get("followed_majority")}
 
 
 @dataclass
@@ -292,8 +87,9 @@ class Progress:
         self.bar.close()
 
 
-def pending(config: EvalConfig, questions: list[Question], out_dir: Path, permute_options: int
-            ) -> tuple[list[Asking], int]:
+def pending(
+    config: EvalConfig, questions: list[Question], out_dir: Path, permute_options: int
+) -> tuple[list[Asking], int]:
     """The askings of `config` not yet recorded in `out_dir`, and how many are."""
     done = done_keys(out_dir / RESULTS)
     every = [a for q in questions for a in askings(q, config.samples, permute_options)]
@@ -348,27 +144,63 @@ async def run_questions(
     todo, _ = pending(config, questions, out_dir, permute_options)
     bar = Progress(len(todo), f"{config.system} {config.model}", progress)
     try:
-        outcome = await answer_config(config, questions, out_dir, bar, concurrency=concurrency, base_url=base_url,
-                                      trace_db=trace_db, checkpoint_db=checkpoint_db, permute_options=permute_options)
+        outcome = await answer_config(
+            config,
+            questions,
+            out_dir,
+            bar,
+            concurrency=concurrency,
+            base_url=base_url,
+            trace_db=trace_db,
+            checkpoint_db=checkpoint_db,
+            permute_options=permute_options,
+        )
     finally:
         bar.close()
     report_failures([outcome], out_dir, checkpoint_db or str(out_dir / CHECKPOINTS))
     return outcome.counts
 
 
-async def answer_config(config: EvalConfig, questions: list[Question], out_dir: Path, bar: Progress, *,
-                        concurrency: int, base_url: str | Sequence[str] | None, trace_db: str | None, checkpoint_db: str | None,
-                        permute_options: int) -> Outcome:
+async def answer_config(
+    config: EvalConfig,
+    questions: list[Question],
+    out_dir: Path,
+    bar: Progress,
+    *,
+    concurrency: int,
+    base_url: str | Sequence[str] | None,
+    trace_db: str | None,
+    checkpoint_db: str | None,
+    permute_options: int,
+) -> Outcome:
     """`run_questions` without printing, moving `bar` (shared by the eval's configurations)."""
     checkpoint_db = checkpoint_db or str(out_dir / CHECKPOINTS)
     async with open_async_saver(checkpoint_db) as saver:
-        return await _answer_config(config, questions, out_dir, saver, bar, concurrency=concurrency,
-                                    base_url=base_url, trace_db=trace_db, permute_options=permute_options)
+        return await _answer_config(
+            config,
+            questions,
+            out_dir,
+            saver,
+            bar,
+            concurrency=concurrency,
+            base_url=base_url,
+            trace_db=trace_db,
+            permute_options=permute_options,
+        )
 
 
-async def _answer_config(config: EvalConfig, questions: list[Question], out_dir: Path, saver: BaseCheckpointSaver,
-                         bar: Progress, *, concurrency: int, base_url: str | Sequence[str] | None, trace_db: str | None,
-                         permute_options: int) -> Outcome:
+async def _answer_config(
+    config: EvalConfig,
+    questions: list[Question],
+    out_dir: Path,
+    saver: BaseCheckpointSaver,
+    bar: Progress,
+    *,
+    concurrency: int,
+    base_url: str | Sequence[str] | None,
+    trace_db: str | None,
+    permute_options: int,
+) -> Outcome:
     graph = durable(load_graph(config.system), saver)
     graph_inputs = set(graph.get_input_jsonschema().get("properties", {}))
     trace_db = trace_db or default_trace_db()
@@ -394,14 +226,20 @@ async def _answer_config(config: EvalConfig, questions: list[Question], out_dir:
             thread_id = question_thread(out_dir, config, question, asking.sample, asking.order)
             # The run id is new on a fresh start and kept in the checkpoint on a resume (the trace run continues).
             # The gold is the letter it stands at in this order: the trace (training data) matches what was asked.
-            inputs = {"question": question.question, "options": asking.options, "gold": asking.shown_gold,
-                      "run_id": uuid.uuid4().hex, **panel_inputs(graph_inputs, question)}
+            inputs = {
+                "question": question.question,
+                "options": asking.options,
+                "gold": asking.shown_gold,
+                "run_id": uuid.uuid4().hex,
+                **panel_inputs(graph_inputs, question),
+            }
             while True:  # once per server found down, while another one is live
                 url = servers.acquire()
                 answered = False
                 try:
-                    state = await arun_durably(graph, run_config(thread_id, config.system, context_for[url]), inputs,
-                                               context_for[url])
+                    state = await arun_durably(
+                        graph, run_config(thread_id, config.system, context_for[url]), inputs, context_for[url]
+                    )
                 except ModelServerError as err:
                     if err.server_down and servers.mark_down(url, err):
                         continue  # from its checkpoint, on the next live server
@@ -454,8 +292,10 @@ def report_failures(outcomes: list[Outcome], out_dir: Path, checkpoint_db: str) 
     for failure in failures[:10]:
         print(f"failed (continued from its checkpoint on rerun): {failure}")
     if failures:
-        print(f"{len(failures)} failed questions are listed in {out_dir / FAILURES}; "
-              f"their checkpoints are in {describe_target(checkpoint_db)}")
+        print(
+            f"{len(failures)} failed questions are listed in {out_dir / FAILURES}; "
+            f"their checkpoints are in {describe_target(checkpoint_db)}"
+        )
     for outcome in outcomes:
         if outcome.server_down:
             raise outcome.server_down
@@ -491,20 +331,36 @@ def run_eval(
     for system in systems:
         graph_spec(system)  # an unknown name fails before anything runs
     if not 1 <= permute_options <= MAX_OPTIONS:
-        raise ValueError(f"--permute-options {permute_options}: expected 1 (the options as given) to {MAX_OPTIONS} "
-                         "(one order per option at most)")
+        raise ValueError(
+            f"--permute-options {permute_options}: expected 1 (the options as given) to {MAX_OPTIONS} "
+            "(one order per option at most)"
+        )
     if model:
         overrides = {"extractor_model": model, "respondent_model": model, **overrides}
-    unused = [key for key, value in overrides.items()
-              if value is not None and not any(key in context_fields(s) for s in systems)]
+    unused = [
+        key
+        for key, value in overrides.items()
+        if value is not None and not any(key in context_fields(s) for s in systems)
+    ]
     if unused:
         raise ValueError(f"setting(s) {unused} belong to none of the graphs {systems}")
     configs = [EvalConfig.for_graph(system, overrides, samples) for system in systems]
     out_dir = Path(out_dir)
     with results_folder_lock(out_dir):
-        return _run_configs(configs, benchmarks, out_dir, data_dir=data_dir, limit=limit, seed=seed,
-                            concurrency=concurrency, base_url=base_url, trace_db=trace_db,
-                            checkpoint_db=checkpoint_db, permute_options=permute_options, progress=progress)
+        return _run_configs(
+            configs,
+            benchmarks,
+            out_dir,
+            data_dir=data_dir,
+            limit=limit,
+            seed=seed,
+            concurrency=concurrency,
+            base_url=base_url,
+            trace_db=trace_db,
+            checkpoint_db=checkpoint_db,
+            permute_options=permute_options,
+            progress=progress,
+        )
 
 
 class ResultsFolderBusy(ValueError):
@@ -524,8 +380,9 @@ def results_folder_lock(out_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            raise ResultsFolderBusy(f"{out_dir} is being written by {holder}; wait for it to finish or use "
-                                    "another --out") from None
+            raise ResultsFolderBusy(
+                f"{out_dir} is being written by {holder}; wait for it to finish or use another --out"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"process {os.getpid()} (ermedrag eval, started {time.strftime('%Y-%m-%d %H:%M:%S')})")
@@ -537,8 +394,9 @@ def results_folder_lock(out_dir: Path) -> Iterator[None]:
             handle.truncate()
 
 
-def load_questions(benchmarks: Iterable[str | Path], out_dir: Path, *, data_dir: str | None, limit: int | None,
-                   seed: int) -> list[Question]:
+def load_questions(
+    benchmarks: Iterable[str | Path], out_dir: Path, *, data_dir: str | None, limit: int | None, seed: int
+) -> list[Question]:
     """The questions of every benchmark (a name, or a JSONL file of the user's own); bad rows listed in
     `OUT/bad_rows.jsonl` and named once."""
     questions: list[Question] = []
@@ -557,9 +415,21 @@ def load_questions(benchmarks: Iterable[str | Path], out_dir: Path, *, data_dir:
     return questions
 
 
-def _run_configs(configs: list[EvalConfig], benchmarks: Iterable[str | Path], out_dir: Path, *, data_dir: str | None,
-                 limit: int | None, seed: int, concurrency: int, base_url: str | Sequence[str] | None, trace_db: str | None,
-                 checkpoint_db: str | None, permute_options: int, progress: bool) -> dict[str, Any]:
+def _run_configs(
+    configs: list[EvalConfig],
+    benchmarks: Iterable[str | Path],
+    out_dir: Path,
+    *,
+    data_dir: str | None,
+    limit: int | None,
+    seed: int,
+    concurrency: int,
+    base_url: str | Sequence[str] | None,
+    trace_db: str | None,
+    checkpoint_db: str | None,
+    permute_options: int,
+    progress: bool,
+) -> dict[str, Any]:
     questions = load_questions(benchmarks, out_dir, data_dir=data_dir, limit=limit, seed=seed)
     trace_db = trace_db or default_trace_db()
     todo = [len(pending(config, questions, out_dir, permute_options)[0]) for config in configs]
@@ -570,9 +440,19 @@ def _run_configs(configs: list[EvalConfig], benchmarks: Iterable[str | Path], ou
     outcomes: list[Outcome] = []
     try:
         for config in configs:
-            outcome = asyncio.run(answer_config(config, questions, out_dir, bar, concurrency=concurrency,
-                                                base_url=base_url, trace_db=trace_db, checkpoint_db=checkpoint_db,
-                                                permute_options=permute_options))
+            outcome = asyncio.run(
+                answer_config(
+                    config,
+                    questions,
+                    out_dir,
+                    bar,
+                    concurrency=concurrency,
+                    base_url=base_url,
+                    trace_db=trace_db,
+                    checkpoint_db=checkpoint_db,
+                    permute_options=permute_options,
+                )
+            )
             outcomes.append(outcome)
             if outcome.server_down:  # the next configuration would find the server down too (or another one)
                 break

@@ -59,7 +59,8 @@ class ServerPool:
             if len(self.in_flight) > 1:
                 others = len(self.live)
                 rest = {0: "no server is left", 1: "1 other server takes its questions"}.get(
-                    others, f"{others} other servers take its questions")
+                    others, f"{others} other servers take its questions"
+                )
                 print(f"server {url} is down ({err.cause}); {rest}", file=sys.stderr, flush=True)
         return bool(self.live)
 

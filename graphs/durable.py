@@ -106,8 +106,9 @@ def open_saver(target: str) -> Iterator[BaseCheckpointSaver]:
             else:
                 from langgraph.checkpoint.sqlite import SqliteSaver
 
-                conn = stack.enter_context(closing(sqlite3.connect(
-                    _sqlite_path(target), timeout=SQLITE_TIMEOUT_S, check_same_thread=False)))
+                conn = stack.enter_context(
+                    closing(sqlite3.connect(_sqlite_path(target), timeout=SQLITE_TIMEOUT_S, check_same_thread=False))
+                )
                 conn.execute("PRAGMA synchronous=NORMAL")  # WAL: a commit survives the process being killed
                 saver = SqliteSaver(conn)
             saver.setup()
@@ -126,8 +127,9 @@ async def open_async_saver(target: str) -> AsyncIterator[BaseCheckpointSaver]:
                 import aiosqlite
                 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
-                conn = await stack.enter_async_context(aiosqlite.connect(_sqlite_path(target),
-                                                                         timeout=SQLITE_TIMEOUT_S))
+                conn = await stack.enter_async_context(
+                    aiosqlite.connect(_sqlite_path(target), timeout=SQLITE_TIMEOUT_S)
+                )
                 await conn.execute("PRAGMA synchronous=NORMAL")
                 saver = AsyncSqliteSaver(conn)
             await saver.setup()
@@ -139,8 +141,9 @@ def durable(graph: CompiledStateGraph, saver: BaseCheckpointSaver) -> CompiledSt
     return graph.copy(update={"checkpointer": saver})
 
 
-def run_config(thread_id: str, graph_name: str | None = None,
-               context: Mapping[str, Any] | None = None) -> RunnableConfig:
+def run_config(
+    thread_id: str, graph_name: str | None = None, context: Mapping[str, Any] | None = None
+) -> RunnableConfig:
     """The config of a thread; with `graph_name`/`context`, every checkpoint records them (for `saved_run`)."""
     metadata = {}
     if graph_name:
@@ -150,8 +153,9 @@ def run_config(thread_id: str, graph_name: str | None = None,
     return {"configurable": {"thread_id": thread_id}, "metadata": metadata}
 
 
-def run_durably(graph: CompiledStateGraph, config: RunnableConfig, inputs: Mapping[str, Any],
-                context: Mapping[str, Any]) -> dict[str, Any]:
+def run_durably(
+    graph: CompiledStateGraph, config: RunnableConfig, inputs: Mapping[str, Any], context: Mapping[str, Any]
+) -> dict[str, Any]:
     """Run the thread of `config`: start it with `inputs` when it has no checkpoint, else continue it from its
     last finished node (`inputs` unused), else (finished) return its final state without running anything."""
     snapshot = graph.get_state(config)
@@ -162,8 +166,9 @@ def run_durably(graph: CompiledStateGraph, config: RunnableConfig, inputs: Mappi
     return dict(snapshot.values)
 
 
-async def arun_durably(graph: CompiledStateGraph, config: RunnableConfig, inputs: Mapping[str, Any],
-                       context: Mapping[str, Any]) -> dict[str, Any]:
+async def arun_durably(
+    graph: CompiledStateGraph, config: RunnableConfig, inputs: Mapping[str, Any], context: Mapping[str, Any]
+) -> dict[str, Any]:
     """`run_durably` with `ainvoke`."""
     snapshot = await graph.aget_state(config)
     if snapshot.metadata is None:
@@ -177,12 +182,16 @@ def saved_run(saver: BaseCheckpointSaver, thread_id: str, target: str) -> SavedR
     """The latest checkpoint of `thread_id` (graph, context, state so far), or an error naming the store."""
     saved = saver.get_tuple(run_config(thread_id))
     if saved is None:
-        raise CheckpointStoreError(f"no run {thread_id!r} to resume in the checkpoint store {describe_target(target)} "
-                                   "(runs started elsewhere: pass --checkpoint-db or set ERMEDRAG_CHECKPOINT_DB)")
+        raise CheckpointStoreError(
+            f"no run {thread_id!r} to resume in the checkpoint store {describe_target(target)} "
+            "(runs started elsewhere: pass --checkpoint-db or set ERMEDRAG_CHECKPOINT_DB)"
+        )
     graph_name = saved.metadata.get(GRAPH_KEY)
     if graph_name not in GRAPHS:
-        raise CheckpointStoreError(f"run {thread_id!r} in {describe_target(target)} records no known graph "
-                                   f"({graph_name!r}); it was not started by ermedrag")
+        raise CheckpointStoreError(
+            f"run {thread_id!r} in {describe_target(target)} records no known graph "
+            f"({graph_name!r}); it was not started by ermedrag"
+        )
     context = _json_object(saved.metadata.get(CONTEXT_KEY))
     snapshot = durable(load_graph(graph_name), saver).get_state(run_config(thread_id))
     return SavedRun(graph=graph_name, context=context, values=dict(snapshot.values), finished=not snapshot.next)
@@ -208,8 +217,10 @@ def _postgres_module(name: str) -> Any:
     try:
         return importlib.import_module(name)
     except ImportError as err:
-        raise CheckpointStoreError("a Postgres checkpoint store needs `pip install 'ermedrag[postgres]'` "
-                                   f"(langgraph-checkpoint-postgres, psycopg[binary]): {err}") from None
+        raise CheckpointStoreError(
+            "a Postgres checkpoint store needs `pip install 'ermedrag[postgres]'` "
+            f"(langgraph-checkpoint-postgres, psycopg[binary]): {err}"
+        ) from None
 
 
 @contextmanager
@@ -223,6 +234,7 @@ def _store_errors(target: str) -> Iterator[None]:
         raise CheckpointStoreError(f"cannot open the checkpoint store {describe_target(target)}: {err}") from None
     except Exception as err:  # psycopg's errors (psycopg may not be installed: no class to name here)
         if type(err).__module__.startswith("psycopg"):
-            raise CheckpointStoreError(f"cannot open the checkpoint store {describe_target(target)}: "
-                                       f"{type(err).__name__}: {err}") from None
+            raise CheckpointStoreError(
+                f"cannot open the checkpoint store {describe_target(target)}: {type(err).__name__}: {err}"
+            ) from None
         raise

@@ -1,7 +1,7 @@
 """ER-MedRAG: retrieve → extract ×k (one call per snippet, concurrent) → respond.
 
-    graph.invoke({"question": "...", "options": {"A": "...", "B": "..."}})
-    graph.invoke(inputs, context={"respondent_model": "openai:Qwen/Qwen3-8B", "base_url": "http://127.0.0.1:8000/v1"})
+graph.invoke({"question": "...", "options": {"A": "...", "B": "..."}})
+graph.invoke(inputs, context={"respondent_model": "openai:Qwen/Qwen3-8B", "base_url": "http://127.0.0.1:8000/v1"})
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ def fan_out(state: State) -> list[Send] | str:
     if not state.get("snippets"):
         return "respond"
     return [
-        Send("extract", ExtractTask(run_id=state["run_id"], question=state["question"], snippet=s,
-                                    gold=state.get("gold")))
+        Send(
+            "extract",
+            ExtractTask(run_id=state["run_id"], question=state["question"], snippet=s, gold=state.get("gold")),
+        )
         for s in state["snippets"]
     ]
 
@@ -58,10 +60,16 @@ def extract(task: ExtractTask, runtime: Runtime[Context]) -> dict[str, Any]:
     ctx = runtime.context
     snippet = task["snippet"]
     parsed, _ = record_call(
-        ctx, ctx.extractor_model, ctx.extractor_max_new_tokens,
+        ctx,
+        ctx.extractor_model,
+        ctx.extractor_max_new_tokens,
         extractor.build_messages(task["question"], snippet["text"]),
         lambda completion: extractor.parse_triplets(completion, snippet["id"]),
-        agent="extractor", node="extract", run_id=task["run_id"], gold=task.get("gold"), stop=extractor.STOP,
+        agent="extractor",
+        node="extract",
+        run_id=task["run_id"],
+        gold=task.get("gold"),
+        stop=extractor.STOP,
         inputs={"question": task["question"], "snippet_id": snippet["id"], "snippet": snippet["text"]},
     )
     return {"extractions": [parsed]}

@@ -67,17 +67,30 @@ def _model_spec(ctx: MedR3Context) -> str:
 
 def start(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
     fresh = ("timings", "segments", "searches")
-    return begin_run(state, runtime.context, GRAPH_NAME, fresh) | {"transcript": "", "generated_tokens": 0,
-                                                                  "forged_document": False, "forced_answer": None}
+    return begin_run(state, runtime.context, GRAPH_NAME, fresh) | {
+        "transcript": "",
+        "generated_tokens": 0,
+        "forged_document": False,
+        "forced_answer": None,
+    }
 
 
-def _generate(state: State, ctx: MedR3Context, budget: int, stop: list[str], node: str
-              ) -> tuple[reasoner.Step, str, int]:
+def _generate(
+    state: State, ctx: MedR3Context, budget: int, stop: list[str], node: str
+) -> tuple[reasoner.Step, str, int]:
     """One recorded call continuing the transcript: the parsed step, the completion and its token count."""
     transcript = state["transcript"]
     step, event = record_call(
-        ctx, _model_spec(ctx), budget, reasoner.build_messages(state["question"], state.get("options"), transcript),
-        reasoner.parse_step, agent="reasoner", node=node, run_id=state["run_id"], gold=state.get("gold"), stop=stop,
+        ctx,
+        _model_spec(ctx),
+        budget,
+        reasoner.build_messages(state["question"], state.get("options"), transcript),
+        reasoner.parse_step,
+        agent="reasoner",
+        node=node,
+        run_id=state["run_id"],
+        gold=state.get("gold"),
+        stop=stop,
         inputs={"question": state["question"], "options": state.get("options"), "transcript": transcript},
     )
     return step, event.completion, (event.usage or {}).get("output_tokens", 0)
@@ -93,9 +106,14 @@ def reason(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
     started = time.perf_counter()
     step, completion, tokens = _generate(state, ctx, budget, reasoner.STOP, "reason")
     generated = state["generated_tokens"] + tokens
-    action, why = reasoner.after_step(step, hit_step_limit=budget > 0 and tokens >= budget,
-                                      searches_done=len(state.get("searches", [])), generated_tokens=generated,
-                                      max_searches=ctx.max_searches, max_total_tokens=ctx.max_total_tokens)
+    action, why = reasoner.after_step(
+        step,
+        hit_step_limit=budget > 0 and tokens >= budget,
+        searches_done=len(state.get("searches", [])),
+        generated_tokens=generated,
+        max_searches=ctx.max_searches,
+        max_total_tokens=ctx.max_total_tokens,
+    )
     return {
         "transcript": state["transcript"] + completion,
         "segments": [reasoner.Segment(kind="model", text=completion)],
@@ -109,16 +127,23 @@ def reason(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
 
 
 def after_reason(state: State) -> Literal["search", "reason", "force_answer", "finish"]:
-    return {"search": "search", "continue": "reason", "force_answer": "force_answer"}.get(state["next_action"],
-                                                                                          "finish")
+    return {"search": "search", "continue": "reason", "force_answer": "force_answer"}.get(
+        state["next_action"], "finish"
+    )
 
 
 def search(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
     ctx = runtime.context
     query = state["pending_query"]
     # The retrieval of `tools.retrieval.search` (what the training rollout runs), recorded in the trace.
-    snippets, seconds = retrieve_recorded(ctx, query, run_id=state["run_id"], node="search", k=ctx.search_k,
-                                          coarse_k=coarse_k_for(ctx.search_k, ctx.coarse_k))
+    snippets, seconds = retrieve_recorded(
+        ctx,
+        query,
+        run_id=state["run_id"],
+        node="search",
+        k=ctx.search_k,
+        coarse_k=coarse_k_for(ctx.search_k, ctx.coarse_k),
+    )
     documents = reasoner.render_documents(snippets)
     return {
         "transcript": state["transcript"] + documents,
@@ -134,8 +159,9 @@ def force_answer(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]
     prompt = reasoner.force_answer_prompt(reasoner.model_text(state.get("segments", [])))
     prompted = {**state, "transcript": state["transcript"] + prompt}
     started = time.perf_counter()
-    _, completion, tokens = _generate(prompted, runtime.context, reasoner.ANSWER_MAX_NEW_TOKENS,
-                                      [reasoner.ANSWER_STOP], "force_answer")
+    _, completion, tokens = _generate(
+        prompted, runtime.context, reasoner.ANSWER_MAX_NEW_TOKENS, [reasoner.ANSWER_STOP], "force_answer"
+    )
     return {
         "transcript": prompted["transcript"] + completion,
         "segments": [reasoner.Segment(kind="prompt", text=prompt), reasoner.Segment(kind="model", text=completion)],
@@ -152,9 +178,15 @@ def finish(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
         answer = {**answer, "well_formed": False}  # the answer stands, the format was not the model's own
     answer = extract_if_unparsed(state, ctx, _model_spec(ctx), answer, reasoner.model_text(segments))
     trace_store(ctx).finish_run(
-        state["run_id"], dict(answer) | {"searches": state.get("searches", []), "transcript": state["transcript"],
-                                         "forced_answer": state.get("forced_answer"),
-                                         "forged_document": state.get("forged_document", False)})
+        state["run_id"],
+        dict(answer)
+        | {
+            "searches": state.get("searches", []),
+            "transcript": state["transcript"],
+            "forced_answer": state.get("forced_answer"),
+            "forged_document": state.get("forged_document", False),
+        },
+    )
     return {"answer": answer}
 
 

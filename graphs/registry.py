@@ -27,9 +27,20 @@ RESPONDENT = ("respondent_model", "temperature", "respondent_max_new_tokens", "a
 RETRIEVAL = ("index_dir", "snippets_k", "coarse_k", "reranker")
 EXTRACTOR = ("extractor_model", "extractor_max_new_tokens")
 SEARCH_LOOP = ("reasoner_model", "max_searches", "search_k", "step_max_new_tokens", "max_total_tokens")
-PANEL = ("specialties", "triage_mode", "default_specialty", "n_specialists", "attending_samples", "triage_model",
-         "specialist_model", "attending_model", "specialist_retrieval", "triage_max_new_tokens",
-         "specialist_max_new_tokens", "attending_max_new_tokens")
+PANEL = (
+    "specialties",
+    "triage_mode",
+    "default_specialty",
+    "n_specialists",
+    "attending_samples",
+    "triage_model",
+    "specialist_model",
+    "attending_model",
+    "specialist_retrieval",
+    "triage_max_new_tokens",
+    "specialist_max_new_tokens",
+    "attending_max_new_tokens",
+)
 # The version of each agent's prompts (`ermedrag.agents.<name>`): bump one and the results of every graph calling
 # that agent split from the old ones.
 PROMPT_VERSIONS: dict[str, int] = {"respondent": 1, "extractor": 1, "reasoner": 1, "mmedagent": 1}
@@ -59,20 +70,30 @@ class GraphSpec:
 
 
 GRAPHS: dict[str, GraphSpec] = {
-    "er_medrag": GraphSpec("er_medrag:graph", "retrieve → extract triplets per snippet → respond",
-                           RESPONDENT + RETRIEVAL + EXTRACTOR, ("extractor", "respondent")),
-    "vanilla_rag": GraphSpec("baselines:vanilla_rag", "retrieve → respond from the raw snippets",
-                             RESPONDENT + RETRIEVAL, ("respondent",)),
+    "er_medrag": GraphSpec(
+        "er_medrag:graph",
+        "retrieve → extract triplets per snippet → respond",
+        RESPONDENT + RETRIEVAL + EXTRACTOR,
+        ("extractor", "respondent"),
+    ),
+    "vanilla_rag": GraphSpec(
+        "baselines:vanilla_rag", "retrieve → respond from the raw snippets", RESPONDENT + RETRIEVAL, ("respondent",)
+    ),
     "cot": GraphSpec("baselines:cot", "respond from the model's own knowledge", RESPONDENT, ("respondent",)),
     # The respondent's answer-extraction prompt reads the reasoner's text when its answer names no option.
-    "med_r3": GraphSpec("med_r3:graph", "reason, searching mid-reasoning in a bounded loop, then answer",
-                        ("respondent_model", "temperature", "answer_extraction", "index_dir", "coarse_k", "reranker")
-                        + SEARCH_LOOP, ("reasoner", "respondent")),
+    "med_r3": GraphSpec(
+        "med_r3:graph",
+        "reason, searching mid-reasoning in a bounded loop, then answer",
+        ("respondent_model", "temperature", "answer_extraction", "index_dir", "coarse_k", "reranker") + SEARCH_LOOP,
+        ("reasoner", "respondent"),
+    ),
     # Specialists use the respondent's template, example and answer extraction; triage and attending their own.
-    "mmedagent": GraphSpec("mmedagent.graph:graph",
-                           "triage picks a specialty → N specialists answer → an attending decides",
-                           ("respondent_model", "temperature", "answer_extraction") + RETRIEVAL + PANEL,
-                           ("mmedagent", "respondent")),
+    "mmedagent": GraphSpec(
+        "mmedagent.graph:graph",
+        "triage picks a specialty → N specialists answer → an attending decides",
+        ("respondent_model", "temperature", "answer_extraction") + RETRIEVAL + PANEL,
+        ("mmedagent", "respondent"),
+    ),
 }
 
 

@@ -35,11 +35,15 @@ def validate_question(state: Mapping[str, Any]) -> tuple[str, dict[str, str] | N
     for key, text in options.items():
         letter = canonical_option_key(key)
         if letter in given:
-            raise ValueError(f"input 'options' has both {given[letter]!r} and {key!r}: option keys are letters "
-                             f"A-Z and a lowercase key is the same option as its uppercase one")
+            raise ValueError(
+                f"input 'options' has both {given[letter]!r} and {key!r}: option keys are letters "
+                f"A-Z and a lowercase key is the same option as its uppercase one"
+            )
         if not isinstance(text, (str, int, float)):
-            raise ValueError(f"input 'options' entry {key!r}: keys must be non-empty strings, values text "
-                             f"(this value is a {type(text).__name__})")
+            raise ValueError(
+                f"input 'options' entry {key!r}: keys must be non-empty strings, values text "
+                f"(this value is a {type(text).__name__})"
+            )
         given[letter], clean[letter] = key, str(text)
     return question.strip(), clean
 
@@ -53,13 +57,14 @@ def canonical_option_key(key: Any) -> str:
     return letter
 
 
-def per_question(combine: Callable[[Any, Any], Any], empty: Callable[[], Any] = list
-                 ) -> Callable[[Any, Any], Any]:
+def per_question(combine: Callable[[Any, Any], Any], empty: Callable[[], Any] = list) -> Callable[[Any, Any], Any]:
     """A state channel's reducer that combines updates with `combine` and starts over on None: `begin_run` sends
     None to each such channel (`fresh`), so a new question on a thread that answered one before (Studio, a
     reused `thread_id`) never inherits its documents, opinions, segments or timings."""
+
     def reduce(current: Any, new: Any) -> Any:
         if new is None:
             return empty()
         return combine(empty() if current is None else current, new)
+
     return reduce

@@ -33,13 +33,21 @@ def chat_model(ctx: Context, spec: str, max_new_tokens: int) -> BaseChatModel:
 
 
 @shared_resource(maxsize=16)
-def _cached_chat_model(spec: str, base_url: str | None, temperature: float, max_new_tokens: int,
-                       policy: ServerPolicy) -> BaseChatModel:
+def _cached_chat_model(
+    spec: str, base_url: str | None, temperature: float, max_new_tokens: int, policy: ServerPolicy
+) -> BaseChatModel:
     """One model per distinct configuration: the timeouts and retries are part of it (a model built with
     other ones must not be handed out)."""
-    return load_chat_model(spec, base_url=base_url, temperature=temperature, max_new_tokens=max_new_tokens,
-                           timeout_s=policy.timeout_s, connect_timeout_s=policy.connect_timeout_s,
-                           max_retries=policy.max_retries, retry_backoff_s=policy.retry_backoff_s)
+    return load_chat_model(
+        spec,
+        base_url=base_url,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        timeout_s=policy.timeout_s,
+        connect_timeout_s=policy.connect_timeout_s,
+        max_retries=policy.max_retries,
+        retry_backoff_s=policy.retry_backoff_s,
+    )
 
 
 def index_for(ctx: Context) -> Index:
@@ -66,8 +74,9 @@ def _cached_store(path: str) -> TraceStore:
     return TraceStore(path)
 
 
-def begin_run(state: Mapping[str, Any], ctx: Context, graph_name: str, fresh: tuple[str, ...] = ("timings",)
-              ) -> dict[str, Any]:
+def begin_run(
+    state: Mapping[str, Any], ctx: Context, graph_name: str, fresh: tuple[str, ...] = ("timings",)
+) -> dict[str, Any]:
     """Check the input and open its run in the trace store; the state update every graph starts with. `fresh`:
     the graph's `per_question` channels, emptied. The run id is the input's, unless it names a run that already
     finished or asked another question (the state of a reused thread): then the question gets a new run."""
@@ -85,24 +94,34 @@ def begin_run(state: Mapping[str, Any], ctx: Context, graph_name: str, fresh: tu
     return {"run_id": run_id, "question": question, "options": options, "gold": gold} | dict.fromkeys(fresh)
 
 
-def retrieve_recorded(ctx: Context, query: str, *, run_id: str, node: str, k: int, coarse_k: int
-                      ) -> tuple[list[dict[str, Any]], float]:
+def retrieve_recorded(
+    ctx: Context, query: str, *, run_id: str, node: str, k: int, coarse_k: int
+) -> tuple[list[dict[str, Any]], float]:
     """Coarse-to-fine retrieval with the context's index and settings, recorded as a retrieval event of the
     run; the snippets (as plain dicts) and the seconds the retrieval took."""
     index, config = index_for(ctx), retrieval_config(ctx)
     started = time.perf_counter()
     snippets = [s.to_dict() for s in retrieve_snippets(index, query, k=k, coarse_k=coarse_k, config=config)]
     seconds = time.perf_counter() - started
-    trace_store(ctx).add_retrieval(RetrievalEvent(
-        run_id=run_id, node=node, query=query, snippets=[snippet_record(s) for s in snippets],
-        settings=retrieval_settings(k, coarse_k, config), index_info=index.identity(), latency_s=seconds))
+    trace_store(ctx).add_retrieval(
+        RetrievalEvent(
+            run_id=run_id,
+            node=node,
+            query=query,
+            snippets=[snippet_record(s) for s in snippets],
+            settings=retrieval_settings(k, coarse_k, config),
+            index_info=index.identity(),
+            latency_s=seconds,
+        )
+    )
     return snippets, seconds
 
 
 def retrieve_evidence(ctx: Context, question: str, *, run_id: str, node: str) -> dict[str, Any]:
     """The question's snippets, retrieved and recorded, as a state update (with the stage's timing)."""
-    snippets, seconds = retrieve_recorded(ctx, question, run_id=run_id, node=node, k=ctx.snippets_k,
-                                          coarse_k=coarse_k_for(ctx.snippets_k, ctx.coarse_k))
+    snippets, seconds = retrieve_recorded(
+        ctx, question, run_id=run_id, node=node, k=ctx.snippets_k, coarse_k=coarse_k_for(ctx.snippets_k, ctx.coarse_k)
+    )
     return {"snippets": snippets, "timings": {"retrieve_s": seconds}}
 
 
@@ -125,8 +144,17 @@ def record_call(
     server that did not answer, ...) marks the run failed with its error, then the error goes on up."""
     try:
         parsed, event = call_agent(
-            chat_model(ctx, model_spec, max_new_tokens), messages, parse, agent=agent, node=node, run_id=run_id,
-            sampling=sampling(ctx, model_spec, max_new_tokens), gold=gold, stop=stop, inputs=inputs)
+            chat_model(ctx, model_spec, max_new_tokens),
+            messages,
+            parse,
+            agent=agent,
+            node=node,
+            run_id=run_id,
+            sampling=sampling(ctx, model_spec, max_new_tokens),
+            gold=gold,
+            stop=stop,
+            inputs=inputs,
+        )
     except Exception as err:
         trace_store(ctx).fail_run(run_id, f"{node}: {type(err).__name__}: {err}")
         raise
@@ -137,8 +165,9 @@ def record_call(
 REQUEST_REJECTED = ("http_4xx:400", "http_4xx:422")  # a server refusing the request's shape, not failing
 
 
-def extract_if_unparsed(state: Mapping[str, Any], ctx: Context, model_spec: str, reply: respondent.Answer,
-                        reasoning: str) -> respondent.Answer:
+def extract_if_unparsed(
+    state: Mapping[str, Any], ctx: Context, model_spec: str, reply: respondent.Answer, reasoning: str
+) -> respondent.Answer:
     """The reply's answer, or, when it names no option (and `ctx.answer_extraction` is on), one recorded
     answer-extraction call (`agents.respondent.extraction_messages`) that reads `reasoning` and writes the
     letter: every graph applies the same rule. Agent `answer_extractor`, so training never takes it for a reply."""
@@ -149,11 +178,17 @@ def extract_if_unparsed(state: Mapping[str, Any], ctx: Context, model_spec: str,
         return {**reply, "extracted": False, "error": f"{reply['error']}; answer extraction: no reasoning to read"}
     try:
         extracted, _ = record_call(
-            ctx, model_spec, respondent.EXTRACTION_MAX_NEW_TOKENS,
+            ctx,
+            model_spec,
+            respondent.EXTRACTION_MAX_NEW_TOKENS,
             respondent.extraction_messages(state["question"], options, reasoning),
             lambda completion: respondent.parse_extracted(completion, options, reply),
-            agent="answer_extractor", node="extract_answer", run_id=state["run_id"], gold=state.get("gold"),
-            stop=respondent.STOP, inputs={"question": state["question"], "options": options, "reasoning": reasoning},
+            agent="answer_extractor",
+            node="extract_answer",
+            run_id=state["run_id"],
+            gold=state.get("gold"),
+            stop=respondent.STOP,
+            inputs={"question": state["question"], "options": options, "reasoning": reasoning},
         )
     except Exception as err:  # noqa: BLE001 - the reply stands; only a server that is down stops the run
         if isinstance(err, ModelServerError) and err.server_down:
@@ -161,22 +196,46 @@ def extract_if_unparsed(state: Mapping[str, Any], ctx: Context, model_spec: str,
         # E.g. a server that takes no continued assistant turn (only vLLM's takes `continue_final_message`: HTTP
         # 400/422 elsewhere) or a chat template that rewrites it: the reply stands, unparsed, and says why it was
         # not read back; the run finishes (finish_run clears the failure mark record_call set).
-        why = ("the server refused the request: it continues an assistant turn, which vLLM's server supports; set "
-               "answer_extraction=false for this server") if getattr(err, "cause", "") in REQUEST_REJECTED else \
-            " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        why = (
+            (
+                "the server refused the request: it continues an assistant turn, which vLLM's server supports; set "
+                "answer_extraction=false for this server"
+            )
+            if getattr(err, "cause", "") in REQUEST_REJECTED
+            else " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        )
         return {**reply, "extracted": False, "error": f"{reply['error']}; answer extraction failed ({why})"}
     return extracted
 
 
-def answer_call(ctx: Context, model_spec: str, max_new_tokens: int, messages: list[BaseMessage],
-                state: Mapping[str, Any], *, agent: str, node: str, inputs: dict[str, Any]) -> respondent.Answer:
+def answer_call(
+    ctx: Context,
+    model_spec: str,
+    max_new_tokens: int,
+    messages: list[BaseMessage],
+    state: Mapping[str, Any],
+    *,
+    agent: str,
+    node: str,
+    inputs: dict[str, Any],
+) -> respondent.Answer:
     """One recorded call whose reply is an answer in `<think>…</think><answer>…</answer>` (the respondent, a
     specialist, the attending): parsed, and read back once when it names no option (`extract_if_unparsed`).
     `state` holds the run id, question, options and gold."""
     options = state.get("options")
-    reply, _ = record_call(ctx, model_spec, max_new_tokens, messages,
-                           lambda completion: respondent.parse_answer(completion, options), agent=agent, node=node,
-                           run_id=state["run_id"], gold=state.get("gold"), stop=respondent.STOP, inputs=inputs)
+    reply, _ = record_call(
+        ctx,
+        model_spec,
+        max_new_tokens,
+        messages,
+        lambda completion: respondent.parse_answer(completion, options),
+        agent=agent,
+        node=node,
+        run_id=state["run_id"],
+        gold=state.get("gold"),
+        stop=respondent.STOP,
+        inputs=inputs,
+    )
     return extract_if_unparsed(state, ctx, model_spec, reply, reply["reasoning"])
 
 
@@ -185,9 +244,13 @@ def respond_with(state: Mapping[str, Any], ctx: Context, evidence: str) -> dict[
     the run; the state update."""
     started = time.perf_counter()
     answer = answer_call(
-        ctx, ctx.respondent_model, ctx.respondent_max_new_tokens,
-        respondent.build_messages(state["question"], state.get("options"), evidence), state,
-        agent="respondent", node="respond",
+        ctx,
+        ctx.respondent_model,
+        ctx.respondent_max_new_tokens,
+        respondent.build_messages(state["question"], state.get("options"), evidence),
+        state,
+        agent="respondent",
+        node="respond",
         inputs={"question": state["question"], "options": state.get("options"), "evidence": evidence},
     )
     trace_store(ctx).finish_run(state["run_id"], dict(answer))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -23,6 +24,21 @@ if _WORKERS > 1:
         os.environ.setdefault(_name, str(max(1, _cores // _WORKERS)))
 
 REPO = Path(__file__).resolve().parents[1]
+# Tests of the llamacpp: backend: `make test-all` builds llama-cpp-python from source; `make test` leaves them out.
+LLAMACPP_MARKS = [
+    pytest.mark.llamacpp,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed (make llamacpp)"
+    ),
+]
+
+
+def needs_llamacpp(test):
+    for mark in LLAMACPP_MARKS:
+        test = mark(test)
+    return test
+
+
 SCRIPTED = "scripted:ermedrag.testing.scripted"
 
 

@@ -13,8 +13,14 @@ from pathlib import Path
 from tests.conftest import REPO
 
 # The folders of the repository and the installed package each one becomes.
-FOLDERS = {"agents": "ermedrag.agents", "tools": "ermedrag.tools", "graphs": "ermedrag.graphs",
-           "training": "ermedrag.training", "evals": "ermedrag.evals", "ermedrag": "ermedrag"}
+FOLDERS = {
+    "agents": "ermedrag.agents",
+    "tools": "ermedrag.tools",
+    "graphs": "ermedrag.graphs",
+    "training": "ermedrag.training",
+    "evals": "ermedrag.evals",
+    "ermedrag": "ermedrag",
+}
 # What each layer may import besides itself (training and evals stand side by side: neither imports the other).
 MAY_IMPORT = {
     "ermedrag.agents": set(),
@@ -138,10 +144,17 @@ def test_the_check_catches_an_upward_import_and_a_cycle():
 
 
 def test_relative_imports_are_resolved():
-    known = {"ermedrag.graphs", "ermedrag.graphs.common", "ermedrag.graphs.mmed", "ermedrag.graphs.mmed.state",
-             "ermedrag.training.trainers"}
-    assert imported_modules("ermedrag.graphs.mmed.state", "from ..common import Context\nfrom . import x\n",
-                            known) == {"ermedrag.graphs.common", "ermedrag.graphs.mmed"}
+    known = {
+        "ermedrag.graphs",
+        "ermedrag.graphs.common",
+        "ermedrag.graphs.mmed",
+        "ermedrag.graphs.mmed.state",
+        "ermedrag.training.trainers",
+    }
+    assert imported_modules("ermedrag.graphs.mmed.state", "from ..common import Context\nfrom . import x\n", known) == {
+        "ermedrag.graphs.common",
+        "ermedrag.graphs.mmed",
+    }
 
 
 # ------------------------------------------------------------------------------------------- sub-packages
@@ -173,8 +186,13 @@ def test_sub_packages_import_each_other_without_a_circle():
     one another, but never in a circle (a circle between two folders means they are one concern, or a piece is
     in the wrong one)."""
     units = collapsed(import_graph(package_sources()))
-    assert {"ermedrag.tools.models", "ermedrag.tools.model_server", "ermedrag.tools.retrieval",
-            "ermedrag.training.rewards", "ermedrag.graphs.mmedagent"} <= set(units)
+    assert {
+        "ermedrag.tools.models",
+        "ermedrag.tools.model_server",
+        "ermedrag.tools.retrieval",
+        "ermedrag.training.rewards",
+        "ermedrag.graphs.mmedagent",
+    } <= set(units)
     assert import_cycles(units) == []
 
 
@@ -183,10 +201,21 @@ def test_the_plan_stays_readable():
     lines, and the environment read in one module only (`tools/settings.py`)."""
     for folder in ("tools", "training"):
         assert len(list((REPO / folder).glob("*.py"))) <= 8, f"{folder}/ holds more than 8 modules: make a sub-package"
-    long = {f"{path.relative_to(REPO)}: {n}" for folder in FOLDERS for path in (REPO / folder).rglob("*.py")
-            if (n := len(path.read_text(encoding="utf-8").splitlines())) > 600}
+    long = {
+        f"{path.relative_to(REPO)}: {n}"
+        for folder in FOLDERS
+        for path in (REPO / folder).rglob("*.py")
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > 600
+    }
     assert not long, f"split these modules by concern: {sorted(long)}"
-    readers = {str(path.relative_to(REPO)) for folder in FOLDERS for path in (REPO / folder).rglob("*.py")
-               if any(call in line and "ERMEDRAG_" in line for line in path.read_text(encoding="utf-8").splitlines()
-                      for call in ("os.environ", "getenv("))}
+    readers = {
+        str(path.relative_to(REPO))
+        for folder in FOLDERS
+        for path in (REPO / folder).rglob("*.py")
+        if any(
+            call in line and "ERMEDRAG_" in line
+            for line in path.read_text(encoding="utf-8").splitlines()
+            for call in ("os.environ", "getenv(")
+        )
+    }
     assert readers <= {"tools/settings.py"}, f"read these settings through tools.settings: {sorted(readers)}"

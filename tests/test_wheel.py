@@ -34,8 +34,12 @@ SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 LOCK = REPO / "constraints.txt"
 # Repository folders that are subpackages of `ermedrag` once installed, and folders that never ship.
 NOT_TOP_LEVEL = ("graphs", "agents", "tools", "training", "evals", "tests", "benches")
-GRAPH_TARGETS = {"ermedrag.graphs.er_medrag.graph", "ermedrag.graphs.baselines.cot",
-                 "ermedrag.graphs.baselines.vanilla_rag", "ermedrag.graphs.med_r3.graph"}
+GRAPH_TARGETS = {
+    "ermedrag.graphs.er_medrag.graph",
+    "ermedrag.graphs.baselines.cot",
+    "ermedrag.graphs.baselines.vanilla_rag",
+    "ermedrag.graphs.med_r3.graph",
+}
 # The demo answers with the offline Gemma model (~40 s on 2 cores); the first run on a machine converts the
 # model into ~/.cache/ermedrag and builds the starter index, hence the generous limit.
 DEMO_TIMEOUT_S = 900
@@ -43,22 +47,27 @@ STEP_TIMEOUT_S = 300
 
 
 def _tail(proc: subprocess.CompletedProcess[str], chars: int = 4000) -> str:
-    return (f"exit code {proc.returncode}\n--- stdout (tail) ---\n{proc.stdout[-chars:]}\n"
-            f"--- stderr (tail) ---\n{proc.stderr[-chars:]}")
+    return (
+        f"exit code {proc.returncode}\n--- stdout (tail) ---\n{proc.stdout[-chars:]}\n"
+        f"--- stderr (tail) ---\n{proc.stderr[-chars:]}"
+    )
 
 
 def _text(output: str | bytes | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
-def _proc(cmd: list[str | Path], what: str, timeout: float = STEP_TIMEOUT_S,
-          **kwargs) -> subprocess.CompletedProcess[str]:
+def _proc(
+    cmd: list[str | Path], what: str, timeout: float = STEP_TIMEOUT_S, **kwargs
+) -> subprocess.CompletedProcess[str]:
     """Run a command to its end; fail the test with its output's tail if it runs past `timeout`."""
     try:
         return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kwargs)
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{what}: no result within {timeout:.0f}s\n--- stdout (tail) ---\n{_text(err.stdout)[-4000:]}\n"
-                    f"--- stderr (tail) ---\n{_text(err.stderr)[-4000:]}")
+        pytest.fail(
+            f"{what}: no result within {timeout:.0f}s\n--- stdout (tail) ---\n{_text(err.stdout)[-4000:]}\n"
+            f"--- stderr (tail) ---\n{_text(err.stderr)[-4000:]}"
+        )
 
 
 def _run(cmd: list[str | Path], what: str, timeout: float = STEP_TIMEOUT_S, **kwargs) -> str:
@@ -69,6 +78,7 @@ def _run(cmd: list[str | Path], what: str, timeout: float = STEP_TIMEOUT_S, **kw
 
 
 # --- the lock -------------------------------------------------------------------------------------------------
+
 
 def _locked_extras() -> list[str]:
     """EXTRAS (what `make install` installs) and SOURCE_EXTRAS (built from source for `make test`): `make lock`
@@ -127,8 +137,10 @@ def test_lock_pins_exactly_the_dependencies_of_our_extras_at_the_installed_versi
         assert extra in project["optional-dependencies"], f"Makefile EXTRAS names an unknown extra {extra!r}"
         requirements += project["optional-dependencies"][extra]
     closure, missing = _required_closure(requirements)
-    assert not missing, (f"not installed: {missing}: run `make test` (or `make install` and `make llamacpp`; "
-                         "`make lock` for a new dependency)")
+    assert not missing, (
+        f"not installed: {missing}: run `make test` (or `make install` and `make llamacpp`; "
+        "`make lock` for a new dependency)"
+    )
     closure.pop("ermedrag", None)
     pins = _pins()
     assert "ermedrag" not in pins, f"{LOCK.name} pins the project itself"
@@ -138,11 +150,11 @@ def test_lock_pins_exactly_the_dependencies_of_our_extras_at_the_installed_versi
     assert not unlocked, f"dependencies missing from {LOCK.name}: {unlocked}: run `make lock`"
     assert pins["torch"].startswith("2.13.0"), f"torch must stay 2.13.0 (the CPU build); the lock has {pins['torch']}"
     differ = {name: (closure[name], pins[name]) for name in pins if closure[name] != pins[name]}
-    assert not differ, (f"installed version differs from {LOCK.name} (installed, locked): {differ}: "
-                        "run `make install`")
+    assert not differ, f"installed version differs from {LOCK.name} (installed, locked): {differ}: run `make install`"
 
 
 # --- the wheel ------------------------------------------------------------------------------------------------
+
 
 def _source_dir(package: str) -> Path:
     """The repository folder of an installed package name, by [tool.setuptools.package-dir]."""
@@ -167,8 +179,22 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for folder in sorted(set(SETUPTOOLS["package-dir"].values())):
         shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = work / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", out, source], "building the wheel")
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            out,
+            source,
+        ],
+        "building the wheel",
+    )
     (built,) = out.glob("ermedrag-*.whl")
     return built
 
@@ -230,21 +256,39 @@ def _inside(path: str | Path, folder: Path) -> bool:
 
 @pytest.mark.slow
 def test_wheel_in_a_fresh_venv_runs_the_demo_and_imports_every_graph_outside_the_repo(
-        wheel: Path, tmp_path: Path) -> None:
+    wheel: Path, tmp_path: Path
+) -> None:
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], "creating the fresh venv")
     python = venv / "bin" / "python"
-    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     "locating the fresh venv's site-packages").strip())
+    site = Path(
+        _run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            "locating the fresh venv's site-packages",
+        ).strip()
+    )
     assert _inside(site, venv), site
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    for name in ("ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL", "ERMEDRAG_RESPONDENT_MODEL",
-                 "OPENAI_BASE_URL", "ERMEDRAG_SNIPPETS_K", "ERMEDRAG_COARSE_K"):
+    for name in (
+        "ERMEDRAG_INDEX_DIR",
+        "ERMEDRAG_MODEL",
+        "ERMEDRAG_EXTRACTOR_MODEL",
+        "ERMEDRAG_RESPONDENT_MODEL",
+        "OPENAI_BASE_URL",
+        "ERMEDRAG_SNIPPETS_K",
+        "ERMEDRAG_COARSE_K",
+    ):
         env.pop(name, None)
-    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", ANONYMIZED_TELEMETRY="False",
-               ERMEDRAG_TRACE_DB=str(tmp_path / "traces.sqlite"),
-               ERMEDRAG_CHECKPOINT_DB=str(tmp_path / "checkpoints.sqlite"))
+    env.update(
+        PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        ANONYMIZED_TELEMETRY="False",
+        ERMEDRAG_TRACE_DB=str(tmp_path / "traces.sqlite"),
+        ERMEDRAG_CHECKPOINT_DB=str(tmp_path / "checkpoints.sqlite"),
+    )
     outside = tmp_path / "outside"
     outside.mkdir()
     assert not _inside(outside, REPO), f"the temporary folder {outside} lies inside the repository"
@@ -254,26 +298,39 @@ def test_wheel_in_a_fresh_venv_runs_the_demo_and_imports_every_graph_outside_the
     deps = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     pth = site / "_ermedrag_test_dependencies.pth"
     pth.write_text("".join(f"{d}\n" for d in deps))
-    proc = _proc([python, "-c", "import ermedrag; print(ermedrag.__file__)"], "importing ermedrag before the wheel",
-                 cwd=outside, env=env)
+    proc = _proc(
+        [python, "-c", "import ermedrag; print(ermedrag.__file__)"],
+        "importing ermedrag before the wheel",
+        cwd=outside,
+        env=env,
+    )
     assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, (
         "before the wheel is installed, `import ermedrag` must fail in the fresh venv (else the editable install "
-        f"leaks in through the .pth file):\n{_tail(proc)}")
+        f"leaks in through the .pth file):\n{_tail(proc)}"
+    )
     pth.unlink()  # pip must see an empty venv: it installs the wheel only, and touches nothing of the test venv
 
     before = set(os.listdir(site))
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
-         "installing the wheel into the fresh venv", cwd=outside, env=env)
+    _run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
+        "installing the wheel into the fresh venv",
+        cwd=outside,
+        env=env,
+    )
     gained = set(os.listdir(site)) - before
     version = wheel.name.split("-")[1]
     assert gained == {"ermedrag", f"ermedrag-{version}.dist-info"}, (
-        f"installing the wheel must add only ermedrag and its dist-info to site-packages; it added {sorted(gained)}")
+        f"installing the wheel must add only ermedrag and its dist-info to site-packages; it added {sorted(gained)}"
+    )
     assert not set(NOT_TOP_LEVEL) & set(os.listdir(site))
     assert (venv / "bin" / "ermedrag").exists(), "the wheel installed no `ermedrag` command"
     pth.write_text("".join(f"{d}\n" for d in deps))
 
-    imported = json.loads(_run([python, "-c", IMPORT_CHECK], "importing every graph from the fresh venv",
-                               cwd=outside, env=env).splitlines()[-1])
+    imported = json.loads(
+        _run(
+            [python, "-c", IMPORT_CHECK], "importing every graph from the fresh venv", cwd=outside, env=env
+        ).splitlines()[-1]
+    )
     assert _inside(imported["ermedrag"], site), f"ermedrag imported from {imported['ermedrag']}, not {site}"
     assert any(_inside(imported["yaml"], Path(d)) for d in deps), f"dependencies not seen: yaml at {imported['yaml']}"
     assert not imported["editable"], f"the editable install leaked in: {imported['editable']}"
@@ -285,8 +342,9 @@ def test_wheel_in_a_fresh_venv_runs_the_demo_and_imports_every_graph_outside_the
         assert _inside(info["file"], site), f"{target} imported from {info['file']}, not from {site}"
         assert info["invoke"], f"{target} is not a runnable graph"
 
-    demo = _proc([venv / "bin" / "ermedrag", "demo"], "`ermedrag demo` from the wheel", DEMO_TIMEOUT_S,
-                 cwd=outside, env=env)
+    demo = _proc(
+        [venv / "bin" / "ermedrag", "demo"], "`ermedrag demo` from the wheel", DEMO_TIMEOUT_S, cwd=outside, env=env
+    )
     assert demo.returncode == 0, f"`ermedrag demo` from the wheel failed:\n{_tail(demo)}"
     assert re.search(r"^Answer: \S+", demo.stdout, re.MULTILINE), f"no answer line:\n{_tail(demo)}"
     assert re.search(r"^Run id: [0-9a-f]{32} ", demo.stdout, re.MULTILINE), f"no run id line:\n{_tail(demo)}"

@@ -58,8 +58,14 @@ HASH_CHUNK_BYTES = 1 << 20
 IMAGE_ROOTS_ENV = "ERMEDRAG_IMAGE_ROOTS"
 MAX_IMAGE_ROOTS = 64
 # A cached data URI's file extension by its declared type, and back (the trace names the type it was given as).
-CACHE_EXTENSIONS = {"image/png": "png", "image/jpeg": "jpg", "image/gif": "gif", "image/webp": "webp",
-                    "image/tiff": "tiff", "image/bmp": "bmp"}
+CACHE_EXTENSIONS = {
+    "image/png": "png",
+    "image/jpeg": "jpg",
+    "image/gif": "gif",
+    "image/webp": "webp",
+    "image/tiff": "tiff",
+    "image/bmp": "bmp",
+}
 CACHE_MIME_TYPES = {ext: mime for mime, ext in CACHE_EXTENSIONS.items()}
 OTHER_IMAGE_EXTENSION = "img"  # a type outside CACHE_EXTENSIONS: the trace reads the type from the bytes
 
@@ -74,7 +80,6 @@ class ImageData:
 
     mime: str
     data: bytes
-
 
 
 class ImagesNotSupportedError(ValueError):
@@ -92,7 +97,7 @@ def is_data_uri(reference: str) -> bool:
 def _label(index: int, reference: str, field: str) -> str:
     """How an error names an item: its position and its start (a data URI by its header only)."""
     limit = 40 if is_data_uri(reference) else 80
-    shown = reference if len(reference) <= limit else reference[:limit - 3] + "..."
+    shown = reference if len(reference) <= limit else reference[: limit - 3] + "..."
     return f"input {field!r} item {index + 1} ({shown!r})"
 
 
@@ -106,15 +111,19 @@ def validate_images(value: Any, field: str = "images") -> list[str]:
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
-        raise ImageInputError(f"input {field!r} must be a list of strings (file paths, http(s) URLs or data URIs), "
-                              f"got {type(value).__name__}")
+        raise ImageInputError(
+            f"input {field!r} must be a list of strings (file paths, http(s) URLs or data URIs), "
+            f"got {type(value).__name__}"
+        )
     if len(value) > MAX_IMAGES:
         raise ImageInputError(f"input {field!r} has {len(value)} images; at most {MAX_IMAGES}")
     references = []
     for index, reference in enumerate(value):
         if not isinstance(reference, str):
-            raise ImageInputError(f"input {field!r} item {index + 1} must be a string (a file path, an http(s) URL "
-                                  f"or a data URI), got {type(reference).__name__}")
+            raise ImageInputError(
+                f"input {field!r} item {index + 1} must be a string (a file path, an http(s) URL "
+                f"or a data URI), got {type(reference).__name__}"
+            )
         if not reference.strip():
             raise ImageInputError(f"input {field!r} item {index + 1} is empty")
         _check_reference(index, reference, field)
@@ -128,16 +137,16 @@ def _check_reference(index: int, reference: str, field: str) -> None:
         _decode_data_uri(reference, where)  # raises when it is not a base64 image
         return
     if len(reference) > MAX_REFERENCE_CHARS:
-        raise ImageInputError(f"{where}: {len(reference)} characters; a path or URL has at most "
-                              f"{MAX_REFERENCE_CHARS}")
+        raise ImageInputError(f"{where}: {len(reference)} characters; a path or URL has at most {MAX_REFERENCE_CHARS}")
     if is_url(reference):
         parts = urlsplit(reference)
         if not parts.hostname or any(ch.isspace() for ch in reference):
             raise ImageInputError(f"{where}: not a valid http(s) URL (no host, or spaces in it)")
         return
     if "://" in reference[:32]:
-        raise ImageInputError(f"{where}: unsupported scheme; give a file path, an http(s) URL or a "
-                              "data:image/...;base64 URI")
+        raise ImageInputError(
+            f"{where}: unsupported scheme; give a file path, an http(s) URL or a data:image/...;base64 URI"
+        )
     _read_file(reference, where)  # raises when it is missing, too large or not an image
 
 
@@ -150,16 +159,19 @@ def _decode_data_uri(reference: str, where: str) -> ImageData:
 def _parse_data_uri(reference: str, where: str) -> ImageData:
     """A data URI's declared type and decoded bytes (not yet checked to be an image)."""
     if len(reference) > MAX_DATA_URI_CHARS:
-        raise ImageInputError(f"{where}: a data URI of {len(reference)} characters; at most {MAX_DATA_URI_CHARS} "
-                              f"({MAX_IMAGE_BYTES // (1024 * 1024)} MB of image)")
+        raise ImageInputError(
+            f"{where}: a data URI of {len(reference)} characters; at most {MAX_DATA_URI_CHARS} "
+            f"({MAX_IMAGE_BYTES // (1024 * 1024)} MB of image)"
+        )
     comma = reference.find(",", 0, MAX_DATA_HEADER_CHARS)
     header = reference[5:comma].strip().lower() if comma > 0 else ""
     mime, _, encoding = header.partition(";")
     if comma < 0 or not mime.startswith("image/") or encoding.strip() != "base64":
-        raise ImageInputError(f"{where}: a data URI must look like 'data:image/png;base64,...' (an image/* type, "
-                              "base64-encoded)")
+        raise ImageInputError(
+            f"{where}: a data URI must look like 'data:image/png;base64,...' (an image/* type, base64-encoded)"
+        )
     try:
-        data = base64.b64decode(reference[comma + 1:], validate=True)
+        data = base64.b64decode(reference[comma + 1 :], validate=True)
     except (binascii.Error, ValueError) as err:
         raise ImageInputError(f"{where}: the data URI's payload is not valid base64 ({err})") from None
     return ImageData(mime=mime.strip(), data=data)
@@ -189,9 +201,11 @@ def allowed_file(reference: str, where: str) -> tuple[Path, int]:
     except (OSError, RuntimeError, ValueError):  # missing, a symlink loop, an unknown ~user, a NUL byte
         size = -1
     if size < 0:
-        raise ImageInputError(f"{where}: no such file in the allowed image folders (env {IMAGE_ROOTS_ENV}, "
-                              "os.pathsep-separated; default: the working directory and the temp folder); give an "
-                              "existing image file there, an http(s) URL or a data URI")
+        raise ImageInputError(
+            f"{where}: no such file in the allowed image folders (env {IMAGE_ROOTS_ENV}, "
+            "os.pathsep-separated; default: the working directory and the temp folder); give an "
+            "existing image file there, an http(s) URL or a data URI"
+        )
     return path, size
 
 
@@ -213,7 +227,7 @@ def _read_file(reference: str, where: str) -> ImageData:
 
 
 def is_dicom(data: bytes) -> bool:
-    return data[DICOM_MARKER_OFFSET:DICOM_MARKER_OFFSET + 4] == b"DICM"
+    return data[DICOM_MARKER_OFFSET : DICOM_MARKER_OFFSET + 4] == b"DICM"
 
 
 def _open_image(data: bytes, where: str) -> Any:
@@ -223,8 +237,10 @@ def _open_image(data: bytes, where: str) -> Any:
     try:
         image = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
-        raise ImageInputError(f"{where}: not a readable image ({type(err).__name__}: {str(err)[:120]}); PNG, JPEG, "
-                              "GIF, WebP, TIFF, BMP or DICOM") from None
+        raise ImageInputError(
+            f"{where}: not a readable image ({type(err).__name__}: {str(err)[:120]}); PNG, JPEG, "
+            "GIF, WebP, TIFF, BMP or DICOM"
+        ) from None
     width, height = image.size
     if width * height > MAX_IMAGE_PIXELS:
         raise ImageInputError(f"{where}: {width}x{height} pixels; at most {MAX_IMAGE_PIXELS} pixels")
@@ -272,8 +288,9 @@ def _dicom_to_png(data: bytes, where: str) -> bytes:
     except ImageInputError:
         raise
     except Exception as err:  # noqa: BLE001 - pydicom raises many kinds for damaged files
-        raise ImageInputError(f"{where}: a DICOM file without readable pixels ({type(err).__name__}: "
-                              f"{str(err)[:120]})") from None
+        raise ImageInputError(
+            f"{where}: a DICOM file without readable pixels ({type(err).__name__}: {str(err)[:120]})"
+        ) from None
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
@@ -285,6 +302,7 @@ def _dicom_header(data: bytes, where: str) -> Any:
     rows × columns × frames × samples × bytes per sample must fit MAX_DICOM_PIXEL_BYTES (a compressed frame
     decodes to what the header declares), one frame MAX_IMAGE_PIXELS."""
     import pydicom
+
     # The public read_file_meta_info takes only a file name; the file is already in memory (its size checked).
     from pydicom.filereader import _read_file_meta_info, read_preamble
 
@@ -292,20 +310,32 @@ def _dicom_header(data: bytes, where: str) -> Any:
     read_preamble(source, False)
     syntax = str(_read_file_meta_info(source).get("TransferSyntaxUID", "") or "")
     if syntax == DEFLATED_TRANSFER_SYNTAX:
-        raise ImageInputError(f"{where}: a DICOM file in the deflated transfer syntax ({syntax}) is not read (it "
-                              "inflates without bound before its size is known); convert it to an uncompressed or "
-                              "JPEG transfer syntax first")
+        raise ImageInputError(
+            f"{where}: a DICOM file in the deflated transfer syntax ({syntax}) is not read (it "
+            "inflates without bound before its size is known); convert it to an uncompressed or "
+            "JPEG transfer syntax first"
+        )
     header = pydicom.dcmread(io.BytesIO(data), stop_before_pixels=True)
-    sizes = {name: _header_count(header, name, default, where) for name, default in
-             (("Rows", None), ("Columns", None), ("NumberOfFrames", 1), ("SamplesPerPixel", 1), ("BitsAllocated", 8))}
+    sizes = {
+        name: _header_count(header, name, default, where)
+        for name, default in (
+            ("Rows", None),
+            ("Columns", None),
+            ("NumberOfFrames", 1),
+            ("SamplesPerPixel", 1),
+            ("BitsAllocated", 8),
+        )
+    }
     rows, columns, frames, samples, bits = sizes.values()
     if rows * columns > MAX_IMAGE_PIXELS:
         raise ImageInputError(f"{where}: {columns}x{rows} pixels; at most {MAX_IMAGE_PIXELS} pixels")
     declared = rows * columns * frames * samples * -(-bits // 8)
     if declared > MAX_DICOM_PIXEL_BYTES:
-        raise ImageInputError(f"{where}: the DICOM header declares {declared} bytes of pixel data ({frames} "
-                              f"frame(s) of {columns}x{rows}, {samples} sample(s) of {bits} bits); at most "
-                              f"{MAX_DICOM_PIXEL_BYTES} (MAX_DICOM_PIXEL_BYTES)")
+        raise ImageInputError(
+            f"{where}: the DICOM header declares {declared} bytes of pixel data ({frames} "
+            f"frame(s) of {columns}x{rows}, {samples} sample(s) of {bits} bits); at most "
+            f"{MAX_DICOM_PIXEL_BYTES} (MAX_DICOM_PIXEL_BYTES)"
+        )
     return header
 
 
@@ -387,8 +417,9 @@ def cache_data_uris(references: Sequence[str]) -> list[str]:
     `<image_cache_dir>/<sha256>.<ext>`, written once (atomically) and reused by every later run with the same
     image. Paths and URLs stay as they are. The state and tasks of a graph then carry a short path, not
     megabytes of base64, and a trace still records the image as `data:<mime>;sha256=<hash>` (`image_record`)."""
-    return [str(_cached_file(_parse_data_uri(ref, "image (data URI)"))) if is_data_uri(ref) else ref
-            for ref in references]
+    return [
+        str(_cached_file(_parse_data_uri(ref, "image (data URI)"))) if is_data_uri(ref) else ref for ref in references
+    ]
 
 
 def _cached_file(image: ImageData) -> Path:
@@ -408,8 +439,10 @@ def _cached_file(image: ImageData) -> Path:
             Path(temporary).unlink(missing_ok=True)
             raise
     except OSError as err:
-        raise ImageInputError(f"image (data URI): cannot be written to the image cache {folder} "
-                              f"({err.strerror or err}); set ERMEDRAG_HOME to a writable folder") from None
+        raise ImageInputError(
+            f"image (data URI): cannot be written to the image cache {folder} "
+            f"({err.strerror or err}); set ERMEDRAG_HOME to a writable folder"
+        ) from None
     return path
 
 

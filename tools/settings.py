@@ -47,110 +47,336 @@ def _s(name: str, kind: str, default: Any, help: str, concern: str, **limits: An
 DEFAULT_MODEL = "offline:gemma3-270m"
 SETTINGS: tuple[Setting, ...] = (
     # models and sampling
-    _s("ERMEDRAG_MODEL", "str", DEFAULT_MODEL, "Chat model of every agent, `provider:name` (hf:, offline:, "
-       "llamacpp:, openai:, vllm:).", "models"),
+    _s(
+        "ERMEDRAG_MODEL",
+        "str",
+        DEFAULT_MODEL,
+        "Chat model of every agent, `provider:name` (hf:, offline:, llamacpp:, openai:, vllm:).",
+        "models",
+    ),
     _s("ERMEDRAG_EXTRACTOR_MODEL", "str", None, "The extractor's chat model.", "models", fallback="ERMEDRAG_MODEL"),
     _s("ERMEDRAG_RESPONDENT_MODEL", "str", None, "The respondent's chat model.", "models", fallback="ERMEDRAG_MODEL"),
     _s("ERMEDRAG_REASONER_MODEL", "str", "", "Med-R³'s reasoning model; empty = the respondent's.", "models"),
-    _s("ERMEDRAG_TEMPERATURE", "float", 0.0, "Sampling temperature of every agent (0 = greedy).", "models",
-       low=0.0, high=2.0),
+    _s(
+        "ERMEDRAG_TEMPERATURE",
+        "float",
+        0.0,
+        "Sampling temperature of every agent (0 = greedy).",
+        "models",
+        low=0.0,
+        high=2.0,
+    ),
     _s("ERMEDRAG_EXTRACTOR_MAX_NEW_TOKENS", "int", 96, "Generation budget of one extractor call.", "models", low=0),
     _s("ERMEDRAG_RESPONDENT_MAX_NEW_TOKENS", "int", 192, "Generation budget of the respondent.", "models", low=0),
-    _s("ERMEDRAG_ANSWER_EXTRACTION", "bool", True, "When a reply names no option, ask the model once more for the "
-       "letter alone, from its own reasoning (marked `extracted`, never well formed).", "models"),
-    _s("ERMEDRAG_DEVICE", "str", "cpu", "Torch device of in-process models and encoders (cpu, cuda, cuda:1, mps).",
-       "models"),
-    _s("ERMEDRAG_DTYPE", "str", "auto", "Dtype of in-process models: auto (bfloat16 where the device computes it "
-       "natively and the checkpoint is stored so), float32, bfloat16, float16.", "models",
-       choices=("auto", "float32", "bfloat16", "float16")),
-    _s("ERMEDRAG_TORCH_THREADS", "int", None, "Torch threads of in-process models (default: torch's own); 1 on a "
-       "shared CPU.", "models", low=1, high=4096),
+    _s(
+        "ERMEDRAG_ANSWER_EXTRACTION",
+        "bool",
+        True,
+        "When a reply names no option, ask the model once more for the "
+        "letter alone, from its own reasoning (marked `extracted`, never well formed).",
+        "models",
+    ),
+    _s(
+        "ERMEDRAG_DEVICE",
+        "str",
+        "cpu",
+        "Torch device of in-process models and encoders (cpu, cuda, cuda:1, mps).",
+        "models",
+    ),
+    _s(
+        "ERMEDRAG_DTYPE",
+        "str",
+        "auto",
+        "Dtype of in-process models: auto (bfloat16 where the device computes it "
+        "natively and the checkpoint is stored so), float32, bfloat16, float16.",
+        "models",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    _s(
+        "ERMEDRAG_TORCH_THREADS",
+        "int",
+        None,
+        "Torch threads of in-process models (default: torch's own); 1 on a shared CPU.",
+        "models",
+        low=1,
+        high=4096,
+    ),
     _s("ERMEDRAG_HF_MAX_BATCH", "int", 8, "Calls the hf backend decodes together.", "models", low=1, high=1024),
-    _s("ERMEDRAG_HF_SHARE_PREFIX", "bool", True, "The hf backend computes the prompt prefix a batch's calls share "
-       "once.", "models"),
-    _s("ERMEDRAG_LLAMACPP_THREADS", "int", None, "llama.cpp threads (default: every core this process may use).",
-       "models", low=1, high=4096),
-    _s("ERMEDRAG_LLAMACPP_CTX", "int", 8192, "llama.cpp context in tokens, shared by a batch.", "models", low=256,
-       high=2 ** 20),
+    _s(
+        "ERMEDRAG_HF_SHARE_PREFIX",
+        "bool",
+        True,
+        "The hf backend computes the prompt prefix a batch's calls share once.",
+        "models",
+    ),
+    _s(
+        "ERMEDRAG_LLAMACPP_THREADS",
+        "int",
+        None,
+        "llama.cpp threads (default: every core this process may use).",
+        "models",
+        low=1,
+        high=4096,
+    ),
+    _s(
+        "ERMEDRAG_LLAMACPP_CTX",
+        "int",
+        8192,
+        "llama.cpp context in tokens, shared by a batch.",
+        "models",
+        low=256,
+        high=2**20,
+    ),
     _s("ERMEDRAG_LLAMACPP_MAX_BATCH", "int", 8, "Sequences llama.cpp decodes together.", "models", low=1, high=256),
     # model servers
-    _s("OPENAI_BASE_URL", "str", "", "OpenAI-compatible server of openai: models, e.g. http://127.0.0.1:8000/v1.",
-       "servers"),
-    _s("OPENAI_API_KEY", "str", "EMPTY", "Key sent to the server of openai: models (local servers take any).",
-       "servers"),
-    _s("ERMEDRAG_OPENAI_VISION", "bool", True, "openai: models see images; false declares the server's model "
-       "text-only (images are then refused here, not by the server).", "servers"),
-    _s("ERMEDRAG_REQUEST_TIMEOUT_S", "float", 60.0, "Deadline of one attempt at a model-server call, from "
-       "connecting to the last byte.", "servers", low=0.0),
-    _s("ERMEDRAG_CONNECT_TIMEOUT_S", "float", 5.0, "Seconds to open a connection to a model server.", "servers",
-       low=0.0),
-    _s("ERMEDRAG_MAX_RETRIES", "int", 2, "Retries of a failed model-server call (refused, timed out, dropped, "
-       "408/409/429/5xx).", "servers", low=0, high=10),
-    _s("ERMEDRAG_RETRY_BACKOFF_S", "float", 0.5, "Wait before the first retry; it doubles per retry, up to 8 s.",
-       "servers", low=0.0),
+    _s(
+        "OPENAI_BASE_URL",
+        "str",
+        "",
+        "OpenAI-compatible server of openai: models, e.g. http://127.0.0.1:8000/v1.",
+        "servers",
+    ),
+    _s(
+        "OPENAI_API_KEY",
+        "str",
+        "EMPTY",
+        "Key sent to the server of openai: models (local servers take any).",
+        "servers",
+    ),
+    _s(
+        "ERMEDRAG_OPENAI_VISION",
+        "bool",
+        True,
+        "openai: models see images; false declares the server's model "
+        "text-only (images are then refused here, not by the server).",
+        "servers",
+    ),
+    _s(
+        "ERMEDRAG_REQUEST_TIMEOUT_S",
+        "float",
+        60.0,
+        "Deadline of one attempt at a model-server call, from connecting to the last byte.",
+        "servers",
+        low=0.0,
+    ),
+    _s(
+        "ERMEDRAG_CONNECT_TIMEOUT_S",
+        "float",
+        5.0,
+        "Seconds to open a connection to a model server.",
+        "servers",
+        low=0.0,
+    ),
+    _s(
+        "ERMEDRAG_MAX_RETRIES",
+        "int",
+        2,
+        "Retries of a failed model-server call (refused, timed out, dropped, 408/409/429/5xx).",
+        "servers",
+        low=0,
+        high=10,
+    ),
+    _s(
+        "ERMEDRAG_RETRY_BACKOFF_S",
+        "float",
+        0.5,
+        "Wait before the first retry; it doubles per retry, up to 8 s.",
+        "servers",
+        low=0.0,
+    ),
     # retrieval
-    _s("ERMEDRAG_INDEX_DIR", "path", "", "Corpus index built by `ermedrag index`; empty = the starter knowledge "
-       "base.", "retrieval"),
-    _s("ERMEDRAG_CHROMA_URL", "str", "", "A Chroma server (http://host:port) instead of the embedded store.",
-       "retrieval"),
-    _s("ERMEDRAG_COARSE_K", "int", 8, "Chunks the coarse stage keeps (BM25 and dense fused, one round of "
-       "pseudo-relevance feedback); at least one per snippet.", "retrieval",
-       low=0),
-    _s("ERMEDRAG_SNIPPETS_K", "int", 4, "Snippets the fine stage keeps: one extractor call each.", "retrieval",
-       low=0),
+    _s(
+        "ERMEDRAG_INDEX_DIR",
+        "path",
+        "",
+        "Corpus index built by `ermedrag index`; empty = the starter knowledge base.",
+        "retrieval",
+    ),
+    _s(
+        "ERMEDRAG_CHROMA_URL",
+        "str",
+        "",
+        "A Chroma server (http://host:port) instead of the embedded store.",
+        "retrieval",
+    ),
+    _s(
+        "ERMEDRAG_COARSE_K",
+        "int",
+        8,
+        "Chunks the coarse stage keeps (BM25 and dense fused, one round of "
+        "pseudo-relevance feedback); at least one per snippet.",
+        "retrieval",
+        low=0,
+    ),
+    _s("ERMEDRAG_SNIPPETS_K", "int", 4, "Snippets the fine stage keeps: one extractor call each.", "retrieval", low=0),
     _s("ERMEDRAG_SEARCH_K", "int", 5, "Snippets one Med-R³ search returns (the paper: the top 5).", "retrieval", low=0),
-    _s("ERMEDRAG_RERANKER", "str", "", "Cross-encoder (id or folder, e.g. ncbi/MedCPT-Cross-Encoder) that re-scores "
-       "the coarse chunks; empty = off.", "retrieval"),
+    _s(
+        "ERMEDRAG_RERANKER",
+        "str",
+        "",
+        "Cross-encoder (id or folder, e.g. ncbi/MedCPT-Cross-Encoder) that re-scores the coarse chunks; empty = off.",
+        "retrieval",
+    ),
     # Med-R³
-    _s("ERMEDRAG_MAX_SEARCHES", "int", reasoner.MAX_SEARCHES, "Med-R³: searches allowed per question (the paper: 4).", "med_r3",
-       low=0),
-    _s("ERMEDRAG_STEP_MAX_NEW_TOKENS", "int", reasoner.STEP_MAX_NEW_TOKENS, "Med-R³: budget of one reasoning step (until a search closes or "
-       "the answer ends).",
-       "med_r3", low=0),
-    _s("ERMEDRAG_MAX_TOTAL_TOKENS", "int", reasoner.MAX_TOTAL_TOKENS, "Med-R³: the model's own tokens over all "
-       "steps of a question; then it must answer with what it has.", "med_r3", low=0),
+    _s(
+        "ERMEDRAG_MAX_SEARCHES",
+        "int",
+        reasoner.MAX_SEARCHES,
+        "Med-R³: searches allowed per question (the paper: 4).",
+        "med_r3",
+        low=0,
+    ),
+    _s(
+        "ERMEDRAG_STEP_MAX_NEW_TOKENS",
+        "int",
+        reasoner.STEP_MAX_NEW_TOKENS,
+        "Med-R³: budget of one reasoning step (until a search closes or the answer ends).",
+        "med_r3",
+        low=0,
+    ),
+    _s(
+        "ERMEDRAG_MAX_TOTAL_TOKENS",
+        "int",
+        reasoner.MAX_TOTAL_TOKENS,
+        "Med-R³: the model's own tokens over all steps of a question; then it must answer with what it has.",
+        "med_r3",
+        low=0,
+    ),
     # MMedAgent-RL
-    _s("ERMEDRAG_SPECIALTIES", "str", ", ".join(triage.SPECIALTIES), "MMedAgent: the specialties the triage doctor "
-       "chooses from, comma-separated (the paper's seven by default).", "mmedagent"),
-    _s("ERMEDRAG_TRIAGE_MODE", "str", "model", "MMedAgent: model (the triage model chooses), oracle (the input's "
-       "gold_specialty) or fixed:NAME (always NAME).", "mmedagent"),
-    _s("ERMEDRAG_DEFAULT_SPECIALTY", "str", "", "MMedAgent: the specialty used when triage names none of the list "
-       "(recorded as a fallback); empty = the first.", "mmedagent"),
-    _s("ERMEDRAG_N_SPECIALISTS", "int", 3, "MMedAgent: specialists consulted per question (the paper: three; at "
-       "temperature 0 they agree).", "mmedagent", low=1,
-       high=specialist.MAX_SPECIALISTS),
-    _s("ERMEDRAG_ATTENDING_SAMPLES", "int", 1, "MMedAgent: attending calls per question; above 1 the answer is "
-       "their majority vote (ties: the answer given first).",
-       "mmedagent", low=1, high=attending.MAX_ATTENDING_SAMPLES),
-    _s("ERMEDRAG_TRIAGE_MODEL", "str", "", "MMedAgent: the triage doctor's model; empty = the respondent's.",
-       "mmedagent"),
-    _s("ERMEDRAG_SPECIALIST_MODEL", "str", "", "MMedAgent: the specialists' model (the paper: a frozen strong model); "
-       "empty = the respondent's.",
-       "mmedagent"),
-    _s("ERMEDRAG_ATTENDING_MODEL", "str", "", "MMedAgent: the attending physician's model; empty = the "
-       "respondent's.", "mmedagent"),
-    _s("ERMEDRAG_SPECIALIST_RETRIEVAL", "bool", False, "MMedAgent: retrieve the question's evidence once (index_dir, "
-       "snippets_k, coarse_k, reranker) and show it to every specialist.", "mmedagent"),
-    _s("ERMEDRAG_TRIAGE_MAX_NEW_TOKENS", "int", triage.TRIAGE_MAX_NEW_TOKENS, "MMedAgent: budget of the triage "
-       "call.", "mmedagent", low=0),
-    _s("ERMEDRAG_SPECIALIST_MAX_NEW_TOKENS", "int", specialist.SPECIALIST_MAX_NEW_TOKENS, "MMedAgent: budget of one "
-       "specialist call.", "mmedagent", low=0),
-    _s("ERMEDRAG_ATTENDING_MAX_NEW_TOKENS", "int", attending.ATTENDING_MAX_NEW_TOKENS, "MMedAgent: budget of one "
-       "attending call.", "mmedagent", low=0),
+    _s(
+        "ERMEDRAG_SPECIALTIES",
+        "str",
+        ", ".join(triage.SPECIALTIES),
+        "MMedAgent: the specialties the triage doctor chooses from, comma-separated (the paper's seven by default).",
+        "mmedagent",
+    ),
+    _s(
+        "ERMEDRAG_TRIAGE_MODE",
+        "str",
+        "model",
+        "MMedAgent: model (the triage model chooses), oracle (the input's gold_specialty) or fixed:NAME (always NAME).",
+        "mmedagent",
+    ),
+    _s(
+        "ERMEDRAG_DEFAULT_SPECIALTY",
+        "str",
+        "",
+        "MMedAgent: the specialty used when triage names none of the list (recorded as a fallback); empty = the first.",
+        "mmedagent",
+    ),
+    _s(
+        "ERMEDRAG_N_SPECIALISTS",
+        "int",
+        3,
+        "MMedAgent: specialists consulted per question (the paper: three; at temperature 0 they agree).",
+        "mmedagent",
+        low=1,
+        high=specialist.MAX_SPECIALISTS,
+    ),
+    _s(
+        "ERMEDRAG_ATTENDING_SAMPLES",
+        "int",
+        1,
+        "MMedAgent: attending calls per question; above 1 the answer is "
+        "their majority vote (ties: the answer given first).",
+        "mmedagent",
+        low=1,
+        high=attending.MAX_ATTENDING_SAMPLES,
+    ),
+    _s(
+        "ERMEDRAG_TRIAGE_MODEL",
+        "str",
+        "",
+        "MMedAgent: the triage doctor's model; empty = the respondent's.",
+        "mmedagent",
+    ),
+    _s(
+        "ERMEDRAG_SPECIALIST_MODEL",
+        "str",
+        "",
+        "MMedAgent: the specialists' model (the paper: a frozen strong model); empty = the respondent's.",
+        "mmedagent",
+    ),
+    _s(
+        "ERMEDRAG_ATTENDING_MODEL",
+        "str",
+        "",
+        "MMedAgent: the attending physician's model; empty = the respondent's.",
+        "mmedagent",
+    ),
+    _s(
+        "ERMEDRAG_SPECIALIST_RETRIEVAL",
+        "bool",
+        False,
+        "MMedAgent: retrieve the question's evidence once (index_dir, "
+        "snippets_k, coarse_k, reranker) and show it to every specialist.",
+        "mmedagent",
+    ),
+    _s(
+        "ERMEDRAG_TRIAGE_MAX_NEW_TOKENS",
+        "int",
+        triage.TRIAGE_MAX_NEW_TOKENS,
+        "MMedAgent: budget of the triage call.",
+        "mmedagent",
+        low=0,
+    ),
+    _s(
+        "ERMEDRAG_SPECIALIST_MAX_NEW_TOKENS",
+        "int",
+        specialist.SPECIALIST_MAX_NEW_TOKENS,
+        "MMedAgent: budget of one specialist call.",
+        "mmedagent",
+        low=0,
+    ),
+    _s(
+        "ERMEDRAG_ATTENDING_MAX_NEW_TOKENS",
+        "int",
+        attending.ATTENDING_MAX_NEW_TOKENS,
+        "MMedAgent: budget of one attending call.",
+        "mmedagent",
+        low=0,
+    ),
     # data, records, caches
-    _s("ERMEDRAG_HOME", "path", "~/.cache/ermedrag", "Cache root: converted models, the starter index, images, "
-       "default trace and checkpoint stores.", "files"),
-    _s("ERMEDRAG_TRACE_DB", "path", "", "SQLite file of recorded runs; empty = <ERMEDRAG_HOME>/traces.sqlite.",
-       "files"),
-    _s("ERMEDRAG_CHECKPOINT_DB", "str", "", "Checkpoints of durable runs (a file, or a postgresql:// URL); empty = "
-       "<ERMEDRAG_HOME>/checkpoints.sqlite.", "files"),
-    _s("ERMEDRAG_SHARED_DATA", "path", "", "Shared data root (benchmarks/, corpora/, retrieval/) for evals, exports "
-       "and tests; empty = download from the hub.", "files"),
+    _s(
+        "ERMEDRAG_HOME",
+        "path",
+        "~/.cache/ermedrag",
+        "Cache root: converted models, the starter index, images, default trace and checkpoint stores.",
+        "files",
+    ),
+    _s(
+        "ERMEDRAG_TRACE_DB", "path", "", "SQLite file of recorded runs; empty = <ERMEDRAG_HOME>/traces.sqlite.", "files"
+    ),
+    _s(
+        "ERMEDRAG_CHECKPOINT_DB",
+        "str",
+        "",
+        "Checkpoints of durable runs (a file, or a postgresql:// URL); empty = <ERMEDRAG_HOME>/checkpoints.sqlite.",
+        "files",
+    ),
+    _s(
+        "ERMEDRAG_SHARED_DATA",
+        "path",
+        "",
+        "Shared data root (benchmarks/, corpora/, retrieval/) for evals, exports "
+        "and tests; empty = download from the hub.",
+        "files",
+    ),
     _s("ERMEDRAG_GPQA_PASSWORD", "str", "deserted-untie-orchid", "Password of the shared GPQA zip.", "files"),
-    _s("ERMEDRAG_IMAGE_ROOTS", "str", "", "Folders input image paths may come from (os.pathsep-separated); empty = "
-       "the working and temporary folders.", "files"),
-    _s("ERMEDRAG_INDEX_PAUSE", "str", "", "Test hook: `point:seconds,...` pauses an index build at named points.",
-       "files"),
+    _s(
+        "ERMEDRAG_IMAGE_ROOTS",
+        "str",
+        "",
+        "Folders input image paths may come from (os.pathsep-separated); empty = the working and temporary folders.",
+        "files",
+    ),
+    _s(
+        "ERMEDRAG_INDEX_PAUSE",
+        "str",
+        "",
+        "Test hook: `point:seconds,...` pauses an index build at named points.",
+        "files",
+    ),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
@@ -198,8 +424,11 @@ def _parse(setting: Setting, raw: str) -> Any:
             value = int(raw) if setting.kind == "int" else float(raw)
         except ValueError:
             raise ValueError(f"expected a{'n integer' if setting.kind == 'int' else ' number'}") from None
-        if not math.isfinite(value) or (setting.low is not None and value < setting.low) or (
-                setting.high is not None and value > setting.high):
+        if (
+            not math.isfinite(value)
+            or (setting.low is not None and value < setting.low)
+            or (setting.high is not None and value > setting.high)
+        ):
             raise ValueError(f"expected {_range(setting)}")
         return value
     if setting.choices and raw.lower() not in setting.choices:
@@ -237,3 +466,22 @@ def settings_table() -> str:
             shown = f"`{str(s.default).lower()}`"
         rows.append(f"| `{s.name}` | {shown} | {s.help} |")
     return "\n".join(rows)
+
+
+TABLE_BEGIN, TABLE_END = "<!-- settings-table:begin -->", "<!-- settings-table:end -->"
+
+
+def with_table(readme: str) -> str:
+    """`readme` with the text between its settings-table markers replaced by `settings_table()`."""
+    head, begin, rest = readme.partition(TABLE_BEGIN)
+    _, end, tail = rest.partition(TABLE_END)
+    if not begin or not end:
+        raise ValueError(f"the README has no {TABLE_BEGIN} … {TABLE_END} block")
+    return f"{head}{begin}\n{settings_table()}\n{end}{tail}"
+
+
+if __name__ == "__main__":  # python -m ermedrag.tools.settings README.md: rewrite its settings table
+    import sys
+
+    for path in sys.argv[1:]:
+        Path(path).write_text(with_table(Path(path).read_text(encoding="utf-8")), encoding="utf-8")

@@ -29,9 +29,18 @@ SETTINGS_FILE = "ermedrag_settings.json"
 PREFIX = "checkpoint-"
 # What a resumed run may change: where it reports, how many checkpoints it keeps, which server it reaches, and
 # recomputing activations (the usual answer to running out of memory). Anything else trains another model.
-CHANGEABLE_ON_RESUME = frozenset({"resume", "report_to", "log_completions", "save_total_limit",
-                                  "vllm_server_base_url", "vllm_gpu_memory_utilization", "gradient_checkpointing",
-                                  "chroma_url"})
+CHANGEABLE_ON_RESUME = frozenset(
+    {
+        "resume",
+        "report_to",
+        "log_completions",
+        "save_total_limit",
+        "vllm_server_base_url",
+        "vllm_gpu_memory_utilization",
+        "gradient_checkpointing",
+        "chroma_url",
+    }
+)
 PATH_FIELDS = ("model", "dataset", "output_dir")
 
 
@@ -51,14 +60,18 @@ def check_resumable(trl_args: Any) -> None:
     iterations = getattr(trl_args, "num_iterations", 1)
     per_generation = getattr(trl_args, "steps_per_generation", None)
     if iterations != 1 or per_generation not in (None, trl_args.gradient_accumulation_steps):
-        raise ValueError(f"resume: true needs each GRPO step to generate its own completions (num_iterations 1, "
-                         f"steps_per_generation = gradient_accumulation_steps); this run has num_iterations "
-                         f"{iterations}, steps_per_generation {per_generation}")
+        raise ValueError(
+            f"resume: true needs each GRPO step to generate its own completions (num_iterations 1, "
+            f"steps_per_generation = gradient_accumulation_steps); this run has num_iterations "
+            f"{iterations}, steps_per_generation {per_generation}"
+        )
     if trl_args.save_only_model:
         raise ValueError("resume: true needs the optimizer and scheduler in each checkpoint: save_only_model is on")
     if trl_args.save_total_limit == 1:
-        raise ValueError("resume: true needs save_total_limit of 2 or more (or null): with 1, a kill while the "
-                         "newest checkpoint is being written leaves none to go on from")
+        raise ValueError(
+            "resume: true needs save_total_limit of 2 or more (or null): with 1, a kill while the "
+            "newest checkpoint is being written leaves none to go on from"
+        )
 
 
 def settings_record(config: Any) -> dict[str, Any]:
@@ -73,13 +86,21 @@ def settings_record(config: Any) -> dict[str, Any]:
         if isinstance(record.get(name), str) and (name != "model" or Path(record[name]).exists()):
             record[name] = str(Path(record[name]).resolve())
     rewards = {"reward_code_sha256": reward_code_sha256()} if isinstance(config, GRPOTrainingConfig) else {}
-    return {**record, "resolved_bf16": config.resolved_bf16(), "resolved_dtype": config.resolved_dtype(),
-            "processes": PartialState().num_processes, **rewards}
+    return {
+        **record,
+        "resolved_bf16": config.resolved_bf16(),
+        "resolved_dtype": config.resolved_dtype(),
+        "processes": PartialState().num_processes,
+        **rewards,
+    }
 
 
 def differing_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    return sorted(name for name in recorded.keys() | current.keys()
-                  if name not in CHANGEABLE_ON_RESUME and recorded.get(name) != current.get(name))
+    return sorted(
+        name
+        for name in recorded.keys() | current.keys()
+        if name not in CHANGEABLE_ON_RESUME and recorded.get(name) != current.get(name)
+    )
 
 
 def _recorded_settings(checkpoint: Path) -> dict[str, Any] | None:
@@ -92,8 +113,11 @@ def _recorded_settings(checkpoint: Path) -> dict[str, Any] | None:
 
 def complete_checkpoints(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     """Checkpoints that carry their settings, newest first, with those settings."""
-    found = [(folder, _recorded_settings(folder)) for folder in output_dir.glob(PREFIX + "*")
-             if folder.name.removeprefix(PREFIX).isdigit()]
+    found = [
+        (folder, _recorded_settings(folder))
+        for folder in output_dir.glob(PREFIX + "*")
+        if folder.name.removeprefix(PREFIX).isdigit()
+    ]
     return sorted(((f, s) for f, s in found if s is not None), key=lambda item: -checkpoint_step(item[0]))
 
 
@@ -111,9 +135,11 @@ def resume_checkpoint(config: Any) -> Path | None:
             return folder
     if checkpoints:
         newest, recorded = checkpoints[0]
-        raise ValueError(f"{output_dir} holds checkpoints of a run with other settings ({newest.name}: "
-                         f"{', '.join(differing_settings(recorded, current))} differ): resume with that run's "
-                         "config and reward code, or train into another output_dir")
+        raise ValueError(
+            f"{output_dir} holds checkpoints of a run with other settings ({newest.name}: "
+            f"{', '.join(differing_settings(recorded, current))} differ): resume with that run's "
+            "config and reward code, or train into another output_dir"
+        )
     return None
 
 
@@ -152,5 +178,9 @@ def move_earlier_checkpoints(output_dir: Path) -> None:
     for path in [*earlier, output_dir / METRICS_FILE]:
         if path.exists():
             path.rename(aside / path.name)
-    log.warning("%s held %d checkpoint(s) of an earlier run; this run starts from the beginning, so they were "
-                "moved to %s", output_dir, len(earlier), aside)
+    log.warning(
+        "%s held %d checkpoint(s) of an earlier run; this run starts from the beginning, so they were moved to %s",
+        output_dir,
+        len(earlier),
+        aside,
+    )

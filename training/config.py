@@ -28,15 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ermedrag.agents.reasoner import MAX_SEARCHES, STEP_MAX_NEW_TOKENS
-from ermedrag.tools.retrieval.search import COARSE_K, SEARCH_K
 
 OFFLINE_PREFIX = "offline:"
 
 # Keys earlier versions read, with what replaces them.
 REMOVED_KEYS = {
     "reward_weights": "weight rewards by name with rewards: {name: weight}, e.g. rewards: {correctness: 1.0, "
-                      "format: 0.5, length: 0.2, evidence: 0.2} (Med-R³: stage_overrides: {N: {rewards: {...}}})",
+    "format: 0.5, length: 0.2, evidence: 0.2} (Med-R³: stage_overrides: {N: {rewards: {...}}})",
 }
 
 # Settings added after runs were recorded, with the value those runs trained with: left out of a config's settings
@@ -49,8 +47,11 @@ def comparable_settings(config: Any) -> dict[str, Any]:
     out); a dict of settings around configs is returned as it is."""
     if not dataclasses.is_dataclass(config):
         return config
-    return {name: value for name, value in dataclasses.asdict(config).items()
-            if name not in ADDED_SETTINGS or value != ADDED_SETTINGS[name]}
+    return {
+        name: value
+        for name, value in dataclasses.asdict(config).items()
+        if name not in ADDED_SETTINGS or value != ADDED_SETTINGS[name]
+    }
 
 
 def resolve_model(spec: str) -> str:
@@ -87,9 +88,7 @@ class _TrainingConfig:
         },
     )
     output_dir: str = field(
-        metadata={
-            "help": "Where checkpoints, the final adapter (or full model), `metrics.jsonl` and `curves.png` go."
-        },
+        metadata={"help": "Where checkpoints, the final adapter (or full model), `metrics.jsonl` and `curves.png` go."},
     )
     use_lora: bool = field(
         default=True,
@@ -127,7 +126,9 @@ class _TrainingConfig:
         default=0,
         metadata={"help": "Linear LR warm-up: a step count, or a fraction in [0, 1) of the total steps."},
     )
-    lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers scheduler name (linear, cosine, constant...)."})
+    lr_scheduler_type: str = field(
+        default="linear", metadata={"help": "transformers scheduler name (linear, cosine, constant...)."}
+    )
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm."})
     bf16: bool | None = field(
         default=None,
@@ -317,8 +318,11 @@ class GRPOTrainingConfig(_TrainingConfig):
         },
     )
     mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss. With "
-                                 "vLLM, a completion that ended at a stop string has no EOS and counts as cut."}
+        default=False,
+        metadata={
+            "help": "Leave completions cut at max_completion_length out of the loss. With "
+            "vLLM, a completion that ended at a stop string has no EOS and counts as cut."
+        },
     )
     use_vllm: bool = field(
         default=False, metadata={"help": "Generate with vLLM (GPU only; install vllm) instead of transformers."}
@@ -382,103 +386,6 @@ class GRPOTrainingConfig(_TrainingConfig):
         if self.use_vllm and self.stop_strings:
             kwargs["generation_kwargs"] = {"stop": list(self.stop_strings), "include_stop_str_in_output": True}
         return self._build_trl(GRPOConfig, kwargs)
-
-
-@dataclass
-class MedR3TrainingConfig(GRPOTrainingConfig):
-    """GRPO fields (shared by the stages) plus the search loop's and the stages' settings (`training.med_r3`).
-    For Med-R³, `max_completion_length` is the number of tokens the model writes over all steps of one rollout
-    (inserted documents are not counted) and `output_dir` holds one folder per stage. Rewards are weighted per
-    stage: `stage_overrides.N.rewards`, not `rewards`."""
-
-    index_dir: str | None = field(
-        default=None, metadata={"help": "Corpus index (`ermedrag index`) searched in stages 2 and 3."})
-    chroma_url: str | None = field(default=None, metadata={"help": "Chroma server URL instead of the on-disk store."})
-    search_k: int = field(default=SEARCH_K, metadata={"help": "Snippets returned per search (Med-R³: top 5)."})
-    coarse_k: int = field(default=COARSE_K, metadata={"help": "Chunks kept by coarse hybrid retrieval before re-scoring."})
-    max_searches: int = field(default=MAX_SEARCHES, metadata={"help": "Searches per rollout (Med-R³: 4)."})
-    step_max_new_tokens: int = field(
-        default=STEP_MAX_NEW_TOKENS, metadata={"help": "Tokens of one generation step (until a search closes or the answer ends)."})
-    max_chars: int = field(
-        default=3000, metadata={"help": "Model-written characters at which the length and overlong penalties are "
-                                        "full; they start at two thirds of it."})
-    max_think_chars: int = field(
-        default=2000, metadata={"help": "Characters of <think> content at which the think-length penalty is full."})
-    stage_overrides: dict[str, dict[str, Any]] = field(
-        default_factory=dict,
-        metadata={"help": "Per stage (1, 2, 3): fields of this config for that stage only (dataset, max_steps, "
-                          "learning_rate, num_generations, ...), and `rewards`: {name: weight} updating the stage's "
-                          "reward weights (names: correctness, format, length, retrieval_hit, search_format, "
-                          "penalties, evidence; weight 0 drops one)."})
-
-    def reward_settings(self) -> dict[str, Any]:
-        return {"max_chars": self.max_chars, "max_think_chars": self.max_think_chars,
-                "max_searches": self.max_searches}
-
-
-# Set by the MMedAgent stage schedule (`training.mmedagent`), so not settable through trl_overrides.
-MMEDAGENT_SCHEDULED_TRL_FIELDS = ("beta", "entropy_coef", "use_adaptive_entropy", "entropy_target")
-
-
-@dataclass
-class MMedAgentTrainingConfig(GRPOTrainingConfig):
-    """GRPO fields shared by the MMedAgent-RL stages (`training.mmedagent`): triage, then the attending's
-    curriculum easy → medium → hard, each stage with its own entropy bonus and KL coefficient. `dataset` is the
-    folder `ermedrag export mmedagent` wrote (triage/, easy/, medium/, hard/); `output_dir` holds one folder per
-    stage. Per-stage values go in `stage_overrides.NAME`."""
-
-    beta: float | None = field(
-        default=None,
-        metadata={"help": "KL coefficient for every stage; null = the schedule's (triage 1e-3, easy 1e-3, medium "
-                          "4e-3, hard 1e-2, attending 4e-3). stage_overrides.NAME.beta sets one stage."})
-    entropy_coef: float | None = field(
-        default=None,
-        metadata={"help": "Entropy bonus γ (loss - γ·mean token entropy, TRL's entropy_coef) for every stage; "
-                          "null = the schedule's (triage 0, easy 1e-4, medium 5e-3, hard 3e-2, attending 5e-3). "
-                          "stage_overrides.NAME.entropy_coef sets one stage."})
-    entropy_bonus: bool = field(
-        default=True, metadata={"help": "false: γ = 0 in every stage (the ablation without the entropy bonus)."})
-    adaptive_entropy: bool = field(
-        default=False,
-        metadata={"help": "TRL's adaptive entropy controller (Skywork-OR1): γ starts at the stage's value and moves "
-                          "by entropy_coef_delta (trl_overrides) each step towards entropy_target."})
-    entropy_target: float | None = field(
-        default=None, metadata={"help": "Target mean token entropy (nats) of the adaptive controller; null = TRL's."})
-    curriculum: bool = field(
-        default=True,
-        metadata={"help": "true: the attending trains easy → medium → hard, each stage from the previous one; "
-                          "false: one stage 'attending' on all buckets shuffled together (the ablation)."})
-    reward: str = field(
-        default="paper",
-        metadata={"help": "paper: 1·correct + 0.5·format (MMedAgent-RL); gated: the correct answer counts only in a "
-                          "well-formed reply (training.answer_rewards.well_formed_correctness_reward), + 0.5·format."})
-    attending_start: str | None = field(
-        default=None,
-        metadata={"help": "Model the attending's first stage starts from (path, hub id or offline:NAME); null = "
-                          "`model`. The triage stage always starts from `model`."})
-    stage_overrides: dict[str, dict[str, Any]] = field(
-        default_factory=dict,
-        metadata={"help": "Per stage (triage, easy, medium, hard, attending): fields of this config for that stage "
-                          "only (beta, entropy_coef, entropy_target, max_steps, learning_rate, dataset, "
-                          "max_completion_length, ...) and `rewards`: {name: weight} on top of the stage's defaults."})
-
-    def to_trl(self, reward_weights: Sequence[float] | None = None):
-        """The trl.GRPOConfig of one stage: needs `beta` and `entropy_coef` resolved (`training.mmedagent.
-        stage_config` does it)."""
-        if self.beta is None or self.entropy_coef is None:
-            raise ValueError("MMedAgentTrainingConfig.to_trl needs a stage's config, with beta and entropy_coef "
-                             "set: use ermedrag.training.mmedagent.train.stage_config(config, STAGE)")
-        scheduled = sorted(set(self.trl_overrides) & set(MMEDAGENT_SCHEDULED_TRL_FIELDS))
-        if scheduled:
-            raise ValueError(f"trl_overrides may not set {scheduled}: use the config's beta, entropy_coef, "
-                             "adaptive_entropy, entropy_target (per stage under stage_overrides)")
-        coef = self.entropy_coef if self.entropy_bonus else 0.0
-        # TRL's controller switches the bonus on by itself: a stage scheduled without one (triage) stays without.
-        entropy: dict[str, Any] = {"entropy_coef": coef, "use_adaptive_entropy": self.adaptive_entropy and coef > 0}
-        if self.entropy_target is not None:
-            entropy["entropy_target"] = self.entropy_target
-        with_entropy = dataclasses.replace(self, trl_overrides={**self.trl_overrides, **entropy})
-        return GRPOTrainingConfig.to_trl(with_entropy, reward_weights)
 
 
 C = TypeVar("C", bound=_TrainingConfig)

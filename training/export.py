@@ -37,8 +37,17 @@ LOG = "log.jsonl"
 CLOSED = "closed after its last complete triplet"  # the origin of a candidate close_cut_lists added
 
 
-def export_resumable(out: Path, items: Sequence[dict[str, Any]], id_key: str, to_record: Callable[[Any], dict],
-                     *, row_key: str, limit: int | None, progress: bool, unit: str) -> dict[str, int]:
+def export_resumable(
+    out: Path,
+    items: Sequence[dict[str, Any]],
+    id_key: str,
+    to_record: Callable[[Any], dict],
+    *,
+    row_key: str,
+    limit: int | None,
+    progress: bool,
+    unit: str,
+) -> dict[str, int]:
     """The loop of every export: the `items` (trace events or runs) whose `id_key` is not yet in
     `OUT/log.jsonl`, at most `limit` of them, each turned into a log record (carrying `id_key`, and its
     dataset row under `row_key`) and appended as soon as it is done; then the dataset is rebuilt from the log.
@@ -65,38 +74,56 @@ def _as_dict(value: Any) -> dict[str, Any]:
 class DPOExportConfig:
     traces: str = field(metadata={"help": "trace database (SQLite) to read"})
     out: str = field(metadata={"help": "output folder: log.jsonl, data.jsonl, dataset/"})
-    model: str | None = field(default=None, metadata={
-        "help": "chat model that samples alternatives; default: the model recorded for each call"})
+    model: str | None = field(
+        default=None,
+        metadata={"help": "chat model that samples alternatives; default: the model recorded for each call"},
+    )
     base_url: str | None = field(default=None, metadata={"help": "server for openai: models"})
     samples: int = field(default=4, metadata={"help": "alternative extractions sampled per recorded call"})
-    temperature: float = field(default=0.7, metadata={
-        "help": "sampling temperature for the alternatives (0.7: plausible rejected extractions; at 1.0 the "
-                "offline model's samples are mostly broken and DPO learned little, benches/README.md)"})
+    temperature: float = field(
+        default=0.7,
+        metadata={
+            "help": "sampling temperature for the alternatives (0.7: plausible rejected extractions; at 1.0 the "
+            "offline model's samples are mostly broken and DPO learned little, benches/README.md)"
+        },
+    )
     max_new_tokens: int = field(default=96, metadata={"help": "generation budget of one extraction"})
     margin: float = field(default=0.1, metadata={"help": "minimum reward gap between chosen and rejected"})
-    usefulness: bool = field(default=True, metadata={
-        "help": "score usefulness: does the respondent reach the gold answer from this extraction alone "
-                "(one respondent call per candidate; only for runs with a gold answer)"})
+    usefulness: bool = field(
+        default=True,
+        metadata={
+            "help": "score usefulness: does the respondent reach the gold answer from this extraction alone "
+            "(one respondent call per candidate; only for runs with a gold answer)"
+        },
+    )
     limit: int | None = field(default=None, metadata={"help": "process at most this many extractor calls"})
-    close_cut_lists: bool = field(default=True, metadata={
-        "help": "also score each candidate whose JSON list the token budget cut, ended after its last complete "
-                "triplet (its own words, then `]`): pairs can then prefer ending the list to running past the "
-                "budget (on by default: it beat no closing in 3 of 3 seeds, benches/README.md)"})
+    close_cut_lists: bool = field(
+        default=True,
+        metadata={
+            "help": "also score each candidate whose JSON list the token budget cut, ended after its last complete "
+            "triplet (its own words, then `]`): pairs can then prefer ending the list to running past the "
+            "budget (on by default: it beat no closing in 3 of 3 seeds, benches/README.md)"
+        },
+    )
 
 
 def _usefulness(model: Any, run: dict[str, Any], parsed: extractor.Extraction) -> float | None:
     if not run or not run.get("gold") or not parsed["triplets"]:
         return None
     question = run["question"]
-    reply = model.invoke(respondent.build_messages(question["question"], question.get("options"),
-                                                   extractor.render_triplets(parsed["triplets"])),
-                         stop=respondent.STOP)
+    reply = model.invoke(
+        respondent.build_messages(
+            question["question"], question.get("options"), extractor.render_triplets(parsed["triplets"])
+        ),
+        stop=respondent.STOP,
+    )
     answer = respondent.parse_answer(text_with_stop(reply, respondent.STOP), question.get("options"))
     return 1.0 if answer["answer"] == run["gold"] else 0.0
 
 
-def export_dpo(config: DPOExportConfig, progress: bool = True,
-               reward: Callable[..., Any] | None = None) -> dict[str, int]:
+def export_dpo(
+    config: DPOExportConfig, progress: bool = True, reward: Callable[..., Any] | None = None
+) -> dict[str, int]:
     """Write extractor preference pairs; returns counts. `reward` defaults to
     `training.extractor_reward.extractor_reward`."""
     from ermedrag.tools.models import load_chat_model
@@ -108,30 +135,43 @@ def export_dpo(config: DPOExportConfig, progress: bool = True,
 
     def model_for(spec: str) -> Any:
         if spec not in models:
-            models[spec] = load_chat_model(spec, temperature=config.temperature, base_url=config.base_url,
-                                           max_new_tokens=config.max_new_tokens)
+            models[spec] = load_chat_model(
+                spec, temperature=config.temperature, base_url=config.base_url, max_new_tokens=config.max_new_tokens
+            )
         return models[spec]
 
     def record(event: dict[str, Any]) -> dict[str, Any]:
         model = model_for(config.model or event["model"])
         return _dpo_record(event, store.run(event["run_id"]) or {}, model, config, reward)
 
-    return export_resumable(Path(config.out), list(store.events(agent="extractor")), "event_id", record,
-                            row_key="pair", limit=config.limit, progress=progress, unit="extractor call")
+    return export_resumable(
+        Path(config.out),
+        list(store.events(agent="extractor")),
+        "event_id",
+        record,
+        row_key="pair",
+        limit=config.limit,
+        progress=progress,
+        unit="extractor call",
+    )
 
 
 def _snippet_id(event: dict[str, Any]) -> str:
     return (event.get("inputs") or {}).get("snippet_id") or (event.get("parsed") or {}).get("snippet_id", "")
 
 
-def _dpo_record(event: dict[str, Any], run: dict[str, Any], model: Any, config: DPOExportConfig,
-                reward: Callable[..., Any]) -> dict[str, Any]:
+def _dpo_record(
+    event: dict[str, Any], run: dict[str, Any], model: Any, config: DPOExportConfig, reward: Callable[..., Any]
+) -> dict[str, Any]:
     inputs = event.get("inputs") or {}
     snippet_id = _snippet_id(event)
     snippet, question = inputs.get("snippet", ""), inputs.get("question", "")
     messages = to_langchain(event["messages"])
-    samples = [text_with_stop(r, extractor.STOP) for r in model.batch([messages] * config.samples, stop=extractor.STOP)
-               ] if config.samples else []  # a list that ended at its `}]` keeps it: it is whole, not cut
+    samples = (
+        [text_with_stop(r, extractor.STOP) for r in model.batch([messages] * config.samples, stop=extractor.STOP)]
+        if config.samples
+        else []
+    )  # a list that ended at its `}]` keeps it: it is whole, not cut
     candidates = dict.fromkeys([event["completion"], *samples], "recorded or sampled")  # identical ones count once
     if config.close_cut_lists:
         for text in list(candidates):
@@ -157,8 +197,11 @@ def preference_pair(event: dict[str, Any], scored: Sequence[dict[str, Any]], mar
         "prompt": to_chat(event["messages"]),
         "chosen": [{"role": "assistant", "content": best["completion"]}],
         "rejected": [{"role": "assistant", "content": worst["completion"]}],
-        "chosen_reward": best["reward"], "rejected_reward": worst["reward"],
-        "run_id": event["run_id"], "event_id": event["event_id"], "snippet_id": _snippet_id(event),
+        "chosen_reward": best["reward"],
+        "rejected_reward": worst["reward"],
+        "run_id": event["run_id"],
+        "event_id": event["event_id"],
+        "snippet_id": _snippet_id(event),
     }
 
 
@@ -183,8 +226,9 @@ def reselect_pairs(traces: str, export: Path, out: Path, margin: float, closed: 
 class GRPOExportConfig:
     traces: str = field(metadata={"help": "trace database (SQLite) to read"})
     out: str = field(metadata={"help": "output folder: log.jsonl, data.jsonl, dataset/"})
-    noise_fraction: float = field(default=0.25, metadata={
-        "help": "fraction of each prompt's triplets that are distractors drawn from other runs"})
+    noise_fraction: float = field(
+        default=0.25, metadata={"help": "fraction of each prompt's triplets that are distractors drawn from other runs"}
+    )
     seed: int = field(default=0, metadata={"help": "seed for drawing and shuffling distractors"})
     limit: int | None = field(default=None, metadata={"help": "process at most this many runs"})
 
@@ -213,8 +257,16 @@ def export_grpo(config: GRPOExportConfig, progress: bool = True) -> dict[str, in
     store = TraceStore(config.traces)
     runs = _finished_runs(store, "er_medrag")
     per_run = {r["run_id"]: _run_triplets(store, r["run_id"]) for r in runs}  # distractors come from every run
-    return export_resumable(Path(config.out), runs, "run_id", lambda run: _grpo_record(run, per_run, config),
-                            row_key="row", limit=config.limit, progress=progress, unit="run")
+    return export_resumable(
+        Path(config.out),
+        runs,
+        "run_id",
+        lambda run: _grpo_record(run, per_run, config),
+        row_key="row",
+        limit=config.limit,
+        progress=progress,
+        unit="run",
+    )
 
 
 def _finished_runs(store: TraceStore, graph: str) -> list[dict[str, Any]]:
@@ -231,13 +283,18 @@ def _grpo_record(run: dict[str, Any], per_run: dict[str, tuple[list, Any]], conf
     mixed = [{**t, "distractor": False} for t in own] + [{**t, "distractor": True} for t in distractors]
     rng.shuffle(mixed)
     question = run["question"]
-    messages = respondent.build_messages(question["question"], question.get("options"),
-                                         extractor.render_triplets(mixed))
+    messages = respondent.build_messages(
+        question["question"], question.get("options"), extractor.render_triplets(mixed)
+    )
     row = {
         "prompt": to_chat(messages),
-        "question": question["question"], "options": question.get("options"), "gold": run["gold"],
-        "triplets": mixed, "n_distractors": len(distractors),
-        "run_id": run["run_id"], "event_id": respondent_event["event_id"] if respondent_event else None,
+        "question": question["question"],
+        "options": question.get("options"),
+        "gold": run["gold"],
+        "triplets": mixed,
+        "n_distractors": len(distractors),
+        "run_id": run["run_id"],
+        "event_id": respondent_event["event_id"] if respondent_event else None,
         "snippet_ids": sorted({t["snippet_id"] for t in own}),
     }
     return {"run_id": run["run_id"], "row": row}
@@ -247,9 +304,13 @@ def _grpo_record(run: dict[str, Any], per_run: dict[str, tuple[list, Any]], conf
 class MedR3ExportConfig:
     traces: str = field(metadata={"help": "trace database (SQLite) to read"})
     out: str = field(metadata={"help": "output folder: log.jsonl, data.jsonl, dataset/"})
-    questions: list[str] = field(default_factory=list, metadata={
-        "help": "benchmark JSONL files the runs' questions came from: a run whose question text matches one gets "
-                "that question's gold evidence (PubMedQA abstract, BioASQ snippets) for the retrieval reward"})
+    questions: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "benchmark JSONL files the runs' questions came from: a run whose question text matches one gets "
+            "that question's gold evidence (PubMedQA abstract, BioASQ snippets) for the retrieval reward"
+        },
+    )
     qrels: str | None = field(default=None, metadata={"help": "bioasq_qrels.jsonl, for BioASQ questions"})
     corpus_dir: str | None = field(default=None, metadata={"help": "corpora folder, for exact PubMedQA ids"})
     limit: int | None = field(default=None, metadata={"help": "process at most this many runs"})
@@ -262,22 +323,42 @@ def export_med_r3(config: MedR3ExportConfig, progress: bool = True) -> dict[str,
     exports."""
     store = TraceStore(config.traces)
     evidence = _gold_evidence_by_question(config)
-    return export_resumable(Path(config.out), _finished_runs(store, "med_r3"), "run_id",
-                            lambda run: {"run_id": run["run_id"], "row": _med_r3_row(store, run, evidence)},
-                            row_key="row", limit=config.limit, progress=progress, unit="run")
+    return export_resumable(
+        Path(config.out),
+        _finished_runs(store, "med_r3"),
+        "run_id",
+        lambda run: {"run_id": run["run_id"], "row": _med_r3_row(store, run, evidence)},
+        row_key="row",
+        limit=config.limit,
+        progress=progress,
+        unit="run",
+    )
 
 
-def _med_r3_row(store: TraceStore, run: dict[str, Any], evidence: dict[str, tuple[str, list[str]]]
-                ) -> dict[str, Any] | None:
+def _med_r3_row(
+    store: TraceStore, run: dict[str, Any], evidence: dict[str, tuple[str, list[str]]]
+) -> dict[str, Any] | None:
     """The run's first reasoner call (empty transcript) as a prompt; None when the run has none."""
-    first = next((e for e in store.events(run_id=run["run_id"], agent="reasoner")
-                  if not (e.get("inputs") or {}).get("transcript")), None)
+    first = next(
+        (
+            e
+            for e in store.events(run_id=run["run_id"], agent="reasoner")
+            if not (e.get("inputs") or {}).get("transcript")
+        ),
+        None,
+    )
     if first is None:
         return None
     question = run["question"]
     benchmark, gold_evidence = evidence.get(_question_key(question["question"]), ("", []))
-    row = med_r3_row(to_chat(first["messages"]), gold=run["gold"], options=question.get("options"),
-                     gold_evidence=gold_evidence, row_id=run["run_id"], benchmark=benchmark)
+    row = med_r3_row(
+        to_chat(first["messages"]),
+        gold=run["gold"],
+        options=question.get("options"),
+        gold_evidence=gold_evidence,
+        row_id=run["run_id"],
+        benchmark=benchmark,
+    )
     return {**row, "run_id": run["run_id"], "event_id": first["event_id"]}
 
 
@@ -313,4 +394,3 @@ def _write_dataset(out: Path, key: str) -> dict[str, int]:
         shutil.rmtree(out / "dataset", ignore_errors=True)
         staging.rename(out / "dataset")
     return {"rows": len(unique)}
-

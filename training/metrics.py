@@ -41,8 +41,11 @@ class MetricsRecorder(TrainerCallback):
         """An empty file, or for a resumed run the earlier run's complete lines up to its checkpoint."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = self.keep_up_to_step
-        self.records = [] if kept is None else [
-            r for r in read_records(self.path) if isinstance(r.get("step"), int) and r["step"] <= kept]
+        self.records = (
+            []
+            if kept is None
+            else [r for r in read_records(self.path) if isinstance(r.get("step"), int) and r["step"] <= kept]
+        )
         replace_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -59,13 +62,20 @@ def zero_variance_steps(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     advantage to follow, and TRL logs the share of such groups per step as `frac_reward_zero_std`. A step where
     it is 1 taught nothing. With dynamic sampling, also how many batches a step drew and set aside. None when the
     run logged no such figure (DPO, or no step logged)."""
-    shares = [float(r["frac_reward_zero_std"]) for r in records
-              if isinstance(r.get("frac_reward_zero_std"), (int, float)) and math.isfinite(r["frac_reward_zero_std"])]
+    shares = [
+        float(r["frac_reward_zero_std"])
+        for r in records
+        if isinstance(r.get("frac_reward_zero_std"), (int, float)) and math.isfinite(r["frac_reward_zero_std"])
+    ]
     if not shares:
         return None
     silent = sum(share >= 1.0 - 1e-9 for share in shares)
-    summary = {"logged_steps": len(shares), "steps_without_signal": silent, "share": round(silent / len(shares), 4),
-               "mean_frac_reward_zero_std": round(sum(shares) / len(shares), 4)}
+    summary = {
+        "logged_steps": len(shares),
+        "steps_without_signal": silent,
+        "share": round(silent / len(shares), 4),
+        "mean_frac_reward_zero_std": round(sum(shares) / len(shares), 4),
+    }
     resampled = [float(r["resampled_batches"]) for r in records if isinstance(r.get("resampled_batches"), (int, float))]
     if resampled:  # dynamic sampling (training.grpo): steps whose first batch was silent, and the
         # batches set aside per step on average (steps_without_signal counts the steps that found none)

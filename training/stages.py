@@ -32,20 +32,25 @@ def refuse_resume(staged: Any) -> None:
     """`resume` goes on with one training. A staged run rerun with it would also go on with its finished stages
     from their last checkpoints, merge them again, and start the next stage's checkpoints on a changed model."""
     if staged.resume:
-        raise ValueError("resume: true is for one training (ermedrag train dpo|grpo); rerun a staged run from the "
-                         "stage that stopped instead (--stages with that stage and the ones after it)")
+        raise ValueError(
+            "resume: true is for one training (ermedrag train dpo|grpo); rerun a staged run from the "
+            "stage that stopped instead (--stages with that stage and the ones after it)"
+        )
 
 
 def recorded_stage_model(record: Path, stage: str, previous: str) -> str:
     """The merged model `previous` recorded in `record`, where `stage` starts; an error that says which stage
     to run first when the record or its model is missing."""
     if not record.is_file():
-        raise FileNotFoundError(f"stage {stage} starts from stage {previous}'s model, but {record} does not exist: "
-                                f"run stage {previous} first (--stages {previous},{stage})")
+        raise FileNotFoundError(
+            f"stage {stage} starts from stage {previous}'s model, but {record} does not exist: "
+            f"run stage {previous} first (--stages {previous},{stage})"
+        )
     model_dir = json.loads(record.read_text(encoding="utf-8"))["model_dir"]
     if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"stage {previous}'s model {model_dir} (from {record}) is missing: rerun stage "
-                                f"{previous}")
+        raise FileNotFoundError(
+            f"stage {previous}'s model {model_dir} (from {record}) is missing: rerun stage {previous}"
+        )
     return model_dir
 
 

@@ -52,8 +52,13 @@ from pathlib import Path
 from typing import Any
 
 from ermedrag.tools.records.jsonl import replace_text
-from ermedrag.training.checkpoints import (CheckpointSettings, check_resumable, checkpoint_dir, checkpoint_step,
-                                           resume_checkpoint)
+from ermedrag.training.checkpoints import (
+    CheckpointSettings,
+    check_resumable,
+    checkpoint_dir,
+    checkpoint_step,
+    resume_checkpoint,
+)
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig, load_config
 from ermedrag.training.metrics import METRICS_FILE, PLOT_FILE, MetricsRecorder, plot_curves, zero_variance_steps
 from ermedrag.training.rewards.text import RewardFunc
@@ -107,8 +112,13 @@ def train_grpo(config: GRPOTrainingConfig, reward_funcs: Sequence[RewardFunc] | 
     return run_grpo(config, rewards)
 
 
-def run_grpo(config: GRPOTrainingConfig, rewards: Sequence[WeightedReward], *,
-             rollout_func: RolloutFunc | None = None, kind: str = "grpo") -> dict[str, Any]:
+def run_grpo(
+    config: GRPOTrainingConfig,
+    rewards: Sequence[WeightedReward],
+    *,
+    rollout_func: RolloutFunc | None = None,
+    kind: str = "grpo",
+) -> dict[str, Any]:
     """Build the trainer (`build_grpo_trainer`), train, save; the summary names the rewards and their weights."""
     trainer, recorder = build_grpo_trainer(config, rewards, rollout_func=rollout_func)
     summary = _run(trainer, config, recorder, kind=kind)
@@ -117,8 +127,9 @@ def run_grpo(config: GRPOTrainingConfig, rewards: Sequence[WeightedReward], *,
     return summary
 
 
-def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedReward], *,
-                       rollout_func: RolloutFunc | None = None):
+def build_grpo_trainer(
+    config: GRPOTrainingConfig, rewards: Sequence[WeightedReward], *, rollout_func: RolloutFunc | None = None
+):
     """A `trl.GRPOTrainer` for `config` and its `MetricsRecorder`: the dataset checked, the model's tokenizer,
     TRL's config with the rewards' weights, and a rollout function: `rollout_func`, else one that ends at
     `config.stop_strings` (none with vLLM, which stops by itself: `GRPOTrainingConfig.to_trl`)."""
@@ -130,8 +141,9 @@ def build_grpo_trainer(config: GRPOTrainingConfig, rewards: Sequence[WeightedRew
     model_path = config.model_path()
     recorder, callbacks = _callbacks(config)
     if rollout_func is None and config.stop_strings and not config.use_vllm:
-        rollout_func = make_search_rollout(None, end_stops=config.stop_strings, force_answer=False,
-                                           step_max_new_tokens=config.max_completion_length)
+        rollout_func = make_search_rollout(
+            None, end_stops=config.stop_strings, force_answer=False, step_max_new_tokens=config.max_completion_length
+        )
     trainer_class, resampling = SignalCountingGRPOTrainer, {}
     if config.resample_zero_variance_batches:
         from ermedrag.training.grpo.sampling import ResamplingGRPOTrainer
@@ -254,13 +266,15 @@ def _run(trainer, config: _TrainingConfig, recorder: MetricsRecorder, *, kind: s
     if silent is not None:
         summary["zero_variance_steps"] = silent
         if silent["share"] > 0.5:
-            log.warning("%d of %d logged steps had equal rewards in every group (no learning signal): more "
-                        "generations, more prompts per step, a higher temperature or dynamic sampling "
-                        "(resample_zero_variance_batches) give groups that differ",
-                        silent["steps_without_signal"], silent["logged_steps"])
+            log.warning(
+                "%d of %d logged steps had equal rewards in every group (no learning signal): more "
+                "generations, more prompts per step, a higher temperature or dynamic sampling "
+                "(resample_zero_variance_batches) give groups that differ",
+                silent["steps_without_signal"],
+                silent["logged_steps"],
+            )
     if trainer.is_world_process_zero():
         replace_text(output_dir / CONFIG_FILE, json.dumps(dataclasses.asdict(config), indent=2, default=str))
         plot = plot_curves(recorder.records, output_dir / PLOT_FILE, title=f"{kind.upper()} {Path(config.model).name}")
         summary["plot_path"] = str(plot) if plot else None
     return summary
-

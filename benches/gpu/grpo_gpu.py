@@ -54,52 +54,106 @@ QWEN2_VOCAB = 151936  # Qwen2/2.5's embedding rows: gives the LM head and the lo
 # Qwen2-style shapes. `vocab_size: None` = the offline tokenizer's own size (~780).
 SIZES: dict[str, dict[str, Any]] = {
     # ermedrag/testing.py's model: for checking the script on CPU
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=None),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=None,
+    ),
     # ~192M parameters with the Qwen2 vocabulary (~75M without the tied embedding)
-    "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=4, vocab_size=QWEN2_VOCAB),
+    "small": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=QWEN2_VOCAB,
+    ),
     # Qwen2.5-0.5B's shape: ~494M parameters (~358M without the tied embedding)
-    "medium": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                   num_key_value_heads=2, vocab_size=QWEN2_VOCAB),
+    "medium": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=QWEN2_VOCAB,
+    ),
 }
+
 
 def log(message: str) -> None:
     print(f"[grpo_gpu {time.time() - STARTED:7.1f}s] {message}", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--size", choices=sorted(SIZES), default="small", help="model shape (see SIZES)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps (upper bound; --max-minutes may stop earlier)")
-    p.add_argument("--prompts-per-step", type=int, default=8,
-                   help="prompts per step; completions per step = this x --num-generations (1 on CPU)")
+    p.add_argument(
+        "--steps", type=int, default=20, help="optimizer steps (upper bound; --max-minutes may stop earlier)"
+    )
+    p.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=8,
+        help="prompts per step; completions per step = this x --num-generations (1 on CPU)",
+    )
     p.add_argument("--num-generations", type=int, default=8, help="completions per prompt (the GRPO group)")
     p.add_argument("--max-completion-length", type=int, default=256, help="max new tokens per completion")
-    p.add_argument("--prompts", type=int, default=None,
-                   help="rows in the synthetic dataset (default: max(64, prompts-per-step x steps))")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="model vocabulary rows (default: the size's; 0 = the tokenizer's own; ids past the "
-                        "tokenizer decode to nothing)")
-    p.add_argument("--lora", action="store_true", help="train a LoRA adapter (r 16, all-linear) instead of the full model")
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help="rows in the synthetic dataset (default: max(64, prompts-per-step x steps))",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="model vocabulary rows (default: the size's; 0 = the tokenizer's own; ids past the "
+        "tokenizer decode to nothing)",
+    )
+    p.add_argument(
+        "--lora", action="store_true", help="train a LoRA adapter (r 16, all-linear) instead of the full model"
+    )
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 loads a reference model from the path)")
     p.add_argument("--learning-rate", type=float, default=None, help="default 1e-6 full, 1e-5 LoRA")
-    p.add_argument("--gradient-checkpointing", choices=("auto", "on", "off"), default="auto",
-                   help="auto = the project's default (on with CUDA)")
-    p.add_argument("--vllm", choices=("colocate",), default=None,
-                   help="generate with vLLM in this process (needs vllm installed; off by default)")
+    p.add_argument(
+        "--gradient-checkpointing",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto = the project's default (on with CUDA)",
+    )
+    p.add_argument(
+        "--vllm",
+        choices=("colocate",),
+        default=None,
+        help="generate with vLLM in this process (needs vllm installed; off by default)",
+    )
     p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
-    p.add_argument("--max-minutes", type=float, default=9.0,
-                   help="wall-clock budget from start to the JSON: training stops early when the next step "
-                        "would not fit")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=9.0,
+        help="wall-clock budget from start to the JSON: training stops early when the next step would not fit",
+    )
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"JSON summary path (default {DEFAULT_OUT.relative_to(REPO)} on CUDA, {CPU_OUT} on CPU)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"JSON summary path (default {DEFAULT_OUT.relative_to(REPO)} on CUDA, {CPU_OUT} on CPU)",
+    )
     p.add_argument("--work-dir", type=Path, default=None, help="model, dataset and run folder (default: a temp dir)")
     p.add_argument("--keep-work", action="store_true", help="keep the work folder (metrics.jsonl, curves.png)")
-    p.add_argument("--allow-cpu", action="store_true",
-                   help="without CUDA, run a smoke check on CPU (forces --size tiny, at most 2 steps)")
+    p.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="without CUDA, run a smoke check on CPU (forces --size tiny, at most 2 steps)",
+    )
     return p.parse_args(argv)
 
 
@@ -150,20 +204,55 @@ def build_model(directory: Path, size: str, vocab_size: int | None, *, on_cuda: 
 
 
 _CONDITIONS = [
-    "community-acquired pneumonia", "type 2 diabetes", "atrial fibrillation", "hypothyroidism", "migraine",
-    "gout flare", "iron deficiency anaemia", "peptic ulcer disease", "asthma exacerbation", "heart failure",
-    "urinary tract infection", "hypertension", "deep vein thrombosis", "rheumatoid arthritis", "epilepsy",
+    "community-acquired pneumonia",
+    "type 2 diabetes",
+    "atrial fibrillation",
+    "hypothyroidism",
+    "migraine",
+    "gout flare",
+    "iron deficiency anaemia",
+    "peptic ulcer disease",
+    "asthma exacerbation",
+    "heart failure",
+    "urinary tract infection",
+    "hypertension",
+    "deep vein thrombosis",
+    "rheumatoid arthritis",
+    "epilepsy",
 ]
 _DRUGS = [
-    "amoxicillin", "metformin", "apixaban", "levothyroxine", "sumatriptan", "colchicine", "ferrous sulfate",
-    "omeprazole", "salbutamol", "furosemide", "nitrofurantoin", "amlodipine", "enoxaparin", "methotrexate",
+    "amoxicillin",
+    "metformin",
+    "apixaban",
+    "levothyroxine",
+    "sumatriptan",
+    "colchicine",
+    "ferrous sulfate",
+    "omeprazole",
+    "salbutamol",
+    "furosemide",
+    "nitrofurantoin",
+    "amlodipine",
+    "enoxaparin",
+    "methotrexate",
     "levetiracetam",
 ]
 _SYMPTOMS = [
-    "fever and a productive cough", "polyuria and fatigue", "palpitations", "weight gain and cold intolerance",
-    "a throbbing unilateral headache", "a hot swollen first toe", "pallor and exertional dyspnoea",
-    "epigastric pain", "wheeze and breathlessness", "ankle oedema and orthopnoea", "dysuria",
-    "persistent headaches", "a swollen painful calf", "morning joint stiffness", "recurrent seizures",
+    "fever and a productive cough",
+    "polyuria and fatigue",
+    "palpitations",
+    "weight gain and cold intolerance",
+    "a throbbing unilateral headache",
+    "a hot swollen first toe",
+    "pallor and exertional dyspnoea",
+    "epigastric pain",
+    "wheeze and breathlessness",
+    "ankle oedema and orthopnoea",
+    "dysuria",
+    "persistent headaches",
+    "a swollen painful calf",
+    "morning joint stiffness",
+    "recurrent seizures",
 ]
 
 
@@ -182,19 +271,38 @@ def synthetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
         drugs = wrong[:]
         drugs.insert("ABCD".index(gold), _DRUGS[c])
         options = dict(zip("ABCD", (d.capitalize() for d in drugs)))
-        question = (f"A {rng.randint(18, 85)}-year-old {rng.choice(['man', 'woman'])} presents with "
-                    f"{_SYMPTOMS[c]} and is diagnosed with {_CONDITIONS[c]}. Which drug is the first-line treatment?")
-        triplets = [{"condition": _CONDITIONS[c], "relation": "treated with", "conclusion": _DRUGS[c],
-                     "snippet_id": f"syn-{i}-0"}]
+        question = (
+            f"A {rng.randint(18, 85)}-year-old {rng.choice(['man', 'woman'])} presents with "
+            f"{_SYMPTOMS[c]} and is diagnosed with {_CONDITIONS[c]}. Which drug is the first-line treatment?"
+        )
+        triplets = [
+            {
+                "condition": _CONDITIONS[c],
+                "relation": "treated with",
+                "conclusion": _DRUGS[c],
+                "snippet_id": f"syn-{i}-0",
+            }
+        ]
         for k, d in enumerate(rng.sample(range(len(_CONDITIONS)), 2), 1):  # distractor evidence
-            triplets.append({"condition": _CONDITIONS[d], "relation": "treated with", "conclusion": _DRUGS[d],
-                             "snippet_id": f"syn-{i}-{k}"})
+            triplets.append(
+                {
+                    "condition": _CONDITIONS[d],
+                    "relation": "treated with",
+                    "conclusion": _DRUGS[d],
+                    "snippet_id": f"syn-{i}-{k}",
+                }
+            )
         rng.shuffle(triplets)
         messages = build_messages(question, options, render_triplets(triplets))
-        rows.append({
-            "prompt": to_chat(messages),  # as training.export writes prompts
-            "question": question, "options": options, "gold": gold, "triplets": triplets,
-        })
+        rows.append(
+            {
+                "prompt": to_chat(messages),  # as training.export writes prompts
+                "question": question,
+                "options": options,
+                "gold": gold,
+                "triplets": triplets,
+            }
+        )
     return rows
 
 
@@ -238,8 +346,10 @@ def make_timer(deadline: float, reserve_s: float):
             if state.global_step < state.max_steps and time.time() + next_step + reserve_s > deadline:
                 control.should_training_stop = True
                 self.stopped_by_time = True
-                log(f"time budget: stopping after step {state.global_step} "
-                    f"(next step ~{next_step:.1f}s, {deadline - time.time():.0f}s left)")
+                log(
+                    f"time budget: stopping after step {state.global_step} "
+                    f"(next step ~{next_step:.1f}s, {deadline - time.time():.0f}s left)"
+                )
 
         def logs_by_step(self) -> dict[int, dict[str, float]]:
             # From the trainer's log_history: exact numbers (the progress callback formats the dict that
@@ -300,17 +410,21 @@ def step_report(timer, completions_per_step: int) -> dict[str, Any]:
         total_tokens = logs.get("num_tokens")  # cumulative prompt + completion tokens (TRL)
         processed = total_tokens - previous_tokens if total_tokens is not None else None
         previous_tokens = total_tokens if total_tokens is not None else previous_tokens
-        per_step.append({
-            "step": record["step"],
-            "seconds": round(record["seconds"], 3),
-            "generation_seconds": round(record["generation_seconds"], 3) if record.get("generation_seconds") else None,
-            "completion_mean_length": mean_length,
-            "generated_tokens": generated,
-            "prompt_plus_completion_tokens": processed,
-            "reward": logs.get("reward"),
-            "loss": logs.get("loss"),
-            "trainer_step_time": logs.get("step_time"),  # transformers' own figure, unsynchronised
-        })
+        per_step.append(
+            {
+                "step": record["step"],
+                "seconds": round(record["seconds"], 3),
+                "generation_seconds": round(record["generation_seconds"], 3)
+                if record.get("generation_seconds")
+                else None,
+                "completion_mean_length": mean_length,
+                "generated_tokens": generated,
+                "prompt_plus_completion_tokens": processed,
+                "reward": logs.get("reward"),
+                "loss": logs.get("loss"),
+                "trainer_step_time": logs.get("step_time"),  # transformers' own figure, unsynchronised
+            }
+        )
     # The first step carries one-off costs (CUDA context, cuBLAS handles, allocator growth): report it apart.
     steady = per_step[1:] if len(per_step) > 1 else per_step
     seconds = [s["seconds"] for s in steady]
@@ -333,7 +447,8 @@ def step_report(timer, completions_per_step: int) -> dict[str, Any]:
         "generated_tokens_per_s": _rate(sum(generated), total_s) if generated else None,
         # generation alone: generated tokens over the time inside the generate call
         "generation_tokens_per_s": _rate(sum(generated), sum(gen_seconds))
-        if generated and gen_seconds and len(gen_seconds) == len(generated) else None,
+        if generated and gen_seconds and len(gen_seconds) == len(generated)
+        else None,
         # everything the step processed (prompt + completion tokens of all completions) per second
         "prompt_plus_completion_tokens_per_s": _rate(sum(processed), total_s) if processed else None,
     }
@@ -346,9 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     notes = []
     if not on_cuda:
         if not args.allow_cpu:
-            print("grpo_gpu: no CUDA device found (torch.cuda.is_available() is False). This benchmark is meant "
-                  "for the GPU machine; to check the script on CPU, pass --allow-cpu (runs --size tiny, 2 steps).",
-                  file=sys.stderr)
+            print(
+                "grpo_gpu: no CUDA device found (torch.cuda.is_available() is False). This benchmark is meant "
+                "for the GPU machine; to check the script on CPU, pass --allow-cpu (runs --size tiny, 2 steps).",
+                file=sys.stderr,
+            )
             return 2
         if args.size != "tiny" or args.steps > 2 or args.prompts_per_step != 1:
             notes.append("CPU check: forced --size tiny, --steps <= 2, --prompts-per-step 1")
@@ -359,8 +476,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.vllm:
         # colocate mode outside `accelerate launch`: vLLM's distributed init reads these
-        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531")):
+        for name, value in (
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29531"),
+        ):
             os.environ.setdefault(name, value)
     vocab_size = args.vocab_size
     if args.vllm and vocab_size is None:
@@ -383,8 +505,10 @@ def main(argv: list[str] | None = None) -> int:
         "torch_cuda": torch.version.cuda,
         "cpu_threads": torch.get_num_threads(),
     }
-    log(f"device: {device['name']} (cuda={on_cuda}); size {args.size}, {args.steps} steps, "
-        f"{completions_per_step} completions/step x {args.max_completion_length} tokens max")
+    log(
+        f"device: {device['name']} (cuda={on_cuda}); size {args.size}, {args.steps} steps, "
+        f"{completions_per_step} completions/step x {args.max_completion_length} tokens max"
+    )
 
     own_work = args.work_dir is None
     work = Path(tempfile.mkdtemp(prefix="grpo_gpu_")) if own_work else args.work_dir
@@ -392,9 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t = time.perf_counter()
         model_info = build_model(work / "model", args.size, vocab_size, on_cuda=on_cuda, seed=args.seed)
-        log(f"model: {model_info['parameters'] / 1e6:.1f}M parameters "
+        log(
+            f"model: {model_info['parameters'] / 1e6:.1f}M parameters "
             f"({model_info['non_embedding_parameters'] / 1e6:.1f}M non-embedding), vocab {model_info['vocab_size']}, "
-            f"built and saved in {time.perf_counter() - t:.1f}s")
+            f"built and saved in {time.perf_counter() - t:.1f}s"
+        )
 
         from datasets import Dataset
 
@@ -404,8 +530,12 @@ def main(argv: list[str] | None = None) -> int:
 
         tok = AutoTokenizer.from_pretrained(work / "model")
         prompt_tokens = [
-            len(tok(tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True),
-                    add_special_tokens=False)["input_ids"])
+            len(
+                tok(
+                    tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False,
+                )["input_ids"]
+            )
             for r in rows[:32]
         ]
         log(f"dataset: {n_prompts} respondent prompts, ~{statistics.fmean(prompt_tokens):.0f} prompt tokens each")
@@ -464,14 +594,22 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "benchmark": "grpo_gpu",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "command": shlex.join(["python", str(Path(sys.argv[0]).resolve().relative_to(REPO))
-                                   if Path(sys.argv[0]).resolve().is_relative_to(REPO) else sys.argv[0],
-                                   *sys.argv[1:]]),
+            "command": shlex.join(
+                [
+                    "python",
+                    str(Path(sys.argv[0]).resolve().relative_to(REPO))
+                    if Path(sys.argv[0]).resolve().is_relative_to(REPO)
+                    else sys.argv[0],
+                    *sys.argv[1:],
+                ]
+            ),
             "device": device,
             "versions": {
                 "python": platform.python_version(),
-                **{name: _version(name) for name in ("torch", "transformers", "trl", "peft", "accelerate",
-                                                     "datasets", "vllm")},
+                **{
+                    name: _version(name)
+                    for name in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "vllm")
+                },
             },
             "model": model_info,
             "run": {

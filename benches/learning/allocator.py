@@ -41,14 +41,32 @@ def child(steps: int, run: Path, out: Path) -> None:
     from ermedrag.training.trainers import train_grpo
 
     config = GRPOTrainingConfig(
-        model=str(offline_model_dir()), dataset=str(grpo_prompts(run, "train")), output_dir=str(out),
-        max_steps=steps, learning_rate=1e-4, num_generations=4, per_device_train_batch_size=4,
-        max_completion_length=96, temperature=0.7, save_steps=10_000, seed=0)
+        model=str(offline_model_dir()),
+        dataset=str(grpo_prompts(run, "train")),
+        output_dir=str(out),
+        max_steps=steps,
+        learning_rate=1e-4,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=96,
+        temperature=0.7,
+        save_steps=10_000,
+        seed=0,
+    )
     started = time.perf_counter()
     train_grpo(config)
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    print("RESULT", json.dumps({"wall_s": round(time.perf_counter() - started, 1), "user_s": round(usage.ru_utime, 1),
-                                "sys_s": round(usage.ru_stime, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024)}))
+    print(
+        "RESULT",
+        json.dumps(
+            {
+                "wall_s": round(time.perf_counter() - started, 1),
+                "user_s": round(usage.ru_utime, 1),
+                "sys_s": round(usage.ru_stime, 1),
+                "peak_rss_mb": round(usage.ru_maxrss / 1024),
+            }
+        ),
+    )
 
 
 def run_arm(arm: str, args: argparse.Namespace) -> dict[str, float]:
@@ -56,8 +74,13 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, float]:
     inherited = {k: v for k, v in os.environ.items() if k not in callers}
     env = offline_env(KEEP_FREED_MEMORY if arm == "keep" else {}, base=inherited)
     out = learning_run(Path(args.work)) / f"allocator-{arm}"
-    proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps), "--work", args.work,
-                           "--child-out", str(out)], env=env, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", "--steps", str(args.steps), "--work", args.work, "--child-out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise SystemExit(f"the {arm} arm failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
@@ -79,8 +102,10 @@ def main() -> None:
         parser.error("--child needs --child-out")
     run = learning_run(Path(args.work))
     if not grpo_prompts(run, "train").exists():
-        parser.error(f"no exported GRPO prompts at {grpo_prompts(run, 'train')}: run learning_signal.py first "
-                     "(or give its --work)")
+        parser.error(
+            f"no exported GRPO prompts at {grpo_prompts(run, 'train')}: run learning_signal.py first "
+            "(or give its --work)"
+        )
     if args.child:
         child(args.steps, run, Path(args.child_out))
         return
@@ -91,9 +116,14 @@ def main() -> None:
             runs[arm].append(run_arm(arm, args))
             print(arm, runs[arm][-1], flush=True)
     plain_wall = sum(r["wall_s"] for r in runs["plain"])
-    result = {"steps": args.steps, "pairs": args.pairs, "keep_env": KEEP_FREED_MEMORY, "runs": runs,
-              "wall_ratio_plain_to_keep": round(plain_wall / sum(r["wall_s"] for r in runs["keep"]), 2),
-              "command": " ".join(["python", "benches/learning/allocator.py", *sys.argv[1:]])}
+    result = {
+        "steps": args.steps,
+        "pairs": args.pairs,
+        "keep_env": KEEP_FREED_MEMORY,
+        "runs": runs,
+        "wall_ratio_plain_to_keep": round(plain_wall / sum(r["wall_s"] for r in runs["keep"]), 2),
+        "command": " ".join(["python", "benches/learning/allocator.py", *sys.argv[1:]]),
+    }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

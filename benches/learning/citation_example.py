@@ -66,8 +66,10 @@ def prompts_sha256(rows: list[dict[str, Any]]) -> str:
 def rescore(result: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The recorded result with each arm's figures computed again from its recorded replies."""
     if result.get("prompts_sha256") != prompts_sha256(rows):
-        sys.exit("error: the held-out prompts in --work are not the ones the recorded replies answered "
-                 f"(prompts_sha256 {result.get('prompts_sha256')} recorded, {prompts_sha256(rows)} now)")
+        sys.exit(
+            "error: the held-out prompts in --work are not the ones the recorded replies answered "
+            f"(prompts_sha256 {result.get('prompts_sha256')} recorded, {prompts_sha256(rows)} now)"
+        )
     arms = {}
     for arm, recorded in result["arms"].items():
         figures = respondent_metrics(recorded["replies"], rows)
@@ -78,18 +80,30 @@ def rescore(result: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", default=str(LEARNING_WORK),
-                        help="learning_signal.py's --work (its run folder holds the held-out prompts)")
-    parser.add_argument("--tokens", type=int, default=Context().respondent_max_new_tokens,
-                        help="respondent tokens (default: the graph's respondent_max_new_tokens)")
+    parser.add_argument(
+        "--work",
+        default=str(LEARNING_WORK),
+        help="learning_signal.py's --work (its run folder holds the held-out prompts)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=Context().respondent_max_new_tokens,
+        help="respondent tokens (default: the graph's respondent_max_new_tokens)",
+    )
     parser.add_argument("--out", default=str(RESULT))
-    parser.add_argument("--rescore", action="store_true",
-                        help="score the replies recorded in --out again with the current rewards (no model)")
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="score the replies recorded in --out again with the current rewards (no model)",
+    )
     args = parser.parse_args()
     dataset = grpo_prompts(learning_run(Path(args.work)), "eval")
     if not dataset.exists():
-        sys.exit(f"error: no held-out prompts at {dataset}: run benches/learning/learning_signal.py --parts grpo "
-                 "first (or give its --work)")
+        sys.exit(
+            f"error: no held-out prompts at {dataset}: run benches/learning/learning_signal.py --parts grpo "
+            "first (or give its --work)"
+        )
     rows = [dict(row) for row in load_from_disk(str(dataset))]
     if args.rescore:
         result = rescore(json.loads(Path(args.out).read_text()), rows)
@@ -102,17 +116,22 @@ def main() -> None:
         completions = generate(model, [rewrite(row["prompt"]) for row in rows], args.tokens, respondent.STOP)
         figures = respondent_metrics(completions, rows)
         answers[arm] = [respondent.parse_answer(c, row["options"]).get("answer") for c, row in zip(completions, rows)]
-        result["arms"][arm] = {**figures, "minutes": round((time.time() - arm_started) / 60, 1),
-                               "replies": completions}
+        result["arms"][arm] = {**figures, "minutes": round((time.time() - arm_started) / 60, 1), "replies": completions}
         print(f"{arm}: {json.dumps(figures)}", flush=True)
     result.update(
-        prompts=len(rows), prompts_sha256=prompts_sha256(rows),
+        prompts=len(rows),
+        prompts_sha256=prompts_sha256(rows),
         distractor_first=sum(map(distractor_first, rows)),
-        tokens=args.tokens, model="gemma3-270m (base), greedy",
-        same_answer_as_current={arm: sum(a == b for a, b in zip(answers[arm], answers["current"])) / len(rows)
-                                for arm in EXAMPLES if arm != "current"},
+        tokens=args.tokens,
+        model="gemma3-270m (base), greedy",
+        same_answer_as_current={
+            arm: sum(a == b for a, b in zip(answers[arm], answers["current"])) / len(rows)
+            for arm in EXAMPLES
+            if arm != "current"
+        },
         minutes=round((time.time() - started) / 60, 1),
-        command=command_line())
+        command=command_line(),
+    )
     replace_text(Path(args.out), json.dumps(result, indent=2) + "\n")
 
 

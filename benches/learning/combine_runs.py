@@ -29,8 +29,17 @@ from seeds import accuracy_interval, afters_from_summary, common_seed_count, pai
 from ermedrag.tools.records.jsonl import replace_text
 
 # What each run measures for itself; every other field of an arm's record is a setting all runs must share.
-PER_RUN_FIELDS = ("before", "after", "minutes", "reused_seeds", "command", "cpu", "zero_variance_steps", "pairs",
-                  "pair_composition")
+PER_RUN_FIELDS = (
+    "before",
+    "after",
+    "minutes",
+    "reused_seeds",
+    "command",
+    "cpu",
+    "zero_variance_steps",
+    "pairs",
+    "pair_composition",
+)
 SUMMARY_PER_SEED = ("zero_variance_share",)
 
 
@@ -58,17 +67,16 @@ def combine(records: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> tuple[
     """(The arm's combined record, its seeds summary) from (where, record, seeds summary) of each file."""
     settings = settings_of(records[0][1])
     for where, record, _ in records[1:]:
-        differing = sorted(k for k in settings.keys() | settings_of(record).keys()
-                           if settings.get(k) != record.get(k))
+        differing = sorted(k for k in settings.keys() | settings_of(record).keys() if settings.get(k) != record.get(k))
         if differing:
-            raise CombineError(f"{where} trained another recipe: {', '.join(differing)} differ from "
-                               f"{records[0][0]}'s")
+            raise CombineError(f"{where} trained another recipe: {', '.join(differing)} differ from {records[0][0]}'s")
     runs = distinct_runs([run for where, record, summary in records for run in runs_of(record, summary, where)])
     befores = [run["before"] for run in runs for _ in run["afters"]]
     afters = [after for run in runs for after in run["afters"]]
-    summary: dict[str, Any] = {**paired_over_seeds(befores, afters),
-                               "runs": [{"cpu": run.get("cpu", "(not recorded)"), "seeds": len(run["afters"])}
-                                        for run in runs]}
+    summary: dict[str, Any] = {
+        **paired_over_seeds(befores, afters),
+        "runs": [{"cpu": run.get("cpu", "(not recorded)"), "seeds": len(run["afters"])} for run in runs],
+    }
     prompts = settings.get("eval_prompts")
     if prompts and all("accuracy" in before for before in befores):
         summary["accuracy_before"] = [accuracy_interval(run["before"]["accuracy"], prompts) for run in runs]
@@ -92,9 +100,11 @@ def distinct_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         shorter, longer = sorted((known, run), key=lambda r: len(r["afters"]))
         if shorter["afters"] == longer["afters"]:
             raise CombineError("a run is given twice (the same before and afters): its seeds would count twice")
-        if longer["afters"][:len(shorter["afters"])] != shorter["afters"]:
-            raise CombineError("two runs measured against the same before hold different seeds: they are one "
-                               "recording, to grow with learning_signal.py --first-seed, not to combine")
+        if longer["afters"][: len(shorter["afters"])] != shorter["afters"]:
+            raise CombineError(
+                "two runs measured against the same before hold different seeds: they are one "
+                "recording, to grow with learning_signal.py --first-seed, not to combine"
+            )
         by_before[before] = longer
     return list(by_before.values())
 
@@ -111,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         records = []
         for path, result in zip(files, results):
             seeds = result.get("seeds") if isinstance(result, dict) else None
-            if not (isinstance(seeds, dict) and isinstance(result.get(args.key), dict)
-                    and isinstance(seeds.get(args.key), dict)):
+            if not (
+                isinstance(seeds, dict)
+                and isinstance(result.get(args.key), dict)
+                and isinstance(seeds.get(args.key), dict)
+            ):
                 raise CombineError(f"{path} holds no arm {args.key!r} with its seeds")
             records.append((str(path), result[args.key], result["seeds"][args.key]))
         record, summary = combine(records)
@@ -120,16 +133,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"combine_runs: {err}", file=sys.stderr)
         return 2
     except (KeyError, IndexError, TypeError, AttributeError) as err:  # a field missing or of another kind
-        print(f"combine_runs: a record of {args.key!r} is not as learning_signal.py writes it "
-              f"({type(err).__name__}: {err}); nothing written", file=sys.stderr)
+        print(
+            f"combine_runs: a record of {args.key!r} is not as learning_signal.py writes it "
+            f"({type(err).__name__}: {err}); nothing written",
+            file=sys.stderr,
+        )
         return 2
     into = results[0]
     into[args.key] = record
     into["seeds"][args.key] = summary
     into["seeds"]["n"] = common_seed_count(into["seeds"])
     replace_text(args.into, json.dumps(into, indent=2) + "\n")
-    print(f"{args.into}: {args.key} now holds {summary['n']} seeds from {len(record['runs'])} runs "
-          f"({', '.join(run['cpu'] for run in summary['runs'])})")
+    print(
+        f"{args.into}: {args.key} now holds {summary['n']} seeds from {len(record['runs'])} runs "
+        f"({', '.join(run['cpu'] for run in summary['runs'])})"
+    )
     return 0
 
 

@@ -43,12 +43,23 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[2]
 # The default GRPO arm's steps, sampling and worked example; a lever arm that changes one is recorded under its
 # own key.
-GRPO_DEFAULTS = {"steps": 50, "generations": 4, "temperature": 0.7, "prompts": 1,  # "prompts": per optimizer step
-                 "resample": 0,  # dynamic sampling: batches a step may draw again (training.grpo)
-                 "example": "current"}  # the respondent's worked example (worked_examples.EXAMPLES)
+GRPO_DEFAULTS = {
+    "steps": 50,
+    "generations": 4,
+    "temperature": 0.7,
+    "prompts": 1,  # "prompts": per optimizer step
+    "resample": 0,  # dynamic sampling: batches a step may draw again (training.grpo)
+    "example": "current",
+}  # the respondent's worked example (worked_examples.EXAMPLES)
 # --smoke's sizes (a tiny random model): they replace these options' values, and are its arms' defaults.
-SMOKE_SIZES = {"train_questions": 6, "eval_questions": 4, "grpo_steps": 2, "dpo_steps": 2, "extract_tokens": 16,
-               "respond_tokens": 24}
+SMOKE_SIZES = {
+    "train_questions": 6,
+    "eval_questions": 4,
+    "grpo_steps": 2,
+    "dpo_steps": 2,
+    "extract_tokens": 16,
+    "respond_tokens": 24,
+}
 # Beside each measurement (a merged seed, a before): the held-out replies it scored.
 REPLIES_FILE = "heldout_replies.json"
 # Steps between checkpoints: a training killed part way goes on from its last checkpoint when rerun with --reuse.
@@ -64,26 +75,48 @@ from ermedrag.agents import extractor, respondent  # noqa: E402
 from ermedrag.agents.base import to_chat, to_langchain  # noqa: E402
 from ermedrag.tools.agent_calls import text_with_stop  # noqa: E402
 from ermedrag.tools.data.benchmarks import Question, load_questions_file  # noqa: E402
-from ermedrag.evals.runner import EvalConfig, run_questions  # noqa: E402
+from ermedrag.evals.rows import EvalConfig
+from ermedrag.evals.runner import run_questions  # noqa: E402
 from ermedrag.tools.models import load_chat_model  # noqa: E402
 from ermedrag.tools.retrieval.corpus import Document  # noqa: E402
 from ermedrag.tools.retrieval.index import build_index  # noqa: E402
 from ermedrag.tools.records.jsonl import read_records, replace_text  # noqa: E402
 from ermedrag.tools.machine import cpu_model  # noqa: E402
 from ermedrag.tools.records.traces import TraceStore  # noqa: E402
-from ermedrag.training.rewards.answers import (cited_numbers, correctness_reward, evidence_references,  # noqa: E402
-                                              numbered_triplets)
+from ermedrag.training.rewards.answers import (
+    cited_numbers,
+    correctness_reward,
+    evidence_references,  # noqa: E402
+    numbered_triplets,
+)
 from ermedrag.training.checkpoints import resume_checkpoint  # noqa: E402
 from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
-from ermedrag.training.export import (DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo,  # noqa: E402
-                                      reselect_pairs)
+from ermedrag.training.export import (
+    DPOExportConfig,
+    GRPOExportConfig,
+    export_dpo,
+    export_grpo,  # noqa: E402
+    reselect_pairs,
+)
 from ermedrag.training.rewards.extraction import extractor_reward  # noqa: E402
 from ermedrag.training.rewards import RESPONDENT_REWARDS, resolve_rewards  # noqa: E402
 from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 
-from seeds import (LEARNING_WORK, RUN_FILE, accuracy_interval, afters_from_summary, allocator_env,  # noqa: E402
-                   common_seed_count, gain, grpo_prompts, hold_work_folder, learning_run, over_seeds, record_trained,
-                   trained_earlier)
+from seeds import (
+    LEARNING_WORK,
+    RUN_FILE,
+    accuracy_interval,
+    afters_from_summary,
+    allocator_env,  # noqa: E402
+    common_seed_count,
+    gain,
+    grpo_prompts,
+    hold_work_folder,
+    learning_run,
+    over_seeds,
+    record_trained,
+    trained_earlier,
+)
 from worked_examples import EXAMPLES  # noqa: E402
 
 
@@ -92,20 +125,39 @@ def log(message: str) -> None:
 
 
 def abstracts_as_documents(questions: list[Question]) -> list[Document]:
-    return [Document(id=f"{q.id}-{i}", title=f"PMID {q.id.removeprefix('pubmedqa-')}", text=text,
-                     source="PubMedQA-train abstract")
-            for q in questions for i, text in enumerate(q.contexts)]
+    return [
+        Document(
+            id=f"{q.id}-{i}",
+            title=f"PMID {q.id.removeprefix('pubmedqa-')}",
+            text=text,
+            source="PubMedQA-train abstract",
+        )
+        for q in questions
+        for i, text in enumerate(q.contexts)
+    ]
 
 
-def record(questions: list[Question], model: str, index_dir: Path, trace_db: Path, work: Path,
-           args: argparse.Namespace) -> None:
+def record(
+    questions: list[Question], model: str, index_dir: Path, trace_db: Path, work: Path, args: argparse.Namespace
+) -> None:
     import asyncio
 
-    config = EvalConfig.for_graph("er_medrag", {
-        "extractor_model": model, "respondent_model": model, "index_dir": str(index_dir), "snippets_k": args.snippets,
-        "extractor_max_new_tokens": args.extract_tokens, "respondent_max_new_tokens": args.respond_tokens})
-    counts = asyncio.run(run_questions(config, questions, work / f"runs-{trace_db.stem}",
-                                       concurrency=args.concurrency, trace_db=str(trace_db)))
+    config = EvalConfig.for_graph(
+        "er_medrag",
+        {
+            "extractor_model": model,
+            "respondent_model": model,
+            "index_dir": str(index_dir),
+            "snippets_k": args.snippets,
+            "extractor_max_new_tokens": args.extract_tokens,
+            "respondent_max_new_tokens": args.respond_tokens,
+        },
+    )
+    counts = asyncio.run(
+        run_questions(
+            config, questions, work / f"runs-{trace_db.stem}", concurrency=args.concurrency, trace_db=str(trace_db)
+        )
+    )
     log(f"recorded {trace_db.name}: {counts}")
 
 
@@ -117,15 +169,21 @@ def generate(model_spec: str, prompts: list[list[dict[str, str]]], max_new_token
     return [text_with_stop(reply, stop) for reply in replies]
 
 
-def generate_kept(model_spec: str, prompts: list[list[dict[str, str]]], max_new_tokens: int, stop: list[str],
-                  folder: Path) -> list[str]:
+def generate_kept(
+    model_spec: str, prompts: list[list[dict[str, str]]], max_new_tokens: int, stop: list[str], folder: Path
+) -> list[str]:
     """`generate`, keeping the replies in `folder/REPLIES_FILE` with a fingerprint of their prompts, so that a metric
     added later can be read off the very replies a recorded figure came from."""
     replies = generate(model_spec, prompts, max_new_tokens, stop)
     folder.mkdir(parents=True, exist_ok=True)
     fingerprint = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()
-    replace_text(folder / REPLIES_FILE, json.dumps({"model": model_spec, "max_new_tokens": max_new_tokens,
-                                                    "prompts_sha256": fingerprint, "replies": replies}, indent=1))
+    replace_text(
+        folder / REPLIES_FILE,
+        json.dumps(
+            {"model": model_spec, "max_new_tokens": max_new_tokens, "prompts_sha256": fingerprint, "replies": replies},
+            indent=1,
+        ),
+    )
     return replies
 
 
@@ -160,8 +218,13 @@ def citations(parsed: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[
     """Shares of replies whose reasoning cites by number some evidence line shown, a relevant one, a distractor,
     the first line, and that names a line (number or snippet id) without using its words. Evidence use gained by
     copying the worked example's "Evidence 1" shows in the last two: line 1 is cited whatever it holds."""
-    counts = {"cites_a_number": 0, "cites_relevant_number": 0, "cites_distractor_number": 0, "cites_first_line": 0,
-              "names_unused_line": 0}
+    counts = {
+        "cites_a_number": 0,
+        "cites_relevant_number": 0,
+        "cites_distractor_number": 0,
+        "cites_first_line": 0,
+        "names_unused_line": 0,
+    }
     for reply, row in zip(parsed, rows):
         triplets = numbered_triplets(row["triplets"])
         shown = {t["number"]: t["distractor"] for t in triplets}
@@ -178,8 +241,10 @@ def citations(parsed: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[
 
 def extractor_metrics(completions: list[str], events: list[dict[str, Any]]) -> dict[str, float]:
     parsed = [extractor.parse_triplets(c, "s") for c in completions]
-    scored = [extractor_reward(c, e["inputs"]["snippet"], question=e["inputs"]["question"])
-              for c, e in zip(completions, events)]
+    scored = [
+        extractor_reward(c, e["inputs"]["snippet"], question=e["inputs"]["question"])
+        for c, e in zip(completions, events)
+    ]
     with_claims = [s for s, p in zip(scored, parsed) if p["triplets"]]  # faithfulness and conciseness judge claims
     return {
         "parseable_rate": sum(p["ok"] for p in parsed) / len(parsed),
@@ -208,63 +273,116 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
     parser.add_argument("--work", default=str(LEARNING_WORK))
-    parser.add_argument("--out", help="results JSON (default: benches/results/learning.json; for a GRPO lever arm, "
-                                      "any --grpo-* setting off its default, learning_grpo_levers.json beside it)")
+    parser.add_argument(
+        "--out",
+        help="results JSON (default: benches/results/learning.json; for a GRPO lever arm, "
+        "any --grpo-* setting off its default, learning_grpo_levers.json beside it)",
+    )
     parser.add_argument("--parts", default="grpo,dpo", help="which trainings to run: grpo, dpo or both")
-    parser.add_argument("--reuse", action="store_true",
-                        help="keep the work folder's index, traces and exports from an earlier run (same sizes)")
-    parser.add_argument("--reuse-trained", action="store_true",
-                        help="with --reuse, also measure again (not train again) each seed an earlier run trained and "
-                             "merged with the very same training config; only while the training code is unchanged")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the work folder's index, traces and exports from an earlier run (same sizes)",
+    )
+    parser.add_argument(
+        "--reuse-trained",
+        action="store_true",
+        help="with --reuse, also measure again (not train again) each seed an earlier run trained and "
+        "merged with the very same training config; only while the training code is unchanged",
+    )
     parser.add_argument("--train-questions", type=int, default=32)
     parser.add_argument("--eval-questions", type=int, default=48)
     parser.add_argument("--snippets", type=int, default=2)
     parser.add_argument("--extract-tokens", type=int, default=64)
     parser.add_argument("--respond-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--grpo-steps", type=int, default=GRPO_DEFAULTS["steps"],
-                        help="GRPO optimizer steps (other than the default: a lever arm, ..._steps_N; with "
-                             "--grpo-prompts-per-step 2, 25 steps sample as many completions as the default 50)")
-    parser.add_argument("--grpo-generations", type=int, default=GRPO_DEFAULTS["generations"],
-                        help="completions sampled per prompt (a GRPO group; other than the default: a lever arm, "
-                             "recorded as grpo_respondent_generations_N)")
-    parser.add_argument("--grpo-temperature", type=float, default=GRPO_DEFAULTS["temperature"],
-                        help="sampling temperature of GRPO rollouts (at 1.0 nearly every sample of the base 270M "
-                             "model leaves the format, a group's rewards are equal and GRPO learns nothing; other "
-                             "than the default: a lever arm, grpo_respondent_temperature_T)")
-    parser.add_argument("--grpo-prompts-per-step", type=int, default=GRPO_DEFAULTS["prompts"],
-                        help="prompts (groups) per optimizer step, sampled together, the loss accumulated over as "
-                             "many passes of one group's size: with one, a step whose group got equal rewards "
-                             "teaches nothing (a lever arm, grpo_respondent_prompts_N)")
-    parser.add_argument("--grpo-resample", type=int, default=GRPO_DEFAULTS["resample"],
-                        help="dynamic sampling: a step whose group got equal rewards draws fresh training prompts up "
-                             "to this many times and trains on the first with a signal (a lever arm, "
-                             "grpo_respondent_resample_N; training.grpo)")
-    parser.add_argument("--grpo-respond-tokens", type=int, default=None,
-                        help="train and measure the respondent with this token budget instead of --respond-tokens "
-                             "(a lever arm, recorded as grpo_respondent_tokens_N; the graph's own default is 192: a "
-                             "smaller budget cuts long reasoning, and GRPO then rewards being short)")
-    parser.add_argument("--grpo-example", choices=sorted(EXAMPLES), default=GRPO_DEFAULTS["example"],
-                        help="the respondent's worked example in the training and held-out prompts (current: as "
-                             "recorded; cites_number: its reasoning cites 'Evidence 1'; cites_among_two: two "
-                             "evidence lines, citing the second; worked_examples.py). Other than current: a lever "
-                             "arm, grpo_respondent_example_NAME, with its own before and training copy")
-    parser.add_argument("--grpo-evidence-weight", type=float, default=None,
-                        help="train the respondent with this weight on evidence_use_reward instead of the default "
-                             f"{RESPONDENT_REWARDS['evidence']} (a lever arm, recorded as grpo_respondent_evidence_W; "
-                             "its mean_reward is still scored with the default weights, comparable across arms)")
+    parser.add_argument(
+        "--grpo-steps",
+        type=int,
+        default=GRPO_DEFAULTS["steps"],
+        help="GRPO optimizer steps (other than the default: a lever arm, ..._steps_N; with "
+        "--grpo-prompts-per-step 2, 25 steps sample as many completions as the default 50)",
+    )
+    parser.add_argument(
+        "--grpo-generations",
+        type=int,
+        default=GRPO_DEFAULTS["generations"],
+        help="completions sampled per prompt (a GRPO group; other than the default: a lever arm, "
+        "recorded as grpo_respondent_generations_N)",
+    )
+    parser.add_argument(
+        "--grpo-temperature",
+        type=float,
+        default=GRPO_DEFAULTS["temperature"],
+        help="sampling temperature of GRPO rollouts (at 1.0 nearly every sample of the base 270M "
+        "model leaves the format, a group's rewards are equal and GRPO learns nothing; other "
+        "than the default: a lever arm, grpo_respondent_temperature_T)",
+    )
+    parser.add_argument(
+        "--grpo-prompts-per-step",
+        type=int,
+        default=GRPO_DEFAULTS["prompts"],
+        help="prompts (groups) per optimizer step, sampled together, the loss accumulated over as "
+        "many passes of one group's size: with one, a step whose group got equal rewards "
+        "teaches nothing (a lever arm, grpo_respondent_prompts_N)",
+    )
+    parser.add_argument(
+        "--grpo-resample",
+        type=int,
+        default=GRPO_DEFAULTS["resample"],
+        help="dynamic sampling: a step whose group got equal rewards draws fresh training prompts up "
+        "to this many times and trains on the first with a signal (a lever arm, "
+        "grpo_respondent_resample_N; training.grpo)",
+    )
+    parser.add_argument(
+        "--grpo-respond-tokens",
+        type=int,
+        default=None,
+        help="train and measure the respondent with this token budget instead of --respond-tokens "
+        "(a lever arm, recorded as grpo_respondent_tokens_N; the graph's own default is 192: a "
+        "smaller budget cuts long reasoning, and GRPO then rewards being short)",
+    )
+    parser.add_argument(
+        "--grpo-example",
+        choices=sorted(EXAMPLES),
+        default=GRPO_DEFAULTS["example"],
+        help="the respondent's worked example in the training and held-out prompts (current: as "
+        "recorded; cites_number: its reasoning cites 'Evidence 1'; cites_among_two: two "
+        "evidence lines, citing the second; worked_examples.py). Other than current: a lever "
+        "arm, grpo_respondent_example_NAME, with its own before and training copy",
+    )
+    parser.add_argument(
+        "--grpo-evidence-weight",
+        type=float,
+        default=None,
+        help="train the respondent with this weight on evidence_use_reward instead of the default "
+        f"{RESPONDENT_REWARDS['evidence']} (a lever arm, recorded as grpo_respondent_evidence_W; "
+        "its mean_reward is still scored with the default weights, comparable across arms)",
+    )
     parser.add_argument("--dpo-steps", type=int, default=20)
     parser.add_argument("--dpo-samples", type=int, default=3)
-    parser.add_argument("--dpo-temperature", type=float, default=1.0,
-                        help="temperature the DPO export samples alternatives at (other than 1: its own export "
-                             "folder and result keys, e.g. dpo_extractor_close_cut_t0.7)")
-    parser.add_argument("--dpo-close-cut", choices=("off", "on", "both"), default="on",
-                        help="DPOExportConfig.close_cut_lists: also score each candidate the budget cut, closed after "
-                             "its last complete triplet; `both` trains both settings on the same sampled candidates "
-                             "(seeds.dpo_extractor: off, seeds.dpo_extractor_close_cut: on)")
+    parser.add_argument(
+        "--dpo-temperature",
+        type=float,
+        default=1.0,
+        help="temperature the DPO export samples alternatives at (other than 1: its own export "
+        "folder and result keys, e.g. dpo_extractor_close_cut_t0.7)",
+    )
+    parser.add_argument(
+        "--dpo-close-cut",
+        choices=("off", "on", "both"),
+        default="on",
+        help="DPOExportConfig.close_cut_lists: also score each candidate the budget cut, closed after "
+        "its last complete triplet; `both` trains both settings on the same sampled candidates "
+        "(seeds.dpo_extractor: off, seeds.dpo_extractor_close_cut: on)",
+    )
     parser.add_argument("--seeds", type=int, default=1, help="train each agent this many times (seeds 0..N-1)")
-    parser.add_argument("--first-seed", type=int, default=0,
-                        help="add seeds first..first+N-1 to the --out file's seeds 0..first-1 (same before, --reuse)")
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="add seeds first..first+N-1 to the --out file's seeds 0..first-1 (same before, --reuse)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
     if args.smoke:
@@ -273,10 +391,16 @@ def main() -> None:
         parser.error("--first-seed adds seeds to a recorded run: pass --reuse (the same traces, prompts and before)")
     if args.reuse_trained and not args.reuse:
         parser.error("--reuse-trained measures seeds trained in the work folder: pass --reuse as well")
-    if (args.grpo_generations < 2 or args.grpo_prompts_per_step < 1 or args.grpo_temperature <= 0
-            or args.grpo_resample < 0):
-        parser.error("--grpo-generations must be at least 2 (a group), --grpo-prompts-per-step at least 1, "
-                     "--grpo-temperature above 0, --grpo-resample 0 or more")
+    if (
+        args.grpo_generations < 2
+        or args.grpo_prompts_per_step < 1
+        or args.grpo_temperature <= 0
+        or args.grpo_resample < 0
+    ):
+        parser.error(
+            "--grpo-generations must be at least 2 (a group), --grpo-prompts-per-step at least 1, "
+            "--grpo-temperature above 0, --grpo-resample 0 or more"
+        )
     if args.out is None:  # a lever arm never lands in learning.json, whose seeds.n counts every part's seeds
         lever = grpo_arm(args)[0] != "grpo_respondent"
         args.out = str(REPO / "benches" / "results" / ("learning_grpo_levers.json" if lever else "learning.json"))
@@ -304,8 +428,9 @@ def main() -> None:
 
     out = Path(args.out) if not args.smoke else work / "learning.json"
     result = json.loads(out.read_text()) if out.exists() else {}
-    refuse_combined(result, out, ([grpo_arm(args)[0]] if "grpo" in parts else []) + (
-        dpo_keys(args) if "dpo" in parts else []))
+    refuse_combined(
+        result, out, ([grpo_arm(args)[0]] if "grpo" in parts else []) + (dpo_keys(args) if "dpo" in parts else [])
+    )
     train_db, eval_db = work / "traces-train.sqlite", work / "traces-eval.sqlite"
     if not (args.reuse and grpo_prompts(work, "eval").exists()):
         prepare(args, work, model, train_db, eval_db)
@@ -314,8 +439,10 @@ def main() -> None:
     eval_rows = [dict(r) for r in load_from_disk(str(grpo_prompts(work, "eval")))]
     eval_events = list(TraceStore(eval_db).events(agent="extractor"))
     if "dpo" in parts and not eval_events:
-        raise SystemExit(f"{eval_db} holds no extractor calls to measure the extractor on: record the held-out "
-                         "traces again (run without --reuse)")
+        raise SystemExit(
+            f"{eval_db} holds no extractor calls to measure the extractor on: record the held-out "
+            "traces again (run without --reuse)"
+        )
     extract_prompts = [to_chat(e["messages"]) for e in eval_events]
     results_dir = Path(args.out).parent
 
@@ -328,9 +455,11 @@ def main() -> None:
         try:
             return afters_from_summary(recorded.get(key, {}), before, args.first_seed) if args.first_seed else []
         except ValueError as err:
-            raise SystemExit(f"--first-seed {args.first_seed} cannot add to {key} in {out}: {err}. Recorded on CPU "
-                             f"{result.get(key, {}).get('cpu', '(not recorded)')}; this machine's: {cpu_model()} "
-                             "(see benches/README: seeds add up only on the same kind of CPU)") from None
+            raise SystemExit(
+                f"--first-seed {args.first_seed} cannot add to {key} in {out}: {err}. Recorded on CPU "
+                f"{result.get(key, {}).get('cpu', '(not recorded)')}; this machine's: {cpu_model()} "
+                "(see benches/README: seeds add up only on the same kind of CPU)"
+            ) from None
 
     def recorded_arm(key: str) -> dict[str, Any]:
         """What the --out file held for the arm (its record and its seeds summary) that --first-seed adds to."""
@@ -340,21 +469,25 @@ def main() -> None:
         key, arm = grpo_arm(args)
         eval_prompts = [EXAMPLES[arm.example](r["prompt"]) for r in eval_rows]
         before = respondent_metrics(
-            generate_kept(model, eval_prompts, arm.tokens, respondent.STOP, work / f"{arm.folder}-before"), eval_rows)
+            generate_kept(model, eval_prompts, arm.tokens, respondent.STOP, work / f"{arm.folder}-before"), eval_rows
+        )
         log(f"before: respondent {before}")
         prior, earlier = recorded_afters(key, before), recorded_arm(key)
         runs = []
         for seed in seeds:
             runs.append(grpo_run(args, work, model_path, eval_prompts, eval_rows, seed, arm))
             afters = prior + [r["after"] for r in runs]
-            result[key], result["seeds"][key] = grpo_records(args, arm, before, afters, runs, seeds, earlier,
-                                                             len(eval_rows))
+            result[key], result["seeds"][key] = grpo_records(
+                args, arm, before, afters, runs, seeds, earlier, len(eval_rows)
+            )
             write_progress(result, out, started, f"{key} seed {seed}", seeds)
         copy_curves(runs, args, results_dir / f"learning_{key}_curves.png")
 
     if arms:
-        before = extractor_metrics(generate_kept(model, extract_prompts, args.extract_tokens, extractor.STOP,
-                                                 work / "extractor-before"), eval_events)
+        before = extractor_metrics(
+            generate_kept(model, extract_prompts, args.extract_tokens, extractor.STOP, work / "extractor-before"),
+            eval_events,
+        )
         log(f"before: extractor {before}")
     for key, dpo_dir in arms.items():
         prior, earlier = recorded_afters(key, before), recorded_arm(key)
@@ -362,8 +495,9 @@ def main() -> None:
         for seed in seeds:
             runs.append(dpo_run(args, dpo_dir, work, model_path, extract_prompts, eval_events, seed))
             afters = prior + [r["after"] for r in runs]
-            result[key], result["seeds"][key] = dpo_records(args, key, dpo_dir, before, afters, runs, seeds, earlier,
-                                                            len(eval_events))
+            result[key], result["seeds"][key] = dpo_records(
+                args, key, dpo_dir, before, afters, runs, seeds, earlier, len(eval_events)
+            )
             write_progress(result, out, started, f"{key} seed {seed}", seeds)
         copy_curves(runs, args, results_dir / f"learning_{key}_curves.png")
 
@@ -401,8 +535,10 @@ class GRPOArm:
         if rewritten.exists() and load_from_disk(str(rewritten))["prompt"] == expected:
             return rewritten
         if rewritten.exists():
-            log(f"{rewritten.parent.name}: its worked example is not today's {self.example!r}: written again, "
-                "its trained seeds retrained")
+            log(
+                f"{rewritten.parent.name}: its worked example is not today's {self.example!r}: written again, "
+                "its trained seeds retrained"
+            )
             for marker in work.glob(f"{self.folder}-merged-s*/{RUN_FILE}"):
                 marker.unlink()
             for checkpoints in work.glob(f"{self.folder}-out-s*"):  # else a rerun resumes at their last step
@@ -410,7 +546,8 @@ class GRPOArm:
         partial = rewritten.with_name("dataset.partial")
         shutil.rmtree(partial, ignore_errors=True)
         exported_rows.map(lambda row: {"prompt": rewrite(row["prompt"])}, keep_in_memory=True).save_to_disk(
-            str(partial))
+            str(partial)
+        )
         shutil.rmtree(rewritten, ignore_errors=True)
         partial.rename(rewritten)
         return rewritten
@@ -421,16 +558,35 @@ def grpo_arm(args: argparse.Namespace) -> tuple[str, GRPOArm]:
     default names a part of the key and folders (none: the default arm, `grpo_respondent`)."""
     weights = {} if args.grpo_evidence_weight is None else {"evidence": args.grpo_evidence_weight}
     tokens = args.respond_tokens if args.grpo_respond_tokens is None else args.grpo_respond_tokens
-    settings = {"evidence": weights.get("evidence"), "tokens": tokens, "generations": args.grpo_generations,
-                "temperature": args.grpo_temperature, "prompts": args.grpo_prompts_per_step,
-                "resample": args.grpo_resample, "example": args.grpo_example, "steps": args.grpo_steps}
-    defaults = {"evidence": None, "tokens": args.respond_tokens, **GRPO_DEFAULTS,
-                "steps": SMOKE_SIZES["grpo_steps"] if args.smoke else GRPO_DEFAULTS["steps"]}
+    settings = {
+        "evidence": weights.get("evidence"),
+        "tokens": tokens,
+        "generations": args.grpo_generations,
+        "temperature": args.grpo_temperature,
+        "prompts": args.grpo_prompts_per_step,
+        "resample": args.grpo_resample,
+        "example": args.grpo_example,
+        "steps": args.grpo_steps,
+    }
+    defaults = {
+        "evidence": None,
+        "tokens": args.respond_tokens,
+        **GRPO_DEFAULTS,
+        "steps": SMOKE_SIZES["grpo_steps"] if args.smoke else GRPO_DEFAULTS["steps"],
+    }
     levers = [(name, exact_label(value)) for name, value in settings.items() if value != defaults[name]]
     key = "grpo_respondent" + "".join(f"_{name}_{value}" for name, value in levers)
     folder = "grpo" + "".join(f"-{name}{value}" for name, value in levers)
-    return key, GRPOArm(weights, tokens, args.grpo_generations, args.grpo_temperature, args.grpo_prompts_per_step,
-                        args.grpo_resample, args.grpo_example, folder)
+    return key, GRPOArm(
+        weights,
+        tokens,
+        args.grpo_generations,
+        args.grpo_temperature,
+        args.grpo_prompts_per_step,
+        args.grpo_resample,
+        args.grpo_example,
+        folder,
+    )
 
 
 def exact_label(value: float | str) -> str:
@@ -441,39 +597,75 @@ def exact_label(value: float | str) -> str:
     return short if float(short) == value else repr(value)
 
 
-def grpo_run(args: argparse.Namespace, work: Path, model_path: str, eval_prompts: list, eval_rows: list[dict],
-             seed: int, arm: GRPOArm) -> dict[str, Any]:
+def grpo_run(
+    args: argparse.Namespace,
+    work: Path,
+    model_path: str,
+    eval_prompts: list,
+    eval_rows: list[dict],
+    seed: int,
+    arm: GRPOArm,
+) -> dict[str, Any]:
     """Train the respondent with GRPO from the base model (one seed) and measure it on the held-out prompts."""
     config = GRPOTrainingConfig(
-        model=model_path, dataset=str(arm.prepare_train_dataset(work)),
+        model=model_path,
+        dataset=str(arm.prepare_train_dataset(work)),
         output_dir=str(work / f"{arm.folder}-out-s{seed}"),
-        max_steps=args.grpo_steps, learning_rate=1e-4, num_generations=arm.generations,
-        per_device_train_batch_size=arm.generations, gradient_accumulation_steps=arm.prompts_per_step,
-        max_completion_length=arm.tokens, temperature=arm.temperature, save_steps=CHECKPOINT_STEPS, resume=True,
-        seed=seed, rewards=arm.weights or None, resample_zero_variance_batches=arm.resample)
+        max_steps=args.grpo_steps,
+        learning_rate=1e-4,
+        num_generations=arm.generations,
+        per_device_train_batch_size=arm.generations,
+        gradient_accumulation_steps=arm.prompts_per_step,
+        max_completion_length=arm.tokens,
+        temperature=arm.temperature,
+        save_steps=CHECKPOINT_STEPS,
+        resume=True,
+        seed=seed,
+        rewards=arm.weights or None,
+        resample_zero_variance_batches=arm.resample,
+    )
     run = trained(args, config, work / f"{arm.folder}-merged-s{seed}", train_grpo)
-    after = respondent_metrics(generate_kept(f"hf:{run['merged']}", eval_prompts, arm.tokens, respondent.STOP,
-                                             Path(run["merged"])), eval_rows)
+    after = respondent_metrics(
+        generate_kept(f"hf:{run['merged']}", eval_prompts, arm.tokens, respondent.STOP, Path(run["merged"])), eval_rows
+    )
     log(f"after grpo (seed {seed}): {after} ({run['minutes']} min; {run.get('zero_variance_steps')})")
     return {"after": after, **run}
 
 
-def dpo_run(args: argparse.Namespace, dpo_dir: Path, work: Path, model_path: str, extract_prompts: list,
-            eval_events: list[dict], seed: int) -> dict[str, Any]:
+def dpo_run(
+    args: argparse.Namespace,
+    dpo_dir: Path,
+    work: Path,
+    model_path: str,
+    extract_prompts: list,
+    eval_events: list[dict],
+    seed: int,
+) -> dict[str, Any]:
     """Train the extractor with DPO from the base model (one seed) and measure it on the held-out prompts."""
     config = DPOTrainingConfig(
-        model=model_path, dataset=str(dpo_dir / "dataset"), output_dir=str(work / f"{dpo_dir.name}-out-s{seed}"),
-        max_steps=args.dpo_steps, learning_rate=5e-5, per_device_train_batch_size=2, max_length=1024,
-        save_steps=CHECKPOINT_STEPS, resume=True, seed=seed)
+        model=model_path,
+        dataset=str(dpo_dir / "dataset"),
+        output_dir=str(work / f"{dpo_dir.name}-out-s{seed}"),
+        max_steps=args.dpo_steps,
+        learning_rate=5e-5,
+        per_device_train_batch_size=2,
+        max_length=1024,
+        save_steps=CHECKPOINT_STEPS,
+        resume=True,
+        seed=seed,
+    )
     run = trained(args, config, work / f"{dpo_dir.name}-merged-s{seed}", train_dpo)
-    after = extractor_metrics(generate_kept(f"hf:{run['merged']}", extract_prompts, args.extract_tokens, extractor.STOP,
-                                            Path(run["merged"])), eval_events)
+    after = extractor_metrics(
+        generate_kept(f"hf:{run['merged']}", extract_prompts, args.extract_tokens, extractor.STOP, Path(run["merged"])),
+        eval_events,
+    )
     log(f"after dpo (seed {seed}): {after} ({run['minutes']} min)")
     return {"after": after, **run}
 
 
-def trained(args: argparse.Namespace, config: Any, merged: Path,
-            train: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+def trained(
+    args: argparse.Namespace, config: Any, merged: Path, train: Callable[[Any], dict[str, Any]]
+) -> dict[str, Any]:
     """Train one seed from the base model and merge its adapter; with `--reuse-trained`, a seed an earlier run
     trained and merged with this very config is measured again instead (`reused` True). A training killed
     before its merge goes on from its last checkpoint (`config.resume`); a finished one is trained again."""
@@ -488,8 +680,12 @@ def trained(args: argparse.Namespace, config: Any, merged: Path,
     summary = train(config)
     if summary["resumed_from_step"]:
         log(f"{Path(config.output_dir).name}: went on from its checkpoint at step {summary['resumed_from_step']}")
-    run = {"steps": summary["steps"], "minutes": round((time.time() - started) / 60, 1),  # this process's part
-           "resumed_from_step": summary["resumed_from_step"], "zero_variance_steps": summary.get("zero_variance_steps")}
+    run = {
+        "steps": summary["steps"],
+        "minutes": round((time.time() - started) / 60, 1),  # this process's part
+        "resumed_from_step": summary["resumed_from_step"],
+        "zero_variance_steps": summary.get("zero_variance_steps"),
+    }
     merged_model(summary["model_dir"], config.model, merged)
     record_trained(merged, config, run)
     return {**run, "reused": False, "merged": str(merged), "plot_path": summary.get("plot_path")}
@@ -509,7 +705,7 @@ def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, ev
     pool = load_questions_file(Path(args.data) / "benchmarks" / "pubmedqa_train.jsonl")
     random.Random(0).shuffle(pool)
     train_q = pool[: args.train_questions]
-    eval_q = pool[args.train_questions: args.train_questions + args.eval_questions]
+    eval_q = pool[args.train_questions : args.train_questions + args.eval_questions]
     index_dir = work / "index"
     stats = build_index(abstracts_as_documents(pool), index_dir, progress=False)
     log(f"indexed {len(pool)} abstracts: {stats['chunks_total']} chunks in {stats['seconds']:.0f}s")
@@ -524,9 +720,11 @@ def refuse_combined(result: dict[str, Any], out: Path, keys: list[str]) -> None:
     """A record that combine_runs.py joined from several machines' runs cannot be rebuilt here: never replace it."""
     for key in keys:
         if "runs" in result.get(key, {}):
-            raise SystemExit(f"{out} holds {key} combined from {len(result[key]['runs'])} runs (combine_runs.py); a "
-                             "run here would replace them: write it to another --out, then join it with "
-                             "benches/learning/combine_runs.py")
+            raise SystemExit(
+                f"{out} holds {key} combined from {len(result[key]['runs'])} runs (combine_runs.py); a "
+                "run here would replace them: write it to another --out, then join it with "
+                "benches/learning/combine_runs.py"
+            )
 
 
 def dpo_temperature_suffix(args: argparse.Namespace) -> str:
@@ -537,8 +735,11 @@ def dpo_temperature_suffix(args: argparse.Namespace) -> str:
 def dpo_keys(args: argparse.Namespace) -> list[str]:
     """The result keys of the DPO arms this run trains: without closed cut lists, with them, or both."""
     suffix = dpo_temperature_suffix(args)
-    return {"off": ["dpo_extractor" + suffix], "on": ["dpo_extractor_close_cut" + suffix],
-            "both": ["dpo_extractor" + suffix, "dpo_extractor_close_cut" + suffix]}[args.dpo_close_cut]
+    return {
+        "off": ["dpo_extractor" + suffix],
+        "on": ["dpo_extractor_close_cut" + suffix],
+        "both": ["dpo_extractor" + suffix, "dpo_extractor_close_cut" + suffix],
+    }[args.dpo_close_cut]
 
 
 def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, Path]:
@@ -551,10 +752,19 @@ def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, 
     margin = 0.0 if args.smoke else 0.1
     if not (args.reuse and (export / "dataset").exists()):
         shutil.rmtree(export, ignore_errors=True)
-        counts = export_dpo(DPOExportConfig(traces=str(train_db), out=str(export), samples=args.dpo_samples,
-                                            temperature=args.dpo_temperature, max_new_tokens=args.extract_tokens,
-                                            usefulness=False, margin=margin, close_cut_lists=closing),
-                            progress=False)
+        counts = export_dpo(
+            DPOExportConfig(
+                traces=str(train_db),
+                out=str(export),
+                samples=args.dpo_samples,
+                temperature=args.dpo_temperature,
+                max_new_tokens=args.extract_tokens,
+                usefulness=False,
+                margin=margin,
+                close_cut_lists=closing,
+            ),
+            progress=False,
+        )
         log(f"dpo export ({export.name}): {counts}")
     keys = dpo_keys(args)
     if args.dpo_close_cut != "both":
@@ -585,64 +795,105 @@ def pair_composition(export_log: Path) -> dict[str, dict[str, float]]:
             components = scored.get(pair[side][0]["content"])
             if components:
                 sides[side].append(components)
-    return {side: {name: round(sum(c[name] for c in rows) / len(rows), 3)
-                   for name in ("total", "structure", "faithfulness", "conciseness")}
-            for side, rows in sides.items() if rows}
+    return {
+        side: {
+            name: round(sum(c[name] for c in rows) / len(rows), 3)
+            for name in ("total", "structure", "faithfulness", "conciseness")
+        }
+        for side, rows in sides.items()
+        if rows
+    }
 
 
-def training_time(seeds: list[int], runs: list[dict[str, Any]], earlier: dict[str, Any],
-                  kept: int) -> dict[str, Any]:
+def training_time(seeds: list[int], runs: list[dict[str, Any]], earlier: dict[str, Any], kept: int) -> dict[str, Any]:
     """Training minutes per seed (a reused seed's as its own run timed them) and which seeds were reused, over
     the `kept` seeds of the `earlier` record (--first-seed) and this run's."""
     earlier_reused = [seed for seed in earlier.get("reused_seeds", []) if seed < kept]
     timed = [run["minutes"] for run in runs if run.get("minutes") is not None]
     if kept and earlier.get("minutes") is not None:  # the earlier record keeps a mean over its seeds
         timed += [earlier["minutes"]] * kept
-    return {"minutes": round(sum(timed) / len(timed), 1) if timed else None,
-            "reused_seeds": earlier_reused + [seed for seed, run in zip(seeds, runs) if run["reused"]]}
+    return {
+        "minutes": round(sum(timed) / len(timed), 1) if timed else None,
+        "reused_seeds": earlier_reused + [seed for seed, run in zip(seeds, runs) if run["reused"]],
+    }
 
 
-def grpo_records(args: argparse.Namespace, arm: GRPOArm, before: dict[str, float], afters: list[dict[str, float]],
-                 runs: list[dict[str, Any]], seeds: list[int], earlier: dict[str, Any],
-                 eval_count: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def grpo_records(
+    args: argparse.Namespace,
+    arm: GRPOArm,
+    before: dict[str, float],
+    afters: list[dict[str, float]],
+    runs: list[dict[str, Any]],
+    seeds: list[int],
+    earlier: dict[str, Any],
+    eval_count: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """A GRPO arm's record and its seeds summary: the seeds `earlier` holds (--first-seed) and this run's `runs` so
     far, whose afters together are `afters`."""
     record, summary = earlier.get("record", {}), earlier.get("seeds", {})
     kept = args.first_seed
     arm_record = {
-        "before": before, "after": record.get("after", afters[0]), "steps": runs[0]["steps"],
+        "before": before,
+        "after": record.get("after", afters[0]),
+        "steps": runs[0]["steps"],
         **training_time(seeds, runs, record, kept),
         "model": "tiny random" if args.smoke else "gemma3-270m (base, LoRA)",
-        "train_prompts": args.train_questions, "eval_prompts": eval_count,
-        "num_generations": arm.generations, "temperature": arm.temperature,
-        "prompts_per_step": arm.prompts_per_step, "worked_example": arm.example,
+        "train_prompts": args.train_questions,
+        "eval_prompts": eval_count,
+        "num_generations": arm.generations,
+        "temperature": arm.temperature,
+        "prompts_per_step": arm.prompts_per_step,
+        "worked_example": arm.example,
         **({"resample_zero_variance_batches": arm.resample} if arm.resample else {}),  # records before it: off
-        "reward_weights": {**RESPONDENT_REWARDS, **arm.weights}, "respond_tokens": arm.tokens,
-        "command": command_line(), "cpu": cpu_model(),
-        "zero_variance_steps": record.get("zero_variance_steps", [])[:kept] + [r["zero_variance_steps"] for r in runs]}
+        "reward_weights": {**RESPONDENT_REWARDS, **arm.weights},
+        "respond_tokens": arm.tokens,
+        "command": command_line(),
+        "cpu": cpu_model(),
+        "zero_variance_steps": record.get("zero_variance_steps", [])[:kept] + [r["zero_variance_steps"] for r in runs],
+    }
     seeds_summary = {
         **over_seeds(before, afters),
         "accuracy_before": accuracy_interval(before["accuracy"], eval_count),
         "accuracy_after": [accuracy_interval(a["accuracy"], eval_count) for a in afters],
         "zero_variance_share": summary.get("zero_variance_share", [])[:kept]
-        + [(r["zero_variance_steps"] or {}).get("share") for r in runs]}
+        + [(r["zero_variance_steps"] or {}).get("share") for r in runs],
+    }
     return arm_record, seeds_summary
 
 
-def dpo_records(args: argparse.Namespace, key: str, dpo_dir: Path, before: dict[str, float],
-                afters: list[dict[str, float]], runs: list[dict[str, Any]], seeds: list[int], earlier: dict[str, Any],
-                eval_count: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def dpo_records(
+    args: argparse.Namespace,
+    key: str,
+    dpo_dir: Path,
+    before: dict[str, float],
+    afters: list[dict[str, float]],
+    runs: list[dict[str, Any]],
+    seeds: list[int],
+    earlier: dict[str, Any],
+    eval_count: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """A DPO arm's record and its seeds summary, as `grpo_records` for GRPO."""
     record = earlier.get("record", {})
-    arm_record = {"before": before, "after": record.get("after", afters[0]),
-                  "steps": runs[0]["steps"], **training_time(seeds, runs, record, args.first_seed),
-                  "pairs": len(load_from_disk(str(dpo_dir / "dataset"))), "eval_prompts": eval_count,
-                  "pair_composition": pair_composition(dpo_dir / "log.jsonl"),
-                  "samples": args.dpo_samples, "sampling_temperature": args.dpo_temperature,
-                  "close_cut_lists": "close_cut" in key, "command": command_line(), "cpu": cpu_model()}
+    arm_record = {
+        "before": before,
+        "after": record.get("after", afters[0]),
+        "steps": runs[0]["steps"],
+        **training_time(seeds, runs, record, args.first_seed),
+        "pairs": len(load_from_disk(str(dpo_dir / "dataset"))),
+        "eval_prompts": eval_count,
+        "pair_composition": pair_composition(dpo_dir / "log.jsonl"),
+        "samples": args.dpo_samples,
+        "sampling_temperature": args.dpo_temperature,
+        "close_cut_lists": "close_cut" in key,
+        "command": command_line(),
+        "cpu": cpu_model(),
+    }
     summary = over_seeds(before, afters)
-    return arm_record, {**summary, "mean_reward_gain": gain(summary, "mean_reward"),
-                        "strict_json_rate": summary.get("strict_json_rate")}
+    return arm_record, {
+        **summary,
+        "mean_reward_gain": gain(summary, "mean_reward"),
+        "strict_json_rate": summary.get("strict_json_rate"),
+    }
 
 
 def write_progress(result: dict[str, Any], out: Path, started: float, done: str, seeds: list[int]) -> None:

@@ -41,7 +41,8 @@ from seeds import hold_work_folder, inputs_key, part_over_seeds, run_or_reuse  #
 from ermedrag.tools.data.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.retrieval.index import build_index, open_index  # noqa: E402
 from ermedrag.training.rewards.answers import correctness_reward, format_reward  # noqa: E402
-from ermedrag.training.config import MedR3TrainingConfig, comparable_settings  # noqa: E402
+from ermedrag.training.med_r3.config import MedR3TrainingConfig
+from ermedrag.training.config import comparable_settings  # noqa: E402
 from ermedrag.training.med_r3.train import STAGES, stage_rewards, stage_start_model, train_med_r3  # noqa: E402
 from ermedrag.training.med_r3.data import med_r3_dataset  # noqa: E402
 from ermedrag.training.grpo.rollouts import ENDINGS, index_search, run_search_rollouts  # noqa: E402
@@ -50,9 +51,17 @@ from ermedrag.training.rewards.search import retrieval_hit_reward  # noqa: E402
 
 def rows_for(questions, index_ids: set[str]) -> list[dict[str, Any]]:
     """Med-R³ questions whose gold evidence is the question's own abstract passages in the index."""
-    return [{"id": q.id, "question": q.question, "options": q.options, "gold": q.answer, "benchmark": q.benchmark,
-             "gold_evidence": [f"{q.id}-{i}" for i in range(len(q.contexts)) if f"{q.id}-{i}" in index_ids]}
-            for q in questions]
+    return [
+        {
+            "id": q.id,
+            "question": q.question,
+            "options": q.options,
+            "gold": q.answer,
+            "benchmark": q.benchmark,
+            "gold_evidence": [f"{q.id}-{i}" for i in range(len(q.contexts)) if f"{q.id}-{i}" in index_ids],
+        }
+        for q in questions
+    ]
 
 
 def greedy_rollouts(model_dir: str, rows: list[dict[str, Any]], search, args: argparse.Namespace) -> dict[str, Any]:
@@ -64,24 +73,38 @@ def greedy_rollouts(model_dir: str, rows: list[dict[str, Any]], search, args: ar
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     dataset = med_r3_dataset(rows)
-    prompt_ids = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"] for r in dataset]
-    generation = GenerationConfig(do_sample=False, max_new_tokens=args.step_tokens,
-                                  eos_token_id=model.generation_config.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    prompt_ids = [
+        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+        for r in dataset
+    ]
+    generation = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=args.step_tokens,
+        eos_token_id=model.generation_config.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+    )
     rollouts = []
     with torch.no_grad():
         for start in range(0, len(prompt_ids), args.eval_batch):
-            rollouts += run_search_rollouts(model, tokenizer, prompt_ids[start:start + args.eval_batch],
-                                            generation_config=generation, search=search,
-                                            step_max_new_tokens=args.step_tokens,
-                                            max_total_tokens=args.completion_tokens)
+            rollouts += run_search_rollouts(
+                model,
+                tokenizer,
+                prompt_ids[start : start + args.eval_batch],
+                generation_config=generation,
+                search=search,
+                step_max_new_tokens=args.step_tokens,
+                max_total_tokens=args.completion_tokens,
+            )
     columns = {key: [r[key] for r in dataset] for key in ("gold", "options", "gold_evidence")}
     columns["model_text"] = [r.model_text for r in rollouts]
     columns["answer_text"] = [r.answer_text for r in rollouts]
     columns["retrieved_ids"] = [r.retrieved_ids for r in rollouts]
-    completions = [[{"role": "assistant", "content": tokenizer.decode(r.completion_ids, skip_special_tokens=True)}]
-                   for r in rollouts]
+    completions = [
+        [{"role": "assistant", "content": tokenizer.decode(r.completion_ids, skip_special_tokens=True)}]
+        for r in rollouts
+    ]
     return {"rollouts": rollouts, "columns": columns, "completions": completions}
 
 
@@ -125,8 +148,10 @@ class Evaluations:
         if (model_dir, searching) not in self.replies:
             search = self.search if searching else None
             self.replies[model_dir, searching] = greedy_rollouts(model_dir, self.rows, search, self.args)
-            log(f"rolled out {len(self.rows)} held-out prompts with {model_dir} "
-                f"({'searching' if searching else 'without search'})")
+            log(
+                f"rolled out {len(self.rows)} held-out prompts with {model_dir} "
+                f"({'searching' if searching else 'without search'})"
+            )
         return score(self.replies[model_dir, searching], stage, config)
 
 
@@ -141,18 +166,29 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (GRPO group)")
     parser.add_argument("--step-tokens", type=int, default=96, help="tokens per generation step")
     parser.add_argument("--completion-tokens", type=int, default=192, help="model-written tokens per rollout")
-    parser.add_argument("--temperature", type=float, default=0.7,
-                        help="sampling temperature of training rollouts (at 1.0 the base 270M model leaves the format "
-                             "in nearly every sample, so a group's rewards are all equal and GRPO learns nothing)")
-    parser.add_argument("--micro-batch", type=int, default=1,
-                        help="completions per forward/backward pass (the rest of a group by gradient accumulation): "
-                             "a rollout's tokens include the inserted documents, and with the whole group of 4 in "
-                             "one pass stage 2 ran out of 24 GB")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="sampling temperature of training rollouts (at 1.0 the base 270M model leaves the format "
+        "in nearly every sample, so a group's rewards are all equal and GRPO learns nothing)",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=1,
+        help="completions per forward/backward pass (the rest of a group by gradient accumulation): "
+        "a rollout's tokens include the inserted documents, and with the whole group of 4 in "
+        "one pass stage 2 ran out of 24 GB",
+    )
     parser.add_argument("--eval-batch", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=1, help="run the chain of stages this many times (seeds 0..N-1)")
-    parser.add_argument("--reuse", action="store_true",
-                        help="take each seed whose chain an earlier run finished with the same settings from its "
-                             "record (to add seeds, or go on after a stop); only while the training code is unchanged")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take each seed whose chain an earlier run finished with the same settings from its "
+        "record (to add seeds, or go on after a stop); only while the training code is unchanged",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
     if args.micro_batch < 1 or args.generations % args.micro_batch:
@@ -180,27 +216,42 @@ def main() -> None:
     index_dir = work / "index"
     stats = build_index(abstracts_as_documents(pool), index_dir, progress=False)
     index = open_index(index_dir)
-    log(f"indexed {len(pool)} abstracts: {stats['chunks_total']} chunks ({stats['chunks_added']} new, "
-        f"{stats['seconds']:.0f} s)")
+    log(
+        f"indexed {len(pool)} abstracts: {stats['chunks_total']} chunks ({stats['chunks_added']} new, "
+        f"{stats['seconds']:.0f} s)"
+    )
     index_ids = {cid.rsplit("#", 1)[0] for cid in index.bm25_ids}
-    train_rows = rows_for(pool[:args.train_questions], index_ids)
-    eval_rows = rows_for(pool[args.train_questions:args.train_questions + args.eval_questions], index_ids)
+    train_rows = rows_for(pool[: args.train_questions], index_ids)
+    eval_rows = rows_for(pool[args.train_questions : args.train_questions + args.eval_questions], index_ids)
     med_r3_dataset(train_rows).save_to_disk(str(work / "train-dataset"))
     search = index_search(index, k=5)
 
     config = MedR3TrainingConfig(
-        model=model_path, dataset=str(work / "train-dataset"), output_dir=str(work / "train"), index_dir=str(index_dir),
-        max_steps=args.steps, learning_rate=1e-4, num_generations=args.generations,
-        per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.generations // args.micro_batch,
+        model=model_path,
+        dataset=str(work / "train-dataset"),
+        output_dir=str(work / "train"),
+        index_dir=str(index_dir),
+        max_steps=args.steps,
+        learning_rate=1e-4,
+        num_generations=args.generations,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.generations // args.micro_batch,
         max_completion_length=args.completion_tokens,
-        step_max_new_tokens=args.step_tokens, temperature=args.temperature, save_steps=10_000,
-        mask_truncated_completions=False)
+        step_max_new_tokens=args.step_tokens,
+        temperature=args.temperature,
+        save_steps=10_000,
+        mask_truncated_completions=False,
+    )
     evaluations = Evaluations(eval_rows, search, args)
     inputs = inputs_key(args.data, [r["id"] for r in train_rows], [r["id"] for r in eval_rows])
     chains, reused_seeds = [], []
     for seed in range(max(args.seeds, 1)):
-        chain, reused = run_stages(replace(config, seed=seed, output_dir=str(work / f"train-s{seed}")), evaluations,
-                                   {**inputs, "eval_batch": args.eval_batch}, args.reuse)
+        chain, reused = run_stages(
+            replace(config, seed=seed, output_dir=str(work / f"train-s{seed}")),
+            evaluations,
+            {**inputs, "eval_batch": args.eval_batch},
+            args.reuse,
+        )
         chains.append(chain)
         reused_seeds += [seed] if reused else []
     result: dict[str, Any] = dict(chains[0])  # the first seed's stages, as one run reports them
@@ -213,24 +264,37 @@ def main() -> None:
     for chain in chains:
         for entry in chain.values():
             entry.pop("plot_path", None)
-    result.update({
-        "model": "tiny random (smoke)" if args.smoke else "gemma3-270m (base, LoRA per stage, merged between stages)",
-        "train_prompts": len(train_rows), "eval_prompts": len(eval_rows), "num_generations": args.generations,
-        "step_tokens": args.step_tokens, "temperature": args.temperature, "completion_tokens": args.completion_tokens,
-        "micro_batch": args.micro_batch,
-        "decoding": "greedy, same held-out prompts before and after each stage, in the stage's mode",
-        "reused_seeds": reused_seeds,  # their minutes are those of the run that trained them
-    })
+    result.update(
+        {
+            "model": "tiny random (smoke)"
+            if args.smoke
+            else "gemma3-270m (base, LoRA per stage, merged between stages)",
+            "train_prompts": len(train_rows),
+            "eval_prompts": len(eval_rows),
+            "num_generations": args.generations,
+            "step_tokens": args.step_tokens,
+            "temperature": args.temperature,
+            "completion_tokens": args.completion_tokens,
+            "micro_batch": args.micro_batch,
+            "decoding": "greedy, same held-out prompts before and after each stage, in the stage's mode",
+            "reused_seeds": reused_seeds,  # their minutes are those of the run that trained them
+        }
+    )
     write_result(result, Path(args.out) if not args.smoke else work / "med_r3_learning.json", started)
 
 
-def run_stages(config: MedR3TrainingConfig, evaluations: Evaluations, inputs: dict[str, Any],
-               reuse: bool) -> tuple[dict[str, dict], bool]:
+def run_stages(
+    config: MedR3TrainingConfig, evaluations: Evaluations, inputs: dict[str, Any], reuse: bool
+) -> tuple[dict[str, dict], bool]:
     """The three stages in order with `config`'s seed, each measured before and after on the held-out prompts in
     its own mode, and whether they were reused: with `reuse`, a seed whose chain an earlier run finished with the
     same config and `inputs` (data, questions, held-out batch) is taken from its record instead."""
-    chain, reused = run_or_reuse(Path(config.output_dir), {"config": comparable_settings(config), **inputs},
-                                 lambda: train_and_measure(config, evaluations), reuse)
+    chain, reused = run_or_reuse(
+        Path(config.output_dir),
+        {"config": comparable_settings(config), **inputs},
+        lambda: train_and_measure(config, evaluations),
+        reuse,
+    )
     if reused:
         log(f"seed {config.seed}: reusing the chain an earlier run finished in {config.output_dir}")
         evaluations.known[stage_start_model(config, 1), 1] = chain["stage1"]["before"]
@@ -247,9 +311,16 @@ def train_and_measure(config: MedR3TrainingConfig, evaluations: Evaluations) -> 
         minutes = (time.time() - stage_started) / 60
         after = evaluations(summary["model_dir"], stage, config)
         log(f"stage {stage} (seed {config.seed}) after ({minutes:.1f} min): {json.dumps(after)}")
-        result[f"stage{stage}"] = {"name": STAGES[stage].name, "search": STAGES[stage].search, "before": before,
-                                   "after": after, "steps": summary["steps"], "minutes": round(minutes, 1),
-                                   "reward_weights": summary["reward_weights"], "plot_path": summary.get("plot_path")}
+        result[f"stage{stage}"] = {
+            "name": STAGES[stage].name,
+            "search": STAGES[stage].search,
+            "before": before,
+            "after": after,
+            "steps": summary["steps"],
+            "minutes": round(minutes, 1),
+            "reward_weights": summary["reward_weights"],
+            "plot_path": summary.get("plot_path"),
+        }
     return result
 
 

@@ -71,8 +71,18 @@ ATTENDING_STAGES = ("easy", "medium", "hard")
 RELIABILITIES = (0.8, 0.5, 0.2)  # specialist 1, 2, 3: probability of naming the gold option
 # The smoke keeps the full run's training split (same questions, same opinions, so the same buckets: every stage
 # trains) with a tiny model, a few steps and short budgets.
-SMOKE_SIZES = dict(train_questions=48, eval_questions=12, triage_steps=2, easy_steps=1, medium_steps=2,
-                   hard_steps=2, generations=2, triage_tokens=16, attending_tokens=16, eval_batch=6)
+SMOKE_SIZES = dict(
+    train_questions=48,
+    eval_questions=12,
+    triage_steps=2,
+    easy_steps=1,
+    medium_steps=2,
+    hard_steps=2,
+    generations=2,
+    triage_tokens=16,
+    attending_tokens=16,
+    eval_batch=6,
+)
 # Seconds per GRPO step of the 270M model on 2 cores, 4 generations (benches/README.md: the respondent's GRPO,
 # 96 tokens, 42 s/step; Med-R³ stage 1, up to 192 tokens, ~60 s/step), scaled by the token budget; the attending's
 # prompts here are ~500 tokens, the triage's ~280. Used only for the estimate printed in the settings.
@@ -115,15 +125,16 @@ def labelled_questions(folder: Path, max_chars: int) -> dict[str, list[Any]]:
     return {s: sorted(qs, key=lambda q: q.id) for s, qs in sorted(by_specialty.items())}
 
 
-def split_questions(by_specialty: dict[str, list[Any]], n_train: int, n_eval: int, seed: int,
-                    sampling: str) -> tuple[list[Any], list[Any]]:
+def split_questions(
+    by_specialty: dict[str, list[Any]], n_train: int, n_eval: int, seed: int, sampling: str
+) -> tuple[list[Any], list[Any]]:
     """Train and held-out questions, disjoint, drawn with `seed`. `balanced`: the same number per specialty in
     each (round robin; a specialty that runs out leaves its turn to the others); `natural`: as the data has them."""
     rng = random.Random(seed)
     pools = {s: rng.sample(qs, len(qs)) for s, qs in by_specialty.items()}
     if sampling == "natural":
         everything = rng.sample([q for qs in pools.values() for q in qs], sum(map(len, pools.values())))
-        return everything[:n_train], everything[n_train:n_train + n_eval]
+        return everything[:n_train], everything[n_train : n_train + n_eval]
     return round_robin(pools, n_train), round_robin(pools, n_eval)
 
 
@@ -144,13 +155,21 @@ def triage_rows(questions: Sequence[Any]) -> list[dict[str, Any]]:
     from ermedrag.tools.data.specialties import gold_specialty_for
 
     specialties = list(triage.SPECIALTIES)
-    return [{"prompt": to_chat(triage.triage_messages(q.question, q.options, specialties)),
-             "gold_specialty": gold_specialty_for(q), "specialties": specialties, "question": q.question,
-             "id": q.id} for q in questions]
+    return [
+        {
+            "prompt": to_chat(triage.triage_messages(q.question, q.options, specialties)),
+            "gold_specialty": gold_specialty_for(q),
+            "specialties": specialties,
+            "question": q.question,
+            "id": q.id,
+        }
+        for q in questions
+    ]
 
 
-def scripted_opinions(question: Any, specialty: str, rng: random.Random,
-                      reliabilities: Sequence[float]) -> list[dict[str, Any]]:
+def scripted_opinions(
+    question: Any, specialty: str, rng: random.Random, reliabilities: Sequence[float]
+) -> list[dict[str, Any]]:
     """One opinion per specialist: the gold option with the specialist's reliability, else a uniformly random
     other option. The reasoning has the same shape either way, so only the answer carries the signal."""
     from ermedrag.agents import specialist
@@ -161,14 +180,23 @@ def scripted_opinions(question: Any, specialty: str, rng: random.Random,
         wrong = [k for k in keys if k != question.answer]
         answer = question.answer if rng.random() < reliability or not wrong else rng.choice(wrong)
         text = " ".join(str(question.options[answer]).split())[:80]
-        opinions.append(specialist.Opinion(specialist=index, specialty=specialty, model=f"scripted p={reliability}",
-                                      answer=answer, reasoning=f"The findings fit option {answer} ({text}) best.",
-                                      ok=True, well_formed=True))
+        opinions.append(
+            specialist.Opinion(
+                specialist=index,
+                specialty=specialty,
+                model=f"scripted p={reliability}",
+                answer=answer,
+                reasoning=f"The findings fit option {answer} ({text}) best.",
+                ok=True,
+                well_formed=True,
+            )
+        )
     return opinions
 
 
-def attending_rows(questions: Sequence[Any], rng: random.Random,
-                   reliabilities: Sequence[float]) -> list[dict[str, Any]]:
+def attending_rows(
+    questions: Sequence[Any], rng: random.Random, reliabilities: Sequence[float]
+) -> list[dict[str, Any]]:
     """The attending's rows with their frozen opinions, bucketed by agreement as the export buckets them."""
     from ermedrag.agents import attending
     from ermedrag.agents.base import to_chat
@@ -180,10 +208,20 @@ def attending_rows(questions: Sequence[Any], rng: random.Random,
         opinions = scripted_opinions(q, specialty, rng, reliabilities)
         answers = [o["answer"] for o in opinions]
         agreement = attending.specialist_agreement(answers, q.answer)
-        rows.append({"prompt": to_chat(attending.attending_messages(q.question, q.options, opinions)), "gold": q.answer,
-                     "options": q.options, "agreement": agreement, "bucket": attending.bucket(agreement),
-                     "majority": attending.majority(answers), "specialty": specialty, "specialist_answers": answers,
-                     "question": q.question, "id": q.id})
+        rows.append(
+            {
+                "prompt": to_chat(attending.attending_messages(q.question, q.options, opinions)),
+                "gold": q.answer,
+                "options": q.options,
+                "agreement": agreement,
+                "bucket": attending.bucket(agreement),
+                "majority": attending.majority(answers),
+                "specialty": specialty,
+                "specialist_answers": answers,
+                "question": q.question,
+                "id": q.id,
+            }
+        )
     return rows
 
 
@@ -194,11 +232,13 @@ def ceilings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     n = len(rows)
     n_specialists = len(rows[0]["specialist_answers"]) if rows else 0
     per_specialist = [sum(r["specialist_answers"][i] == r["gold"] for r in rows) / n for i in range(n_specialists)]
-    return {"majority_vote": round(sum(r["majority"] == r["gold"] for r in rows) / n, 4),
-            "trust_best": round(per_specialist[0], 4),
-            "best_single": round(max(per_specialist), 4),
-            "per_specialist": [round(a, 4) for a in per_specialist],
-            "any_specialist_right": round(sum(r["bucket"] != "hard" for r in rows) / n, 4)}
+    return {
+        "majority_vote": round(sum(r["majority"] == r["gold"] for r in rows) / n, 4),
+        "trust_best": round(per_specialist[0], 4),
+        "best_single": round(max(per_specialist), 4),
+        "per_specialist": [round(a, 4) for a in per_specialist],
+        "any_specialist_right": round(sum(r["bucket"] != "hard" for r in rows) / n, 4),
+    }
 
 
 def save_dataset(rows: Sequence[dict[str, Any]], folder: Path) -> None:
@@ -217,8 +257,9 @@ def save_dataset(rows: Sequence[dict[str, Any]], folder: Path) -> None:
 # ---------------------------------------------------------------------------------------------- evaluation
 
 
-def greedy_rollouts(model_dir: str, prompts: Sequence[list[dict[str, str]]], max_new_tokens: int,
-                    stops: Sequence[str], batch: int) -> tuple[list[str], list[int]]:
+def greedy_rollouts(
+    model_dir: str, prompts: Sequence[list[dict[str, str]]], max_new_tokens: int, stops: Sequence[str], batch: int
+) -> tuple[list[str], list[int]]:
     """Greedy completions of chat prompts with the training rollouts' own loop (`training.rollouts`: it ends at
     a stop string, kept, EOS or the budget), batched by prompt length; the model is freed afterwards."""
     import gc
@@ -232,21 +273,33 @@ def greedy_rollouts(model_dir: str, prompts: Sequence[list[dict[str, str]]], max
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"] for p in prompts]
-    generation = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
-                                  eos_token_id=model.generation_config.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id)
+    prompt_ids = [
+        tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        for p in prompts
+    ]
+    generation = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=model.generation_config.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # less padding per batch
     texts: list[str] = [""] * len(prompt_ids)
     tokens: list[int] = [0] * len(prompt_ids)
     with torch.no_grad():
         for start in range(0, len(order), batch):
-            chunk = order[start:start + batch]
-            rollouts = run_search_rollouts(model, tokenizer, [prompt_ids[i] for i in chunk],
-                                           generation_config=generation, search=None,
-                                           step_max_new_tokens=max_new_tokens, max_total_tokens=max_new_tokens,
-                                           end_stops=tuple(stops), force_answer=False)
+            chunk = order[start : start + batch]
+            rollouts = run_search_rollouts(
+                model,
+                tokenizer,
+                [prompt_ids[i] for i in chunk],
+                generation_config=generation,
+                search=None,
+                step_max_new_tokens=max_new_tokens,
+                max_total_tokens=max_new_tokens,
+                end_stops=tuple(stops),
+                force_answer=False,
+            )
             for i, rollout in zip(chunk, rollouts):
                 texts[i], tokens[i] = rollout.model_text, rollout.generated_tokens
     del model
@@ -270,19 +323,27 @@ def evaluate_triage(model_dir: str, rows: Sequence[dict[str, Any]], staged, args
     from ermedrag.training.mmedagent.train import stage_rewards
     from ermedrag.training.rewards.triage import triage_correctness_reward
 
-    texts, tokens = greedy_rollouts(model_dir, [r["prompt"] for r in rows], staged.max_completion_length,
-                                    staged.stop_strings, args.eval_batch)
+    texts, tokens = greedy_rollouts(
+        model_dir, [r["prompt"] for r in rows], staged.max_completion_length, staged.stop_strings, args.eval_batch
+    )
     completions = [[{"role": "assistant", "content": t}] for t in texts]
-    columns = {"gold_specialty": [r["gold_specialty"] for r in rows], "specialties": [r["specialties"] for r in rows],
-               "model_text": texts}
+    columns = {
+        "gold_specialty": [r["gold_specialty"] for r in rows],
+        "specialties": [r["specialties"] for r in rows],
+        "model_text": texts,
+    }
     parsed = [triage.parse_triage(t, r["specialties"], fallback=r["specialties"][0]) for t, r in zip(texts, rows)]
     rewards, mean_reward = _weighted_total(stage_rewards(staged, "triage"), completions, columns)
-    return {"accuracy": _mean(triage_correctness_reward(completions, **columns)), "n": len(rows),
-            "named_a_specialty": _mean([p["ok"] for p in parsed]),
-            "well_formed_rate": _mean(format_reward(completions, **columns)),
-            "mean_reward": mean_reward, "rewards": rewards,
-            "predicted": dict(Counter(p["specialty"] if p["ok"] else "(none)" for p in parsed).most_common()),
-            "mean_tokens": round(sum(tokens) / len(tokens), 1)}
+    return {
+        "accuracy": _mean(triage_correctness_reward(completions, **columns)),
+        "n": len(rows),
+        "named_a_specialty": _mean([p["ok"] for p in parsed]),
+        "well_formed_rate": _mean(format_reward(completions, **columns)),
+        "mean_reward": mean_reward,
+        "rewards": rewards,
+        "predicted": dict(Counter(p["specialty"] if p["ok"] else "(none)" for p in parsed).most_common()),
+        "mean_tokens": round(sum(tokens) / len(tokens), 1),
+    }
 
 
 def evaluate_attending(model_dir: str, rows: Sequence[dict[str, Any]], staged, args: argparse.Namespace) -> dict:
@@ -291,8 +352,9 @@ def evaluate_attending(model_dir: str, rows: Sequence[dict[str, Any]], staged, a
     from ermedrag.training.rewards.answers import correctness_reward, format_reward
     from ermedrag.training.mmedagent.train import stage_rewards
 
-    texts, tokens = greedy_rollouts(model_dir, [r["prompt"] for r in rows], staged.max_completion_length,
-                                    staged.stop_strings, args.eval_batch)
+    texts, tokens = greedy_rollouts(
+        model_dir, [r["prompt"] for r in rows], staged.max_completion_length, staged.stop_strings, args.eval_batch
+    )
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     columns = {"gold": [r["gold"] for r in rows], "options": [r["options"] for r in rows], "model_text": texts}
     correct = correctness_reward(completions, **columns)  # what an eval counts: any answer the parser reads
@@ -300,15 +362,21 @@ def evaluate_attending(model_dir: str, rows: Sequence[dict[str, Any]], staged, a
     rewards, mean_reward = _weighted_total(stage_rewards(staged, "easy"), completions, columns)
     followed = [attending.followed_majority(a, r["majority"]) for a, r in zip(answers, rows)]
     by_bucket = {b: [c for c, r in zip(correct, rows) if r["bucket"] == b] for b in ATTENDING_STAGES}
-    return {"accuracy": _mean(correct), "n": len(rows),
-            "answer_parsed_rate": _mean([a is not None for a in answers]),
-            "well_formed_rate": _mean(format_reward(completions, **columns)),
-            "followed_specialist_1": _mean([a is not None and a == r["specialist_answers"][0]
-                                            for a, r in zip(answers, rows)]),
-            "followed_majority": _mean([f for f in followed if f is not None]),
-            "accuracy_by_bucket": {b: {"accuracy": _mean(v), "n": len(v)} for b, v in by_bucket.items()},
-            "answered": dict(Counter(a if a is not None else "(none)" for a in answers).most_common()),
-            "mean_reward": mean_reward, "rewards": rewards, "mean_tokens": round(sum(tokens) / len(tokens), 1)}
+    return {
+        "accuracy": _mean(correct),
+        "n": len(rows),
+        "answer_parsed_rate": _mean([a is not None for a in answers]),
+        "well_formed_rate": _mean(format_reward(completions, **columns)),
+        "followed_specialist_1": _mean(
+            [a is not None and a == r["specialist_answers"][0] for a, r in zip(answers, rows)]
+        ),
+        "followed_majority": _mean([f for f in followed if f is not None]),
+        "accuracy_by_bucket": {b: {"accuracy": _mean(v), "n": len(v)} for b, v in by_bucket.items()},
+        "answered": dict(Counter(a if a is not None else "(none)" for a in answers).most_common()),
+        "mean_reward": mean_reward,
+        "rewards": rewards,
+        "mean_tokens": round(sum(tokens) / len(tokens), 1),
+    }
 
 
 # -------------------------------------------------------------------------------------------- training
@@ -321,8 +389,10 @@ def pass_through(config, name: str, start_model: str) -> None:
 
     folder = Path(config.output_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / STAGE_RECORD).write_text(json.dumps({"stage": name, "model_dir": start_model,
-                                                   "skipped": "no training rows in this bucket"}), encoding="utf-8")
+    (folder / STAGE_RECORD).write_text(
+        json.dumps({"stage": name, "model_dir": start_model, "skipped": "no training rows in this bucket"}),
+        encoding="utf-8",
+    )
 
 
 def run_stage(config, name: str, rows: int) -> dict[str, Any]:
@@ -334,12 +404,21 @@ def run_stage(config, name: str, rows: int) -> dict[str, Any]:
         start = stage_start_model(config, name)
         pass_through(config, name, start)
         log(f"stage {name}: no training rows, skipped (its model is its start model)")
-        return {"model_dir": start, "steps": 0, "rows": 0, "skipped": True, "minutes": 0.0, "plot_path": None,
-                "metrics_path": None}
+        return {
+            "model_dir": start,
+            "steps": 0,
+            "rows": 0,
+            "skipped": True,
+            "minutes": 0.0,
+            "plot_path": None,
+            "metrics_path": None,
+        }
     summary = train_mmedagent(config, stages=[name])["stages"][name]
     summary.update(rows=rows, skipped=False, minutes=round((time.time() - started) / 60, 2))
-    log(f"stage {name}: {summary['steps']} steps on {rows} rows in {summary['minutes']:.1f} min "
-        f"(γ {summary['entropy_coef']}, β {summary['beta']})")
+    log(
+        f"stage {name}: {summary['steps']} steps on {rows} rows in {summary['minutes']:.1f} min "
+        f"(γ {summary['entropy_coef']}, β {summary['beta']})"
+    )
     return summary
 
 
@@ -367,8 +446,11 @@ def plot_entropy(with_bonus: list[float], without_bonus: list[float], gamma: flo
     axis.plot(range(1, len(with_bonus) + 1), with_bonus, marker="o", label=f"entropy bonus γ = {gamma:g}")
     axis.plot(range(1, len(without_bonus) + 1), without_bonus, marker="s", label="entropy_bonus: false (γ = 0)")
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axis.set(xlabel="GRPO step", ylabel="mean token entropy (nats)",
-             title=f"MMedAgent stage {stage}: same start model, data and seed")
+    axis.set(
+        xlabel="GRPO step",
+        ylabel="mean token entropy (nats)",
+        title=f"MMedAgent stage {stage}: same start model, data and seed",
+    )
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -380,41 +462,67 @@ def plot_entropy(with_bonus: list[float], without_bonus: list[float], gamma: flo
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")),
-                        help="shared data root (or its benchmarks/ folder)")
+    parser.add_argument(
+        "--data",
+        default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")),
+        help="shared data root (or its benchmarks/ folder)",
+    )
     parser.add_argument("--work", default=str(Path.home() / ".cache" / "ermedrag" / "bench" / "mmedagent"))
     parser.add_argument("--out", default=str(REPO / "benches" / "results" / "mmedagent_learning.json"))
     parser.add_argument("--model", default="offline:gemma3-270m", help="policy model (path, hub id, offline:NAME)")
     parser.add_argument("--seed", type=int, default=0, help="question split and scripted opinions")
     parser.add_argument("--train-questions", type=int, default=48)
     parser.add_argument("--eval-questions", type=int, default=48)
-    parser.add_argument("--sampling", choices=("balanced", "natural"), default="balanced",
-                        help="balanced: the same number of questions per specialty; natural: as the data has them")
-    parser.add_argument("--max-question-chars", type=int, default=1500,
-                        help="leave out questions whose text and options are longer (bounds the CPU time per step)")
+    parser.add_argument(
+        "--sampling",
+        choices=("balanced", "natural"),
+        default="balanced",
+        help="balanced: the same number of questions per specialty; natural: as the data has them",
+    )
+    parser.add_argument(
+        "--max-question-chars",
+        type=int,
+        default=1500,
+        help="leave out questions whose text and options are longer (bounds the CPU time per step)",
+    )
     parser.add_argument("--triage-steps", type=int, default=16)
     parser.add_argument("--easy-steps", type=int, default=6)
     parser.add_argument("--medium-steps", type=int, default=12)
     parser.add_argument("--hard-steps", type=int, default=8)
-    parser.add_argument("--entropy-stage", choices=ATTENDING_STAGES, default="hard",
-                        help="the stage trained again with entropy_bonus: false")
+    parser.add_argument(
+        "--entropy-stage",
+        choices=ATTENDING_STAGES,
+        default="hard",
+        help="the stage trained again with entropy_bonus: false",
+    )
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (GRPO group)")
     parser.add_argument("--triage-tokens", type=int, default=64, help="triage completion budget (training and eval)")
     parser.add_argument("--attending-tokens", type=int, default=96, help="attending completion budget")
-    parser.add_argument("--temperature", type=float, default=0.7,
-                        help="sampling temperature of training rollouts (the other CPU benches: at 1.0 the base 270M "
-                             "model leaves the format in nearly every sample and GRPO gets no signal)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="sampling temperature of training rollouts (the other CPU benches: at 1.0 the base 270M "
+        "model leaves the format in nearly every sample and GRPO gets no signal)",
+    )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--reward", choices=("paper", "gated"), default="paper")
-    parser.add_argument("--reliabilities", default=",".join(map(str, RELIABILITIES)),
-                        help="the scripted specialists' probabilities of naming the gold option, comma-separated")
+    parser.add_argument(
+        "--reliabilities",
+        default=",".join(map(str, RELIABILITIES)),
+        help="the scripted specialists' probabilities of naming the gold option, comma-separated",
+    )
     parser.add_argument("--eval-batch", type=int, default=8)
-    parser.add_argument("--seeds", type=int, default=1,
-                        help="train the stages this many times (training seeds 42, 43, …)")
-    parser.add_argument("--reuse", action="store_true",
-                        help="take each training seed (and the entropy ablation) that an earlier run finished with the "
-                             "same settings from its record (to add seeds, or go on after a stop); only while the "
-                             "training code is unchanged")
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="train the stages this many times (training seeds 42, 43, …)"
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take each training seed (and the entropy ablation) that an earlier run finished with the "
+        "same settings from its record (to add seeds, or go on after a stop); only while the "
+        "training code is unchanged",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -431,11 +539,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def estimate_minutes(args: argparse.Namespace, stage_rows: dict[str, int]) -> float:
     """A rough wall time for the offline model on 2 cores (constants above), printed before the run."""
     scale = args.generations / 4
-    steps = {"triage": args.triage_steps, "easy": args.easy_steps, "medium": args.medium_steps,
-             "hard": args.hard_steps}
-    train = sum(steps[name] * SECONDS_PER_STEP_PER_TOKEN * scale *
-                (args.triage_tokens if name == "triage" else args.attending_tokens)
-                for name in steps if stage_rows.get(name))
+    steps = {"triage": args.triage_steps, "easy": args.easy_steps, "medium": args.medium_steps, "hard": args.hard_steps}
+    train = sum(
+        steps[name]
+        * SECONDS_PER_STEP_PER_TOKEN
+        * scale
+        * (args.triage_tokens if name == "triage" else args.attending_tokens)
+        for name in steps
+        if stage_rows.get(name)
+    )
     if stage_rows.get(args.entropy_stage):
         train += steps[args.entropy_stage] * SECONDS_PER_STEP_PER_TOKEN * scale * args.attending_tokens
     evaluated_tokens = 2 * args.triage_tokens + 4 * args.attending_tokens  # triage 2 evals, attending 4
@@ -461,14 +573,21 @@ def prepare_data(args: argparse.Namespace, folder: Path, export: Path) -> BenchD
     """Split the labelled questions, build the triage and attending rows, write the export folders the trainer
     reads (`export/triage`, `export/easy`, ...; an empty bucket gets no folder)."""
     by_specialty = labelled_questions(folder, args.max_question_chars)
-    train_q, eval_q = split_questions(by_specialty, args.train_questions, args.eval_questions, args.seed,
-                                      args.sampling)
-    log(f"labelled questions by specialty (≤ {args.max_question_chars} chars): "
-        f"{ {s: len(qs) for s, qs in by_specialty.items()} }; train {len(train_q)}, held out {len(eval_q)}")
+    train_q, eval_q = split_questions(by_specialty, args.train_questions, args.eval_questions, args.seed, args.sampling)
+    log(
+        f"labelled questions by specialty (≤ {args.max_question_chars} chars): "
+        f"{ {s: len(qs) for s, qs in by_specialty.items()} }; train {len(train_q)}, held out {len(eval_q)}"
+    )
     opinions_rng = random.Random(args.seed + 1)  # train first, then held out: the train rows do not depend on n_eval
-    data = BenchData(train_q, eval_q, triage_rows(train_q), triage_rows(eval_q),
-                     attending_rows(train_q, opinions_rng, args.reliabilities),
-                     attending_rows(eval_q, opinions_rng, args.reliabilities), {})
+    data = BenchData(
+        train_q,
+        eval_q,
+        triage_rows(train_q),
+        triage_rows(eval_q),
+        attending_rows(train_q, opinions_rng, args.reliabilities),
+        attending_rows(eval_q, opinions_rng, args.reliabilities),
+        {},
+    )
     if export.exists():
         shutil.rmtree(export)
     save_dataset(data.train_triage, export / "triage")
@@ -483,37 +602,63 @@ def prepare_data(args: argparse.Namespace, folder: Path, export: Path) -> BenchD
 
 def bench_config(args: argparse.Namespace, model_path: str, export: Path, output_dir: Path):
     """The trainer's config: the schedule's γ and β per stage, the bench's sizes and step counts."""
-    from ermedrag.training.config import MMedAgentTrainingConfig
+    from ermedrag.training.mmedagent.config import MMedAgentTrainingConfig
 
     return MMedAgentTrainingConfig(
-        model=model_path, dataset=str(export), output_dir=str(output_dir), reward=args.reward,
-        learning_rate=args.learning_rate, num_generations=args.generations,
-        per_device_train_batch_size=args.generations, gradient_accumulation_steps=1,
-        max_completion_length=args.attending_tokens, temperature=args.temperature, save_steps=10_000,
-        logging_steps=1, seed=TRAINING_SEED,
-        stage_overrides={"triage": {"max_steps": args.triage_steps, "max_completion_length": args.triage_tokens},
-                         "easy": {"max_steps": args.easy_steps}, "medium": {"max_steps": args.medium_steps},
-                         "hard": {"max_steps": args.hard_steps}})
+        model=model_path,
+        dataset=str(export),
+        output_dir=str(output_dir),
+        reward=args.reward,
+        learning_rate=args.learning_rate,
+        num_generations=args.generations,
+        per_device_train_batch_size=args.generations,
+        gradient_accumulation_steps=1,
+        max_completion_length=args.attending_tokens,
+        temperature=args.temperature,
+        save_steps=10_000,
+        logging_steps=1,
+        seed=TRAINING_SEED,
+        stage_overrides={
+            "triage": {"max_steps": args.triage_steps, "max_completion_length": args.triage_tokens},
+            "easy": {"max_steps": args.easy_steps},
+            "medium": {"max_steps": args.medium_steps},
+            "hard": {"max_steps": args.hard_steps},
+        },
+    )
 
 
 def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[str, Any]:
     from ermedrag.training.mmedagent.train import STAGES, stage_config
 
     return {
-        "model": "tiny random (smoke)" if args.smoke else f"{args.model} (base, LoRA r={config.lora_r} per stage, "
-                                                          "merged between stages)",
-        "seed": args.seed, "sampling": args.sampling, "max_question_chars": args.max_question_chars,
-        "train_questions": len(data.train_questions), "eval_questions": len(data.eval_questions),
+        "model": "tiny random (smoke)"
+        if args.smoke
+        else f"{args.model} (base, LoRA r={config.lora_r} per stage, merged between stages)",
+        "seed": args.seed,
+        "sampling": args.sampling,
+        "max_question_chars": args.max_question_chars,
+        "train_questions": len(data.train_questions),
+        "eval_questions": len(data.eval_questions),
         "train_by_specialty": dict(Counter(r["gold_specialty"] for r in data.train_triage).most_common()),
         "eval_by_specialty": dict(Counter(r["gold_specialty"] for r in data.eval_triage).most_common()),
-        "reliabilities": list(args.reliabilities), "train_rows_by_stage": data.stage_rows,
+        "reliabilities": list(args.reliabilities),
+        "train_rows_by_stage": data.stage_rows,
         "eval_rows_by_bucket": {b: sum(r["bucket"] == b for r in data.eval_attending) for b in ATTENDING_STAGES},
-        "steps": {"triage": args.triage_steps, "easy": args.easy_steps, "medium": args.medium_steps,
-                  "hard": args.hard_steps},
-        "gamma_beta": {n: [stage_config(config, n).entropy_coef, stage_config(config, n).beta]
-                       for n in STAGES if n != "attending"},
-        "num_generations": args.generations, "temperature": args.temperature, "learning_rate": args.learning_rate,
-        "reward": args.reward, "triage_tokens": args.triage_tokens, "attending_tokens": args.attending_tokens,
+        "steps": {
+            "triage": args.triage_steps,
+            "easy": args.easy_steps,
+            "medium": args.medium_steps,
+            "hard": args.hard_steps,
+        },
+        "gamma_beta": {
+            n: [stage_config(config, n).entropy_coef, stage_config(config, n).beta] for n in STAGES if n != "attending"
+        },
+        "num_generations": args.generations,
+        "temperature": args.temperature,
+        "learning_rate": args.learning_rate,
+        "reward": args.reward,
+        "triage_tokens": args.triage_tokens,
+        "attending_tokens": args.attending_tokens,
         "entropy_stage": args.entropy_stage,
         "decoding": "greedy, the training rollouts' loop (ends at </answer>), same held-out prompts before and after",
         "estimated_minutes_2_cores": None if args.smoke else round(estimate_minutes(args, data.stage_rows), 1),
@@ -527,35 +672,44 @@ def measured_once(measured: dict[tuple[str, str], dict], model_dir: str, part: s
     return measured[model_dir, part]
 
 
-def triage_part(config, model_path: str, data: BenchData, args: argparse.Namespace,
-                measured: dict[tuple[str, str], dict]) -> tuple[dict, dict]:
+def triage_part(
+    config, model_path: str, data: BenchData, args: argparse.Namespace, measured: dict[tuple[str, str], dict]
+) -> tuple[dict, dict]:
     """(a): held-out triage accuracy before and after the triage stage; the result and the stage's summary."""
     from ermedrag.agents.triage import SPECIALTIES
     from ermedrag.training.mmedagent.train import stage_config
 
     staged = stage_config(config, "triage")
-    before = measured_once(measured, model_path, "triage",
-                           lambda: evaluate_triage(model_path, data.eval_triage, staged, args))
+    before = measured_once(
+        measured, model_path, "triage", lambda: evaluate_triage(model_path, data.eval_triage, staged, args)
+    )
     log(f"triage before: {json.dumps(before)}")
     summary = run_stage(config, "triage", data.stage_rows["triage"])
     after = evaluate_triage(summary["model_dir"], data.eval_triage, staged, args)
     log(f"triage after: {json.dumps(after)}")
     gold_counts = Counter(r["gold_specialty"] for r in data.eval_triage)
-    return {"before": before, "after": after, "chance": round(1 / len(SPECIALTIES), 4),
-            "majority_class": round(max(gold_counts.values()) / len(data.eval_triage), 4),
-            "steps": summary["steps"], "minutes": summary["minutes"]}, summary
+    return {
+        "before": before,
+        "after": after,
+        "chance": round(1 / len(SPECIALTIES), 4),
+        "majority_class": round(max(gold_counts.values()) / len(data.eval_triage), 4),
+        "steps": summary["steps"],
+        "minutes": summary["minutes"],
+    }, summary
 
 
-def attending_part(config, data: BenchData, args: argparse.Namespace,
-                   measured: dict[tuple[str, str], dict]) -> tuple[dict, dict[str, dict]]:
+def attending_part(
+    config, data: BenchData, args: argparse.Namespace, measured: dict[tuple[str, str], dict]
+) -> tuple[dict, dict[str, dict]]:
     """(b): held-out attending accuracy before the curriculum and after each of its stages, with the ceilings
     the opinions allow; the result and the stages' summaries."""
     from ermedrag.training.mmedagent.train import stage_config, stage_start_model
 
     staged = stage_config(config, "easy")  # the attending's rewards and budget are the same in every stage
     start = stage_start_model(config, "easy")
-    before = measured_once(measured, start, "attending",
-                           lambda: evaluate_attending(start, data.eval_attending, staged, args))
+    before = measured_once(
+        measured, start, "attending", lambda: evaluate_attending(start, data.eval_attending, staged, args)
+    )
     log(f"attending before: {json.dumps(before)}")
     after_each: dict[str, Any] = {}
     summaries: dict[str, dict[str, Any]] = {}
@@ -565,29 +719,41 @@ def attending_part(config, data: BenchData, args: argparse.Namespace,
         if not summaries[name]["skipped"]:
             current = evaluate_attending(summaries[name]["model_dir"], data.eval_attending, staged, args)
             log(f"attending after {name}: {json.dumps(current)}")
-        after_each[name] = {**current, "steps": summaries[name]["steps"], "minutes": summaries[name]["minutes"],
-                            "train_rows": data.stage_rows[name]}
-    return {"before": before, "after": current, "ceiling": ceilings(data.eval_attending),
-            "after_each_stage": after_each}, summaries
+        after_each[name] = {
+            **current,
+            "steps": summaries[name]["steps"],
+            "minutes": summaries[name]["minutes"],
+            "train_rows": data.stage_rows[name],
+        }
+    return {
+        "before": before,
+        "after": current,
+        "ceiling": ceilings(data.eval_attending),
+        "after_each_stage": after_each,
+    }, summaries
 
 
-def seed_part(config, model_path: str, data: BenchData, args: argparse.Namespace,
-              measured: dict[tuple[str, str], dict]) -> dict[str, Any]:
+def seed_part(
+    config, model_path: str, data: BenchData, args: argparse.Namespace, measured: dict[tuple[str, str], dict]
+) -> dict[str, Any]:
     """(a) and (b) for one training seed: triage, the attending's curriculum, and each stage's summary."""
     triage, triage_summary = triage_part(config, model_path, data, args, measured)
     attending, summaries = attending_part(config, data, args, measured)
     return {"triage": triage, "attending": attending, "summaries": {"triage": triage_summary, **summaries}}
 
 
-def entropy_part(config, summaries: dict[str, dict], data: BenchData, args: argparse.Namespace,
-                 output_dir: Path) -> dict[str, Any]:
+def entropy_part(
+    config, summaries: dict[str, dict], data: BenchData, args: argparse.Namespace, output_dir: Path
+) -> dict[str, Any]:
     """(c): the entropy stage trained again with `entropy_bonus: false`, from the same start model (the
     previous stage's record is copied), same data and seed; TRL's per-step mean token entropy of both runs."""
     from ermedrag.training.mmedagent.train import STAGE_RECORD, STAGES, stage_config
 
     name = args.entropy_stage
-    result: dict[str, Any] = {"stage": name, "entropy_coef": {"with_bonus": stage_config(config, name).entropy_coef,
-                                                              "without_bonus": 0.0}}
+    result: dict[str, Any] = {
+        "stage": name,
+        "entropy_coef": {"with_bonus": stage_config(config, name).entropy_coef, "without_bonus": 0.0},
+    }
     if not data.stage_rows[name]:
         return {**result, "with_bonus": [], "without_bonus": [], "skipped": f"no training rows in bucket {name}"}
     no_bonus = dataclasses.replace(config, output_dir=str(output_dir), entropy_bonus=False)
@@ -619,8 +785,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     folder = benchmarks_dir(args.data)
     if folder is None:
-        print(f"mmedagent_learning: skipped: the shared data is not at {args.data} (need benchmarks/"
-              f"{' and '.join(BENCHMARK_FILES)}); pass --data or set ERMEDRAG_SHARED_DATA", file=sys.stderr)
+        print(
+            f"mmedagent_learning: skipped: the shared data is not at {args.data} (need benchmarks/"
+            f"{' and '.join(BENCHMARK_FILES)}); pass --data or set ERMEDRAG_SHARED_DATA",
+            file=sys.stderr,
+        )
         return 0
 
     import torch
@@ -654,28 +823,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = bench_config(args, model_path, work / "export", work / "train")
     settings = bench_settings(args, config, data)
     log("settings: " + json.dumps(settings))
-    inputs = {**{k: v for k, v in settings.items() if k != "estimated_minutes_2_cores"}, "eval_batch": args.eval_batch,
-              **inputs_key(args.data, [q.id for q in data.train_questions], [q.id for q in data.eval_questions])}
+    inputs = {
+        **{k: v for k, v in settings.items() if k != "estimated_minutes_2_cores"},
+        "eval_batch": args.eval_batch,
+        **inputs_key(args.data, [q.id for q in data.train_questions], [q.id for q in data.eval_questions]),
+    }
     measured: dict[tuple[str, str], dict] = {}
     runs, reused_seeds = [], []
     for number in range(args.seeds):
-        seeded = dataclasses.replace(config, seed=TRAINING_SEED + number,
-                                     output_dir=str(work / ("train" if number == 0 else f"train-s{number}")))
-        run, reused = run_or_reuse(Path(seeded.output_dir), {"config": comparable_settings(seeded), **inputs},
-                                   lambda: seed_part(seeded, model_path, data, args, measured), args.reuse)
+        seeded = dataclasses.replace(
+            config, seed=TRAINING_SEED + number, output_dir=str(work / ("train" if number == 0 else f"train-s{number}"))
+        )
+        run, reused = run_or_reuse(
+            Path(seeded.output_dir),
+            {"config": comparable_settings(seeded), **inputs},
+            lambda: seed_part(seeded, model_path, data, args, measured),
+            args.reuse,
+        )
         if reused:
             log(f"training seed {seeded.seed}: reusing what an earlier run finished in {seeded.output_dir}")
             measured[model_path, "triage"] = run["triage"]["before"]
             measured[stage_start_model(seeded, "easy"), "attending"] = run["attending"]["before"]
             reused_seeds.append(seeded.seed)
         runs.append(run)
-    result: dict[str, Any] = {"triage": runs[0]["triage"], "attending": runs[0]["attending"],
-                              "seeds": seeds_summary(runs, data)}
+    result: dict[str, Any] = {
+        "triage": runs[0]["triage"],
+        "attending": runs[0]["attending"],
+        "seeds": seeds_summary(runs, data),
+    }
     summaries = runs[0]["summaries"]
     no_bonus = work / "train-no-bonus"  # compared with the first seed's curves: reused only along with them
-    result["entropy"], _ = run_or_reuse(no_bonus, {"config": comparable_settings(config), **inputs},
-                                        lambda: entropy_part(config, summaries, data, args, no_bonus),
-                                        args.reuse and TRAINING_SEED in reused_seeds)
+    result["entropy"], _ = run_or_reuse(
+        no_bonus,
+        {"config": comparable_settings(config), **inputs},
+        lambda: entropy_part(config, summaries, data, args, no_bonus),
+        args.reuse and TRAINING_SEED in reused_seeds,
+    )
     result["reused_training_seeds"] = reused_seeds
     log(f"entropy: {json.dumps(result['entropy'])}")
 
@@ -685,15 +868,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.copy(summary["plot_path"], out.parent / f"{prefix}{name}_curves.png")
     entropy = result["entropy"]
     if entropy["with_bonus"] or entropy["without_bonus"]:
-        plot_entropy(entropy["with_bonus"], entropy["without_bonus"], entropy["entropy_coef"]["with_bonus"],
-                     args.entropy_stage, out.parent / f"{prefix}entropy.png")
+        plot_entropy(
+            entropy["with_bonus"],
+            entropy["without_bonus"],
+            entropy["entropy_coef"]["with_bonus"],
+            args.entropy_stage,
+            out.parent / f"{prefix}entropy.png",
+        )
 
     if allocator := allocator_env():
         result["allocator_env"] = allocator
-    result.update(settings=settings, seconds=round(time.time() - started, 1),
-                  date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), machine=at_start,
-                  command=" ".join(["python", "benches/learning/mmedagent_learning.py",
-                                    *(sys.argv[1:] if argv is None else argv)]))
+    result.update(
+        settings=settings,
+        seconds=round(time.time() - started, 1),
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        machine=at_start,
+        command=" ".join(
+            ["python", "benches/learning/mmedagent_learning.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+    )
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     log(f"wrote {out} ({result['seconds'] / 60:.1f} min)")
     return 0

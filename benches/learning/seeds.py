@@ -34,8 +34,11 @@ def over_seeds(before: dict[str, float], afters: Sequence[dict[str, float]]) -> 
         values = [after[name] for after in afters if isinstance(after.get(name), (int, float))]
         if not isinstance(value, (int, float)) or not values or len(values) < len(afters):
             continue
-        summary[name] = {"before": round(value, 4), "after": spread(values),
-                         "seeds_higher_after": sum(v > value for v in values)}
+        summary[name] = {
+            "before": round(value, 4),
+            "after": spread(values),
+            "seeds_higher_after": sum(v > value for v in values),
+        }
     return summary
 
 
@@ -46,35 +49,46 @@ def paired_over_seeds(befores: Sequence[dict[str, float]], afters: Sequence[dict
     summary: dict[str, Any] = {"n": len(afters)}
     befores, afters = [flat(before) for before in befores], [flat(after) for after in afters]
     for name in befores[0]:
-        pairs = [(b[name], a[name]) for b, a in zip(befores, afters)
-                 if isinstance(b.get(name), (int, float)) and isinstance(a.get(name), (int, float))]
+        pairs = [
+            (b[name], a[name])
+            for b, a in zip(befores, afters)
+            if isinstance(b.get(name), (int, float)) and isinstance(a.get(name), (int, float))
+        ]
         if not pairs or len(pairs) < len(afters):
             continue
-        summary[name] = {"before": spread([b for b, _ in pairs]), "after": spread([a for _, a in pairs]),
-                         "gain": spread([a - b for b, a in pairs]),
-                         "seeds_higher_after": sum(a > b for b, a in pairs)}
+        summary[name] = {
+            "before": spread([b for b, _ in pairs]),
+            "after": spread([a for _, a in pairs]),
+            "gain": spread([a - b for b, a in pairs]),
+            "seeds_higher_after": sum(a > b for b, a in pairs),
+        }
     return summary
 
 
 def part_over_seeds(runs: Sequence[dict[str, Any]], part: str, eval_prompts: int) -> dict[str, Any]:
     """One trained part (a stage, an agent) over the seeds' runs: `paired_over_seeds` of its before and after,
     and its held-out accuracy after training with a Wilson 95% interval per seed."""
-    return {**paired_over_seeds([run[part]["before"] for run in runs], [run[part]["after"] for run in runs]),
-            "accuracy_after": [accuracy_interval(run[part]["after"]["accuracy"], eval_prompts) for run in runs]}
+    return {
+        **paired_over_seeds([run[part]["before"] for run in runs], [run[part]["after"] for run in runs]),
+        "accuracy_after": [accuracy_interval(run[part]["after"]["accuracy"], eval_prompts) for run in runs],
+    }
 
 
 def flat(metrics: dict[str, Any]) -> dict[str, Any]:
     """Nested metric groups (each reward component, how rollouts ended) as `group/name` entries beside the rest."""
-    return {**{k: v for k, v in metrics.items() if not isinstance(v, dict)},
-            **{f"{group}/{k}": v
-               for group, inner in metrics.items() if isinstance(inner, dict) for k, v in inner.items()}}
+    return {
+        **{k: v for k, v in metrics.items() if not isinstance(v, dict)},
+        **{f"{group}/{k}": v for group, inner in metrics.items() if isinstance(inner, dict) for k, v in inner.items()},
+    }
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
     """Mean ± sd of one metric over seeds, with each seed's value."""
-    return {"mean": round(statistics.fmean(values), 4),
-            "sd": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
-            "values": [round(v, 4) for v in values]}
+    return {
+        "mean": round(statistics.fmean(values), 4),
+        "sd": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+        "values": [round(v, 4) for v in values],
+    }
 
 
 def common_seed_count(seeds: dict[str, Any]) -> int:
@@ -94,8 +108,11 @@ def gain(summary: dict[str, Any], metric: str) -> dict[str, float] | None:
     entry = summary.get(metric)
     if not entry:
         return None
-    return {key: value for key, value in spread([v - entry["before"] for v in entry["after"]["values"]]).items()
-            if key != "values"}
+    return {
+        key: value
+        for key, value in spread([v - entry["before"] for v in entry["after"]["values"]]).items()
+        if key != "values"
+    }
 
 
 def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count: int) -> list[dict[str, float]]:
@@ -104,11 +121,17 @@ def afters_from_summary(summary: dict[str, Any], before: dict[str, float], count
     before (other prompts or another base model)."""
     if summary.get("n", 0) < count:
         raise ValueError(f"the recorded summary holds {summary.get('n', 0)} seeds, not the {count} to add to")
-    entries = {name: entry for name, entry in summary.items()
-               if isinstance(entry, dict) and isinstance(entry.get("after"), dict) and "values" in entry["after"]}
+    entries = {
+        name: entry
+        for name, entry in summary.items()
+        if isinstance(entry, dict) and isinstance(entry.get("after"), dict) and "values" in entry["after"]
+    }
     flat_before = flat(before)
-    differing = [name for name, entry in entries.items()
-                 if name in flat_before and round(flat_before[name], 4) != entry["before"]]
+    differing = [
+        name
+        for name, entry in entries.items()
+        if name in flat_before and round(flat_before[name], 4) != entry["before"]
+    ]
     if differing:
         raise ValueError(f"the recorded seeds were measured against another before ({', '.join(differing)} differ)")
     return [{name: entry["after"]["values"][i] for name, entry in entries.items()} for i in range(count)]
@@ -135,8 +158,9 @@ def hold_work_folder(work: Path) -> None:
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        raise SystemExit(f"{work} is in use by another bench run ({holder}): wait for it to finish, or pass "
-                         "another --work") from None
+        raise SystemExit(
+            f"{work} is in use by another bench run ({holder}): wait for it to finish, or pass another --work"
+        ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()}: {' '.join(sys.argv)}\n")
@@ -188,8 +212,9 @@ def inputs_key(data: str, *question_ids: Sequence[str]) -> dict[str, str]:
     return {"data": str(Path(data).resolve()), "question_ids": digest}
 
 
-def run_or_reuse(folder: Path, settings: Any, run: Callable[[], dict[str, Any]], reuse: bool
-                 ) -> tuple[dict[str, Any], bool]:
+def run_or_reuse(
+    folder: Path, settings: Any, run: Callable[[], dict[str, Any]], reuse: bool
+) -> tuple[dict[str, Any], bool]:
     """One seed's training in `folder` and whether it was reused: with `reuse`, what an earlier run recorded there
     with these very settings; else `run()` from an empty folder, recorded once it has finished (a run killed
     before that leaves no record, so `--reuse` trains it again)."""

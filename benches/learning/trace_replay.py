@@ -34,17 +34,26 @@ def main() -> None:
     args = parser.parse_args()
     traces = learning_run(Path(args.work)) / "traces-eval.sqlite"
     if not traces.exists():
-        sys.exit(f"error: no recorded traces at {traces}: run benches/learning/learning_signal.py first "
-                 "(or give its --work)")
+        sys.exit(
+            f"error: no recorded traces at {traces}: run benches/learning/learning_signal.py first (or give its --work)"
+        )
     events = list(TraceStore(traces).events(agent="extractor"))[: max(args.n, 1)]
     budgets = {event["sampling"]["max_new_tokens"] for event in events}
     if len(budgets) != 1:
         sys.exit(f"error: the recorded extractor calls used several token budgets {sorted(budgets)}")
     replies = generate(events[0]["model"], [event["messages"] for event in events], budgets.pop(), extractor.STOP)
     differ = [i for i, (reply, event) in enumerate(zip(replies, events)) if reply != event["completion"]]
-    print(json.dumps({"max_batch": int(os.environ.get("ERMEDRAG_HF_MAX_BATCH", 8)), "prompts": len(events),
-                      "identical_to_recorded": len(events) - len(differ), "differ_at": differ,
-                      "cpu": cpu_model()}))
+    print(
+        json.dumps(
+            {
+                "max_batch": int(os.environ.get("ERMEDRAG_HF_MAX_BATCH", 8)),
+                "prompts": len(events),
+                "identical_to_recorded": len(events) - len(differ),
+                "differ_at": differ,
+                "cpu": cpu_model(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

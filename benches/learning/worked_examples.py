@@ -13,8 +13,9 @@ from ermedrag.agents import respondent
 
 Messages = list[dict[str, str]]
 
-TWO_LINES = ("1. [ex-1] vitamin C deficiency — causes — scurvy\n"
-             "2. [ex-2] vitamin D deficiency in children — causes — rickets")
+TWO_LINES = (
+    "1. [ex-1] vitamin C deficiency — causes — scurvy\n2. [ex-2] vitamin D deficiency in children — causes — rickets"
+)
 
 
 def swapped(prompt: Messages, user_old: str, user_new: str, reply_old: str, reply_new: str) -> Messages:
@@ -23,8 +24,12 @@ def swapped(prompt: Messages, user_old: str, user_new: str, reply_old: str, repl
     system, user, reply, *question = prompt
     if user_old not in user["content"] or reply_old not in reply["content"]:
         raise ValueError(f"a recorded prompt's worked example is not agents.respondent's: {reply['content'][:120]!r}")
-    return [system, {**user, "content": user["content"].replace(user_old, user_new)},
-            {**reply, "content": reply["content"].replace(reply_old, reply_new)}, *question]
+    return [
+        system,
+        {**user, "content": user["content"].replace(user_old, user_new)},
+        {**reply, "content": reply["content"].replace(reply_old, reply_new)},
+        *question,
+    ]
 
 
 EXAMPLES: dict[str, Callable[[Messages], Messages]] = {
@@ -32,10 +37,18 @@ EXAMPLES: dict[str, Callable[[Messages], Messages]] = {
     "current": lambda prompt: prompt,
     # the same example citing its evidence line by number
     "cites_number": lambda prompt: swapped(
-        prompt, respondent.EXAMPLE_EVIDENCE, respondent.EXAMPLE_EVIDENCE, respondent.EXAMPLE_REASONING,
-        respondent.EXAMPLE_REASONING.replace("The evidence says", "Evidence 1 says")),
+        prompt,
+        respondent.EXAMPLE_EVIDENCE,
+        respondent.EXAMPLE_EVIDENCE,
+        respondent.EXAMPLE_REASONING,
+        respondent.EXAMPLE_REASONING.replace("The evidence says", "Evidence 1 says"),
+    ),
     # two evidence lines, citing the relevant second one by number and setting the first aside
     "cites_among_two": lambda prompt: swapped(
-        prompt, respondent.EXAMPLE_EVIDENCE, TWO_LINES, respondent.EXAMPLE_REASONING,
-        "Evidence 2 says vitamin D deficiency causes rickets, which fits bowed legs; evidence 1, on scurvy, does not"),
+        prompt,
+        respondent.EXAMPLE_EVIDENCE,
+        TWO_LINES,
+        respondent.EXAMPLE_REASONING,
+        "Evidence 2 says vitamin D deficiency causes rickets, which fits bowed legs; evidence 1, on scurvy, does not",
+    ),
 }

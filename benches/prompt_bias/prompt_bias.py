@@ -71,8 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=8, help="questions in flight (the hf backend batches them)")
     parser.add_argument("--model", default=MODEL)
-    parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")),
-                        help="the shared data folder (its benchmarks/ holds the question files)")
+    parser.add_argument(
+        "--data",
+        default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")),
+        help="the shared data folder (its benchmarks/ holds the question files)",
+    )
     parser.add_argument("--out", default=str(RESULT))
     return parser.parse_args(argv)
 
@@ -86,10 +89,15 @@ def placeholder_example(question: str, options: dict[str, str] | None) -> tuple[
     from ermedrag.agents.markup import PLACEHOLDER_ANSWER, placeholder_options
 
     shown = placeholder_options(["Vitamin C", respondent.EXAMPLE_ANSWER_TEXT, "Vitamin B12"])
-    user = respondent.USER_TEMPLATE.format(evidence=respondent.EXAMPLE_EVIDENCE, question=respondent.EXAMPLE_QUESTION,
-                                           options=respondent.format_options(shown))
-    return user, (f"<think>The evidence says vitamin D deficiency causes rickets, which fits bowed legs: option "
-                  f"{PLACEHOLDER_ANSWER}.</think><answer>{PLACEHOLDER_ANSWER}</answer>")
+    user = respondent.USER_TEMPLATE.format(
+        evidence=respondent.EXAMPLE_EVIDENCE,
+        question=respondent.EXAMPLE_QUESTION,
+        options=respondent.format_options(shown),
+    )
+    return user, (
+        f"<think>The evidence says vitamin D deficiency causes rickets, which fits bowed legs: option "
+        f"{PLACEHOLDER_ANSWER}.</think><answer>{PLACEHOLDER_ANSWER}</answer>"
+    )
 
 
 def arms() -> dict[str, tuple[str, Example, Callable[[str, dict[str, str]], str]]]:
@@ -99,8 +107,11 @@ def arms() -> dict[str, tuple[str, Example, Callable[[str, dict[str, str]], str]
 
     return {
         "old_example_B": (OLD_SYSTEM_PROMPT, lambda question, options: OLD_EXAMPLE, lambda q, o: OLD_LETTER),
-        "rotated_example": (respondent.SYSTEM_PROMPT, respondent.example,
-                            lambda q, o: rotated_example_key(q, list(o)[:respondent.MAX_EXAMPLE_OPTIONS])),
+        "rotated_example": (
+            respondent.SYSTEM_PROMPT,
+            respondent.example,
+            lambda q, o: rotated_example_key(q, list(o)[: respondent.MAX_EXAMPLE_OPTIONS]),
+        ),
         "placeholder_example": (respondent.SYSTEM_PROMPT, placeholder_example, lambda q, o: PLACEHOLDER_ANSWER),
     }
 
@@ -113,12 +124,15 @@ def check_old_prompt_is_reproduced(question: str, options: dict[str, str]) -> No
 
     with swapped_prompt(OLD_SYSTEM_PROMPT, lambda q, o: OLD_EXAMPLE):
         built = [(m.type, m.text) for m in respondent.build_messages(question, options, NO_RETRIEVAL)]
-    user = OLD_USER_TEMPLATE.format(evidence=NO_RETRIEVAL, question=question,
-                                    options=respondent.format_options(options)).rstrip()
+    user = OLD_USER_TEMPLATE.format(
+        evidence=NO_RETRIEVAL, question=question, options=respondent.format_options(options)
+    ).rstrip()
     expected = [("system", OLD_SYSTEM_PROMPT), ("human", OLD_EXAMPLE[0]), ("ai", OLD_EXAMPLE[1]), ("human", user)]
     if built != expected:
-        raise SystemExit("the old arm does not reproduce the old prompt: "
-                         + json.dumps({"built": built, "expected": expected})[:2000])
+        raise SystemExit(
+            "the old arm does not reproduce the old prompt: "
+            + json.dumps({"built": built, "expected": expected})[:2000]
+        )
 
 
 class swapped_prompt:
@@ -143,11 +157,17 @@ def run_arm(questions: list[Any], context: dict[str, Any], concurrency: int) -> 
     from ermedrag.graphs.baselines import cot
 
     def answer(question: Any) -> dict[str, Any]:
-        state = cot.invoke({"question": question.question, "options": question.options, "gold": question.answer},
-                           context=context)
-        return {"id": question.id, "gold": question.answer, "answer": state["answer"]["answer"],
-                "error": state["answer"]["error"], "well_formed": state["answer"]["well_formed"],
-                "run_id": state["run_id"]}
+        state = cot.invoke(
+            {"question": question.question, "options": question.options, "gold": question.answer}, context=context
+        )
+        return {
+            "id": question.id,
+            "gold": question.answer,
+            "answer": state["answer"]["answer"],
+            "error": state["answer"]["error"],
+            "well_formed": state["answer"]["well_formed"],
+            "run_id": state["run_id"],
+        }
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         return list(pool.map(answer, questions))
@@ -165,8 +185,9 @@ def distribution(letters: list[str | None], keys: list[str]) -> dict[str, int]:
     return {key: counts.get(key, 0) for key in keys + ["invalid"]}
 
 
-def summarise(rows: list[dict[str, Any]], texts: dict[str, str], example_letters: dict[str, str],
-              keys: list[str]) -> dict[str, Any]:
+def summarise(
+    rows: list[dict[str, Any]], texts: dict[str, str], example_letters: dict[str, str], keys: list[str]
+) -> dict[str, Any]:
     from scipy.stats import chisquare
 
     n = len(rows)
@@ -190,12 +211,23 @@ def summarise(rows: list[dict[str, Any]], texts: dict[str, str], example_letters
         "share_answer_B_of_valid": round(answers.count(OLD_LETTER) / len(valid), 4) if valid else None,
         "answer_letters": distribution(answers, keys),
         "gold_letters": {k: gold_counts.get(k, 0) for k in keys},
-        "tvd_answers_vs_gold": (round(0.5 * sum(abs(answer_share[k] - gold_share[k]) for k in keys), 4)
-                                if valid else None),  # over valid answers: undefined without any
-        "chi2_answers_vs_gold": ({"statistic": round(float(chi2.statistic), 3), "p_value": float(f"{chi2.pvalue:.3g}"),
-                                  "df": len(observed) - 1} if chi2 else None),
-        "copied_example_letter": {"count": copied, "share": round(copied / n, 4),
-                                  "example_letters": dict(sorted(Counter(example_letters.values()).items()))},
+        "tvd_answers_vs_gold": (
+            round(0.5 * sum(abs(answer_share[k] - gold_share[k]) for k in keys), 4) if valid else None
+        ),  # over valid answers: undefined without any
+        "chi2_answers_vs_gold": (
+            {
+                "statistic": round(float(chi2.statistic), 3),
+                "p_value": float(f"{chi2.pvalue:.3g}"),
+                "df": len(observed) - 1,
+            }
+            if chi2
+            else None
+        ),
+        "copied_example_letter": {
+            "count": copied,
+            "share": round(copied / n, 4),
+            "example_letters": dict(sorted(Counter(example_letters.values()).items())),
+        },
         "top_errors": Counter(row["error"] for row in rows if row["error"]).most_common(5),
     }
 
@@ -205,22 +237,27 @@ WHAT_IT_CANNOT_SHOW = (
     "whether the example's letter pulls this model's answers, not whether a larger or instruction-tuned model is "
     "pulled, nor the effect on ER-MedRAG or vanilla RAG (their evidence changes the prompt too). With 100 questions "
     "a few points of accuracy or of any letter's share are within noise (binomial SE ~ 4-5 points). The new arms "
-    "also differ from the old one by one sentence framing evidence as quoted data.")
+    "also differ from the old one by one sentence framing evidence as quoted data."
+)
 
 
 def what_it_shows(arms: dict[str, Any]) -> str:
     parts = []
     for arm, figures in arms.items():
         tvd = figures["tvd_answers_vs_gold"]
-        parts.append(f"{arm}: B {figures['share_answer_B_of_all']:.0%} of answers, accuracy {figures['accuracy']:.0%}, "
-                     f"invalid {figures['invalid_rate']:.0%}, example letter copied "
-                     f"{figures['copied_example_letter']['share']:.0%}, TVD vs gold "
-                     f"{'n/a' if tvd is None else f'{tvd:.2f}'}")
+        parts.append(
+            f"{arm}: B {figures['share_answer_B_of_all']:.0%} of answers, accuracy {figures['accuracy']:.0%}, "
+            f"invalid {figures['invalid_rate']:.0%}, example letter copied "
+            f"{figures['copied_example_letter']['share']:.0%}, TVD vs gold "
+            f"{'n/a' if tvd is None else f'{tvd:.2f}'}"
+        )
     first = next(iter(arms.values()))
     gold_b = first["gold_letters"].get(OLD_LETTER, 0) / first["n"]
-    return ("; ".join(parts) + f" (gold B share {gold_b:.0%}). The model copies the example's answer letter: "
-            "a fixed real letter becomes a position bias, a placeholder letter an invalid answer, a letter drawn "
-            "per question a uniform guess.")
+    return (
+        "; ".join(parts) + f" (gold B share {gold_b:.0%}). The model copies the example's answer letter: "
+        "a fixed real letter becomes a position bias, a placeholder letter an invalid answer, a letter drawn "
+        "per question a uniform guess."
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -243,29 +280,52 @@ def main(argv: list[str] | None = None) -> None:
         # The graph strips the question before the respondent sees it (graphs.state.validate_question).
         letters = {q.id: example_letter(q.question.strip(), q.options) for q in questions}
         figures[arm] = summarise(rows, texts, letters, keys) | {"seconds": round(seconds, 1)}
-        rows_by_arm[arm] = [row | {"example_letter": letters[row["id"]], "completion": texts[row["id"]][:400]}
-                            for row in rows]
+        rows_by_arm[arm] = [
+            row | {"example_letter": letters[row["id"]], "completion": texts[row["id"]][:400]} for row in rows
+        ]
         print(f"{arm}: {json.dumps(figures[arm])}", flush=True)
         write_result(args, argv, questions, figures, rows_by_arm, complete=len(figures) == len(arms()))
 
 
-def write_result(args: argparse.Namespace, argv: list[str] | None, questions: list[Any], figures: dict[str, Any],
-                 rows_by_arm: dict[str, list[dict[str, Any]]], complete: bool) -> None:
+def write_result(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    questions: list[Any],
+    figures: dict[str, Any],
+    rows_by_arm: dict[str, list[dict[str, Any]]],
+    complete: bool,
+) -> None:
     first_arm = next(iter(rows_by_arm.values()))
-    agreement = {f"{a}_vs_{b}": round(sum(x["answer"] == y["answer"] for x, y in zip(rows_by_arm[a], rows_by_arm[b]))
-                                      / len(first_arm), 4)
-                 for i, a in enumerate(rows_by_arm) for b in list(rows_by_arm)[i + 1:]}
+    agreement = {
+        f"{a}_vs_{b}": round(
+            sum(x["answer"] == y["answer"] for x, y in zip(rows_by_arm[a], rows_by_arm[b])) / len(first_arm), 4
+        )
+        for i, a in enumerate(rows_by_arm)
+        for b in list(rows_by_arm)[i + 1 :]
+    }
     result = {
         "bench": "prompt_bias",
         "complete": complete,
-        "command": " ".join(["ERMEDRAG_TORCH_THREADS=" + os.environ.get("ERMEDRAG_TORCH_THREADS", ""),
-                             ".venv/bin/python", "benches/prompt_bias/prompt_bias.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(
+            [
+                "ERMEDRAG_TORCH_THREADS=" + os.environ.get("ERMEDRAG_TORCH_THREADS", ""),
+                ".venv/bin/python",
+                "benches/prompt_bias/prompt_bias.py",
+                *(argv or sys.argv[1:]),
+            ]
+        ),
         "model": args.model,
         "graph": "cot (respondent only, no retrieval)",
-        "settings": {"benchmark": args.benchmark, "limit": args.limit, "seed": args.seed, "temperature": 0.0,
-                     "respondent_max_new_tokens": 192, "concurrency": args.concurrency,
-                     "ERMEDRAG_TORCH_THREADS": os.environ.get("ERMEDRAG_TORCH_THREADS"),
-                     "machine": describe_machine()},
+        "settings": {
+            "benchmark": args.benchmark,
+            "limit": args.limit,
+            "seed": args.seed,
+            "temperature": 0.0,
+            "respondent_max_new_tokens": 192,
+            "concurrency": args.concurrency,
+            "ERMEDRAG_TORCH_THREADS": os.environ.get("ERMEDRAG_TORCH_THREADS"),
+            "machine": describe_machine(),
+        },
         "n": len(questions),
         "arms": figures,
         "same_answer": agreement,

@@ -18,23 +18,46 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from benches.reliability.harness import (REPO, Verdict, Workspace, cli_in_process, cli_subprocess, crash, data_lost,
-                                         judge_call, judge_cli, kill_group, must_refuse, ok, one_line, register,
-                                         silent_wrong, wait_for)
+from benches.reliability.harness import (
+    REPO,
+    Verdict,
+    Workspace,
+    cli_in_process,
+    cli_subprocess,
+    crash,
+    data_lost,
+    judge_call,
+    judge_cli,
+    kill_group,
+    must_refuse,
+    ok,
+    one_line,
+    register,
+    silent_wrong,
+    wait_for,
+)
 
 CHILD_TIMEOUT_S = 300  # an `ermedrag index` child loads the encoder: ~10 s, more on a loaded machine
-TOPICS = ["metformin lowers hepatic glucose output in type 2 diabetes",
-          "intramuscular epinephrine is the first treatment of anaphylaxis",
-          "amoxicillin treats community acquired pneumonia in adults",
-          "warfarin therapy needs regular INR monitoring",
-          "salbutamol relieves acute bronchospasm in asthma",
-          "levothyroxine replaces thyroid hormone in hypothyroidism"]
+TOPICS = [
+    "metformin lowers hepatic glucose output in type 2 diabetes",
+    "intramuscular epinephrine is the first treatment of anaphylaxis",
+    "amoxicillin treats community acquired pneumonia in adults",
+    "warfarin therapy needs regular INR monitoring",
+    "salbutamol relieves acute bronchospasm in asthma",
+    "levothyroxine replaces thyroid hormone in hypothyroidism",
+]
 
 
 def documents(prefix: str, n: int) -> list[dict[str, Any]]:
-    return [{"id": f"{prefix}-{i}", "title": f"{prefix} note {i}",
-             "text": f"Note {i} of {prefix}: {TOPICS[i % len(TOPICS)]}. It was reviewed in study {prefix}{i}. "
-                     f"Doses depend on kidney function and age."} for i in range(n)]
+    return [
+        {
+            "id": f"{prefix}-{i}",
+            "title": f"{prefix} note {i}",
+            "text": f"Note {i} of {prefix}: {TOPICS[i % len(TOPICS)]}. It was reviewed in study {prefix}{i}. "
+            f"Doses depend on kidney function and age.",
+        }
+        for i in range(n)
+    ]
 
 
 def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> Path:
@@ -53,8 +76,11 @@ def corpus_files(workspace: Workspace) -> dict[str, Path]:
     def build() -> dict[str, Path]:
         folder = workspace.path("kill/corpus")
         folder.mkdir(parents=True, exist_ok=True)
-        return {name: write_jsonl(folder / f"{name}.jsonl", documents(name, n))
-                for name, n in (("base", 8), ("extra", 12), ("other", 6))}
+        return {
+            name: write_jsonl(folder / f"{name}.jsonl", documents(name, n))
+            for name, n in (("base", 8), ("extra", 12), ("other", 6))
+        }
+
     return workspace.fixture("kill_corpus", build)
 
 
@@ -64,13 +90,18 @@ def index_env(workspace: Workspace, **extra: str) -> dict[str, str]:
 
 def template_index(workspace: Workspace) -> Path:
     """The base corpus indexed by `ermedrag index` (a real process), once; each kill case works on a copy."""
+
     def build() -> Path:
         directory = workspace.path("kill/template")
-        result = cli_subprocess(["index", str(corpus_files(workspace)["base"]), "--index-dir", str(directory)],
-                                index_env(workspace), CHILD_TIMEOUT_S)
+        result = cli_subprocess(
+            ["index", str(corpus_files(workspace)["base"]), "--index-dir", str(directory)],
+            index_env(workspace),
+            CHILD_TIMEOUT_S,
+        )
         if result.rc != 0:
             raise RuntimeError(f"bench setup: building the template index failed: {result.stderr[-500:]}")
         return directory
+
     return workspace.fixture("kill_template", build)
 
 
@@ -83,15 +114,26 @@ def fresh_copy(workspace: Workspace, name: str) -> Path:
 
 def start_index(workspace: Workspace, corpus: Path, directory: Path, log: Path, **env: str) -> subprocess.Popen:
     handle = log.open("w")
-    return subprocess.Popen([sys.executable, "-m", "ermedrag", "index", str(corpus), "--index-dir", str(directory)],
-                            cwd=REPO, env=index_env(workspace, **env), stdout=handle, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ermedrag", "index", str(corpus), "--index-dir", str(directory)],
+        cwd=REPO,
+        env=index_env(workspace, **env),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def index_state(workspace: Workspace, directory: Path) -> dict[str, Any]:
     """`index_check` in a fresh process (see its docstring)."""
-    result = subprocess.run([sys.executable, "-m", "benches.reliability.index_check", str(directory)], cwd=REPO,
-                            env=index_env(workspace), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    result = subprocess.run(
+        [sys.executable, "-m", "benches.reliability.index_check", str(directory)],
+        cwd=REPO,
+        env=index_env(workspace),
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
         return {"opened": False, "error": f"index_check exit {result.returncode}: {result.stderr[-400:]}"}
@@ -110,8 +152,9 @@ def consistency_problem(state: dict[str, Any], allowed: set[int]) -> str | None:
 
 
 def rerun_and_check(workspace: Workspace, corpus: Path, directory: Path, total: int, before: str) -> Verdict:
-    result = cli_subprocess(["index", str(corpus), "--index-dir", str(directory)], index_env(workspace),
-                            CHILD_TIMEOUT_S)
+    result = cli_subprocess(
+        ["index", str(corpus), "--index-dir", str(directory)], index_env(workspace), CHILD_TIMEOUT_S
+    )
     if result.rc != 0:
         return judge_cli(result, ("index",), refusal_expected=False)
     problem = consistency_problem(index_state(workspace, directory), {total})
@@ -121,9 +164,14 @@ def rerun_and_check(workspace: Workspace, corpus: Path, directory: Path, total: 
 
 
 def kill_at_point(name: str, point: str, committed: bool, quick: bool = False) -> None:
-    @register(name, "indexing", f"ermedrag index SIGKILLed at '{point}': opens with the "
-              f"{'new' if committed else 'old'} commit, BM25 = Chroma = manifest; a rerun completes it",
-              quick=quick, timeout_s=CHILD_TIMEOUT_S * 3)
+    @register(
+        name,
+        "indexing",
+        f"ermedrag index SIGKILLed at '{point}': opens with the "
+        f"{'new' if committed else 'old'} commit, BM25 = Chroma = manifest; a rerun completes it",
+        quick=quick,
+        timeout_s=CHILD_TIMEOUT_S * 3,
+    )
     def run(workspace: Workspace) -> Verdict:
         files = corpus_files(workspace)
         base, full = chunk_count(files["base"]), chunk_count(files["base"], files["extra"])
@@ -131,8 +179,10 @@ def kill_at_point(name: str, point: str, committed: bool, quick: bool = False) -
         log = workspace.path(f"kill/{name}.log")
         proc = start_index(workspace, files["extra"], directory, log, ERMEDRAG_INDEX_PAUSE=f"{point}:120")
         try:
-            reached = wait_for(lambda: f"ERMEDRAG_INDEX_PAUSE {point}" in log.read_text(errors="replace")
-                               or proc.poll() is not None, CHILD_TIMEOUT_S)
+            reached = wait_for(
+                lambda: f"ERMEDRAG_INDEX_PAUSE {point}" in log.read_text(errors="replace") or proc.poll() is not None,
+                CHILD_TIMEOUT_S,
+            )
         finally:
             kill_group(proc)
         if not reached or f"ERMEDRAG_INDEX_PAUSE {point}" not in log.read_text(errors="replace"):
@@ -141,8 +191,9 @@ def kill_at_point(name: str, point: str, committed: bool, quick: bool = False) -
         problem = consistency_problem(index_state(workspace, directory), {expected})
         if problem:
             return data_lost(f"after the kill at {point}: {problem}")
-        return rerun_and_check(workspace, files["extra"], directory, full,
-                               f"killed at {point}: opened with {expected} chunks")
+        return rerun_and_check(
+            workspace, files["extra"], directory, full, f"killed at {point}: opened with {expected} chunks"
+        )
 
 
 kill_at_point("index_kill_after_vectors_added", "vectors_added", committed=False)
@@ -152,9 +203,14 @@ kill_at_point("index_kill_after_commit", "committed", committed=True)
 
 
 def kill_at_random(name: str, seed: int, after: str, window_s: float) -> None:
-    @register(name, "indexing", f"ermedrag index SIGKILLed at a random moment (seed {seed}) within {window_s:g} s "
-              f"after it printed {after!r}: opens with the old or the new commit, BM25 = Chroma = manifest; a rerun "
-              "completes it", timeout_s=CHILD_TIMEOUT_S * 3)
+    @register(
+        name,
+        "indexing",
+        f"ermedrag index SIGKILLed at a random moment (seed {seed}) within {window_s:g} s "
+        f"after it printed {after!r}: opens with the old or the new commit, BM25 = Chroma = manifest; a rerun "
+        "completes it",
+        timeout_s=CHILD_TIMEOUT_S * 3,
+    )
     def run(workspace: Workspace) -> Verdict:
         files = corpus_files(workspace)
         base, full = chunk_count(files["base"]), chunk_count(files["base"], files["extra"])
@@ -175,8 +231,9 @@ def kill_at_random(name: str, seed: int, after: str, window_s: float) -> None:
         when = "after it finished" if finished else f"{delay:.2f} s after {after!r}, past {passed or 'no commit step'}"
         if problem:
             return data_lost(f"killed {when}: {problem}")
-        return rerun_and_check(workspace, files["extra"], directory, full,
-                               f"killed {when}: opened with {state['manifest_chunks']} chunks")
+        return rerun_and_check(
+            workspace, files["extra"], directory, full, f"killed {when}: opened with {state['manifest_chunks']} chunks"
+        )
 
 
 # Anywhere in the build: chunking, loading the encoder, embedding, adding, committing (the commit itself takes
@@ -185,10 +242,13 @@ for _seed in (1, 2, 3):
     kill_at_random(f"index_kill_at_random_{_seed}", _seed, "read ", 20.0)
 
 
-@register("index_kill_during_repair", "indexing",
-          "a build killed after adding vectors, then another build (other documents) killed while it removes the "
-          "first one's uncommitted chunks: opens with the old commit, consistent; a rerun completes",
-          timeout_s=CHILD_TIMEOUT_S * 4)
+@register(
+    "index_kill_during_repair",
+    "indexing",
+    "a build killed after adding vectors, then another build (other documents) killed while it removes the "
+    "first one's uncommitted chunks: opens with the old commit, consistent; a rerun completes",
+    timeout_s=CHILD_TIMEOUT_S * 4,
+)
 def kill_during_repair(workspace: Workspace) -> Verdict:
     files = corpus_files(workspace)
     base, full = chunk_count(files["base"]), chunk_count(files["base"], files["other"])
@@ -197,8 +257,10 @@ def kill_during_repair(workspace: Workspace) -> Verdict:
         log = workspace.path(f"kill/repair-{point}.log")
         proc = start_index(workspace, corpus, directory, log, ERMEDRAG_INDEX_PAUSE=f"{point}:120")
         try:
-            wait_for(lambda: f"ERMEDRAG_INDEX_PAUSE {point}" in log.read_text(errors="replace")
-                     or proc.poll() is not None, CHILD_TIMEOUT_S)
+            wait_for(
+                lambda: f"ERMEDRAG_INDEX_PAUSE {point}" in log.read_text(errors="replace") or proc.poll() is not None,
+                CHILD_TIMEOUT_S,
+            )
         finally:
             kill_group(proc)
         if f"ERMEDRAG_INDEX_PAUSE {point}" not in log.read_text(errors="replace"):
@@ -209,15 +271,21 @@ def kill_during_repair(workspace: Workspace) -> Verdict:
     return rerun_and_check(workspace, files["other"], directory, full, f"killed during repair: opened with {base}")
 
 
-@register("index_two_builds_at_once", "indexing",
-          "two ermedrag index processes adding different files to one index at the same time: both succeed (one "
-          "waits for the other), and the index holds both, consistent", timeout_s=CHILD_TIMEOUT_S * 3)
+@register(
+    "index_two_builds_at_once",
+    "indexing",
+    "two ermedrag index processes adding different files to one index at the same time: both succeed (one "
+    "waits for the other), and the index holds both, consistent",
+    timeout_s=CHILD_TIMEOUT_S * 3,
+)
 def two_builds(workspace: Workspace) -> Verdict:
     files = corpus_files(workspace)
     full = chunk_count(files["base"], files["extra"], files["other"])
     directory = fresh_copy(workspace, "concurrent")
-    procs = [start_index(workspace, files[name], directory, workspace.path(f"kill/concurrent-{name}.log"))
-             for name in ("extra", "other")]
+    procs = [
+        start_index(workspace, files[name], directory, workspace.path(f"kill/concurrent-{name}.log"))
+        for name in ("extra", "other")
+    ]
     codes = []
     for proc in procs:
         try:
@@ -234,54 +302,91 @@ def two_builds(workspace: Workspace) -> Verdict:
 
 # ------------------------------------------------------------------------------------------------ files
 
-def refused_file(name: str, content: bytes, names: tuple[str, ...], what: str, suffix: str = ".txt",
-                 encoding: str | None = None) -> None:
+
+def refused_file(
+    name: str, content: bytes, names: tuple[str, ...], what: str, suffix: str = ".txt", encoding: str | None = None
+) -> None:
     @register(name, "indexing", f"read_documents refuses {what} with a CorpusError naming the file", quick=True)
     def run(workspace: Workspace) -> Verdict:
         from ermedrag.tools.retrieval.corpus import read_documents
 
         path = workspace.path(f"files/{name}{suffix}")
         path.write_bytes(content)
-        return judge_call(lambda: read_documents([path], encoding=encoding), must_refuse(what),
-                          (path.name, *names))
+        return judge_call(lambda: read_documents([path], encoding=encoding), must_refuse(what), (path.name, *names))
 
 
 LATIN1 = "Café au lait spots and naïve T cells: a résumé of the évidence.\n".encode("latin-1")
 refused_file("file_latin1_without_encoding", LATIN1, ("latin-1", "encoding"), "a latin-1 .txt read as UTF-8")
 refused_file("file_random_bytes", random.Random(0).randbytes(4096), ("binary", "UTF-8"), "4 KB of random bytes")
-refused_file("file_nul_bytes", b"Metformin lowers glucose.\x00\x00\x00 It is first-line.\n", ("NUL", "binary"),
-             "a .txt with NUL bytes")
-refused_file("file_utf16_without_encoding", "Metformin is first-line.\n".encode("utf-16"), ("utf-16",),
-             "a UTF-16 .txt read as UTF-8")
-refused_file("file_jsonl_bad_line", b'{"id": "a", "text": "fine"}\n{"id": "b", "text": \n', (":2",),
-             "a JSONL file whose line 2 is not JSON", suffix=".jsonl")
-refused_file("file_jsonl_array_line", b'{"id": "a", "text": "fine"}\n[1, 2, 3]\n', (":2",),
-             "a JSONL line that is an array", suffix=".jsonl")
-refused_file("file_jsonl_missing_id", b'{"text": "no id here"}\n', (":1", "id"), "a JSONL record without an id",
-             suffix=".jsonl")
-refused_file("file_jsonl_empty_text", b'{"id": "a", "text": "   "}\n', (":1", "text"),
-             "a JSONL record with empty text", suffix=".jsonl")
-refused_file("file_jsonl_gz_truncated", gzip.compress(b'{"id": "a", "text": "fine"}\n' * 200)[:-40], ("cannot read",),
-             "a truncated .jsonl.gz", suffix=".jsonl.gz")
+refused_file(
+    "file_nul_bytes",
+    b"Metformin lowers glucose.\x00\x00\x00 It is first-line.\n",
+    ("NUL", "binary"),
+    "a .txt with NUL bytes",
+)
+refused_file(
+    "file_utf16_without_encoding",
+    "Metformin is first-line.\n".encode("utf-16"),
+    ("utf-16",),
+    "a UTF-16 .txt read as UTF-8",
+)
+refused_file(
+    "file_jsonl_bad_line",
+    b'{"id": "a", "text": "fine"}\n{"id": "b", "text": \n',
+    (":2",),
+    "a JSONL file whose line 2 is not JSON",
+    suffix=".jsonl",
+)
+refused_file(
+    "file_jsonl_array_line",
+    b'{"id": "a", "text": "fine"}\n[1, 2, 3]\n',
+    (":2",),
+    "a JSONL line that is an array",
+    suffix=".jsonl",
+)
+refused_file(
+    "file_jsonl_missing_id", b'{"text": "no id here"}\n', (":1", "id"), "a JSONL record without an id", suffix=".jsonl"
+)
+refused_file(
+    "file_jsonl_empty_text",
+    b'{"id": "a", "text": "   "}\n',
+    (":1", "text"),
+    "a JSONL record with empty text",
+    suffix=".jsonl",
+)
+refused_file(
+    "file_jsonl_gz_truncated",
+    gzip.compress(b'{"id": "a", "text": "fine"}\n' * 200)[:-40],
+    ("cannot read",),
+    "a truncated .jsonl.gz",
+    suffix=".jsonl.gz",
+)
 refused_file("file_unknown_encoding", b"plain text\n", ("klingon",), "--encoding klingon", encoding="klingon")
 
 
-@register("file_latin1_with_encoding", "indexing", "read_documents(encoding='latin-1') reads a latin-1 .txt exactly",
-          quick=True)
+@register(
+    "file_latin1_with_encoding",
+    "indexing",
+    "read_documents(encoding='latin-1') reads a latin-1 .txt exactly",
+    quick=True,
+)
 def latin1_with_encoding(workspace: Workspace) -> Verdict:
     from ermedrag.tools.retrieval.corpus import read_documents
 
     path = workspace.path("files/latin1_ok.txt")
     path.write_bytes(LATIN1)
+
     def check(docs: list[Any]) -> Verdict:
         if len(docs) != 1 or docs[0].text != LATIN1.decode("latin-1"):
             return silent_wrong(f"read {[d.text for d in docs]!r}")
         return ok("text read exactly")
+
     return judge_call(lambda: read_documents([path], encoding="latin-1"), check, refusal_expected=False)
 
 
-@register("file_missing_path", "indexing", "read_documents on a path that does not exist: CorpusError naming it",
-          quick=True)
+@register(
+    "file_missing_path", "indexing", "read_documents on a path that does not exist: CorpusError naming it", quick=True
+)
 def missing_path(workspace: Workspace) -> Verdict:
     from ermedrag.tools.retrieval.corpus import read_documents
 
@@ -289,8 +394,12 @@ def missing_path(workspace: Workspace) -> Verdict:
     return judge_call(lambda: read_documents([path]), must_refuse("a missing path"), ("such-corpus.jsonl",))
 
 
-@register("file_folder_without_text", "indexing",
-          "read_documents on a folder holding only a .pdf: CorpusError naming the folder", quick=True)
+@register(
+    "file_folder_without_text",
+    "indexing",
+    "read_documents on a folder holding only a .pdf: CorpusError naming the folder",
+    quick=True,
+)
 def folder_without_text(workspace: Workspace) -> Verdict:
     from ermedrag.tools.retrieval.corpus import read_documents
 
@@ -307,7 +416,7 @@ def coverage_problem(text: str, spans: list[tuple[int, int, str]]) -> str | None
         if text[start:end] != chunk:
             return f"chunk {start}-{end} is not the document's text there"
         if start > covered_to and text[covered_to:start].strip():
-            return f"characters {covered_to}-{start} are in no chunk: {text[covered_to:covered_to + 60]!r}"
+            return f"characters {covered_to}-{start} are in no chunk: {text[covered_to : covered_to + 60]!r}"
         covered_to = max(covered_to, end)
     if text[covered_to:].strip():
         return f"the text after offset {covered_to} of {len(text)} is in no chunk"
@@ -316,7 +425,9 @@ def coverage_problem(text: str, spans: list[tuple[int, int, str]]) -> str | None
 
 def big_text(chars: int, seed: int = 0) -> str:
     rng = random.Random(seed)
-    sentences = [f"Patient {i} with {TOPICS[i % len(TOPICS)]} was seen on day {rng.randint(1, 999)}." for i in range(64)]
+    sentences = [
+        f"Patient {i} with {TOPICS[i % len(TOPICS)]} was seen on day {rng.randint(1, 999)}." for i in range(64)
+    ]
     parts, size = [], 0
     while size < chars:
         sentence = rng.choice(sentences)
@@ -325,9 +436,13 @@ def big_text(chars: int, seed: int = 0) -> str:
     return "".join(parts)[:chars]
 
 
-@register("document_1mb_chunked_whole", "indexing",
-          "a 1 MB document: its chunks (chunk_documents) are exact spans that cover the whole text", quick=True,
-          timeout_s=120)
+@register(
+    "document_1mb_chunked_whole",
+    "indexing",
+    "a 1 MB document: its chunks (chunk_documents) are exact spans that cover the whole text",
+    quick=True,
+    timeout_s=120,
+)
 def document_1mb(workspace: Workspace) -> Verdict:
     from ermedrag.tools.retrieval.corpus import Document, chunk_documents
 
@@ -343,10 +458,13 @@ def hash_vector(key: str) -> np.ndarray:
     return vector / np.linalg.norm(vector)
 
 
-@register("document_5mb_indexed_whole", "indexing",
-          "a 5 MB .txt read with read_documents and indexed with build_index: the chunks in Chroma cover the whole "
-          "text, BM25 = Chroma = manifest (vectors precomputed: the encoder is not what is tested)",
-          timeout_s=900)
+@register(
+    "document_5mb_indexed_whole",
+    "indexing",
+    "a 5 MB .txt read with read_documents and indexed with build_index: the chunks in Chroma cover the whole "
+    "text, BM25 = Chroma = manifest (vectors precomputed: the encoder is not what is tested)",
+    timeout_s=900,
+)
 def document_5mb(workspace: Workspace) -> Verdict:
     from ermedrag.tools.retrieval.corpus import chunk_documents, read_documents
     from ermedrag.tools.retrieval.index import build_index
@@ -375,21 +493,34 @@ def document_5mb(workspace: Workspace) -> Verdict:
     got = index.collection.get(include=["documents", "metadatas"])
     spans = [(int(m["start"]), int(m["end"]), d) for d, m in zip(got["documents"], got["metadatas"])]
     problem = coverage_problem(text, spans)
-    return data_lost(problem) if problem else ok(f"{len(spans)} chunks cover all {len(text):,} characters; "
-                                                 "manifest = BM25 = Chroma")
+    return (
+        data_lost(problem)
+        if problem
+        else ok(f"{len(spans)} chunks cover all {len(text):,} characters; manifest = BM25 = Chroma")
+    )
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
 
-@register("cli_index_duplicate_ids", "indexing",
-          "ermedrag index of a JSONL with a reused id (other text) and an exact repeat: both texts indexed (the reuse "
-          "renamed id~2), the summary line counts 1 renamed and 1 dropped", quick=True, timeout_s=180)
+
+@register(
+    "cli_index_duplicate_ids",
+    "indexing",
+    "ermedrag index of a JSONL with a reused id (other text) and an exact repeat: both texts indexed (the reuse "
+    "renamed id~2), the summary line counts 1 renamed and 1 dropped",
+    quick=True,
+    timeout_s=180,
+)
 def duplicate_ids(workspace: Workspace) -> Verdict:
-    corpus = write_jsonl(workspace.path("files/dups.jsonl"), [
-        {"id": "d1", "text": "Metformin is first-line in type 2 diabetes."},
-        {"id": "d1", "text": "Insulin is needed in diabetic ketoacidosis."},
-        {"id": "d1", "text": "Metformin is first-line in type 2 diabetes."},
-        {"id": "d2", "text": "Epinephrine treats anaphylaxis."}])
+    corpus = write_jsonl(
+        workspace.path("files/dups.jsonl"),
+        [
+            {"id": "d1", "text": "Metformin is first-line in type 2 diabetes."},
+            {"id": "d1", "text": "Insulin is needed in diabetic ketoacidosis."},
+            {"id": "d1", "text": "Metformin is first-line in type 2 diabetes."},
+            {"id": "d2", "text": "Epinephrine treats anaphylaxis."},
+        ],
+    )
     directory = workspace.path("files/dups_index")
     result = cli_in_process(["index", str(corpus), "--index-dir", str(directory)])
 
@@ -403,22 +534,41 @@ def duplicate_ids(workspace: Workspace) -> Verdict:
         if doc_ids != {"d1", "d1~2", "d2"}:
             return data_lost(f"indexed documents {sorted(doc_ids)}, expected d1, d1~2, d2")
         return ok(one_line(summary[0], 200))
+
     return judge_cli(result, (), check=check, refusal_expected=False)
 
 
-@register("cli_index_duplicate_ids_refused", "indexing",
-          "ermedrag index --on-duplicate-id error: exit 2, one error line naming the id and both places", quick=True)
+@register(
+    "cli_index_duplicate_ids_refused",
+    "indexing",
+    "ermedrag index --on-duplicate-id error: exit 2, one error line naming the id and both places",
+    quick=True,
+)
 def duplicate_ids_refused(workspace: Workspace) -> Verdict:
-    corpus = write_jsonl(workspace.path("files/dups_refused.jsonl"), [
-        {"id": "d1", "text": "Metformin is first-line."}, {"id": "d1", "text": "Insulin in ketoacidosis."}])
-    result = cli_in_process(["index", str(corpus), "--index-dir", str(workspace.path("files/dups_refused_index")),
-                             "--on-duplicate-id", "error"])
+    corpus = write_jsonl(
+        workspace.path("files/dups_refused.jsonl"),
+        [{"id": "d1", "text": "Metformin is first-line."}, {"id": "d1", "text": "Insulin in ketoacidosis."}],
+    )
+    result = cli_in_process(
+        [
+            "index",
+            str(corpus),
+            "--index-dir",
+            str(workspace.path("files/dups_refused_index")),
+            "--on-duplicate-id",
+            "error",
+        ]
+    )
     return judge_cli(result, ("'d1'",))
 
 
-@register("cli_index_changed_chunk_size", "indexing",
-          "ermedrag index into an existing index with another --chunk-size: exit 2 naming the settings, the index "
-          "unchanged", quick=True, timeout_s=180)
+@register(
+    "cli_index_changed_chunk_size",
+    "indexing",
+    "ermedrag index into an existing index with another --chunk-size: exit 2 naming the settings, the index unchanged",
+    quick=True,
+    timeout_s=180,
+)
 def changed_settings(workspace: Workspace) -> Verdict:
     duplicate_ids_directory = workspace.path("files/dups_index")
     if not (duplicate_ids_directory / "manifest.json").exists():
@@ -432,9 +582,14 @@ def changed_settings(workspace: Workspace) -> Verdict:
     return verdict
 
 
-@register("cli_index_nul_in_jsonl_text", "indexing",
-          "ermedrag index of a JSONL whose text holds an escaped NUL (\\u0000): indexed with the text intact, or "
-          "refused naming the file and line", quick=True, timeout_s=180)
+@register(
+    "cli_index_nul_in_jsonl_text",
+    "indexing",
+    "ermedrag index of a JSONL whose text holds an escaped NUL (\\u0000): indexed with the text intact, or "
+    "refused naming the file and line",
+    quick=True,
+    timeout_s=180,
+)
 def nul_in_jsonl(workspace: Workspace) -> Verdict:
     text = "Metformin\u0000 lowers glucose output. It is first-line."
     corpus = write_jsonl(workspace.path("files/nul.jsonl"), [{"id": "n1", "text": text}])
@@ -448,4 +603,5 @@ def nul_in_jsonl(workspace: Workspace) -> Verdict:
         if stored != [text]:
             return data_lost(f"stored {stored!r}")
         return ok("indexed with the text intact")
+
     return judge_cli(result, ("nul.jsonl",), check=check)

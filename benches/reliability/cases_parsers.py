@@ -16,7 +16,9 @@ from benches.reliability.linear_time import limits_text, superlinear
 
 MB = 1_000_000
 OPTIONS = {"A": "Metformin", "B": "Insulin", "C": "Glipizide", "D": "Pioglitazone"}
-TRIPLETS = [{"condition": "type 2 diabetes", "relation": "treated by", "conclusion": "metformin", "snippet_id": "d1#0-9"}]
+TRIPLETS = [
+    {"condition": "type 2 diabetes", "relation": "treated by", "conclusion": "metformin", "snippet_id": "d1#0-9"}
+]
 
 
 def _random_unicode(n: int, seed: int = 0) -> str:
@@ -85,7 +87,7 @@ def adversarial_inputs(size: int = MB) -> dict[str, str]:
         "control_tokens": fill("<|im_start|>"),
         "angle_spaces": "< " * (size // 2),
         "long_tag_names": ("<" + "a" * 79) * (size // 80),
-        "mixed": fill("<answer>[{\"condition\": \"x|y|z\n\u200b"),
+        "mixed": fill('<answer>[{"condition": "x|y|z\n\u200b'),
         "invisible_run": "<" + "\u200b" * size + ">",
         "nul_bytes": "\x00" * size,
         "lone_surrogates": "\ud800" * 1000 + "<answer>\udfff</answer>" + "\udc80" * 1000,
@@ -108,17 +110,21 @@ def _parsers() -> dict[str, Callable[[str], Any]]:
         "extractor.closed_list": closed_list,
         "reasoner.parse_step": reasoner.parse_step,
         "reasoner.parse_final": lambda t: reasoner.parse_final(
-            [{"kind": "model", "text": t}, {"kind": "document", "text": t}, {"kind": "model", "text": t}], OPTIONS),
+            [{"kind": "model", "text": t}, {"kind": "document", "text": t}, {"kind": "model", "text": t}], OPTIONS
+        ),
         "markup.defuse": markup.defuse,
         "markup.quote": lambda t: markup.quote(t, 1500),
         "answer_rewards.correctness_reward": lambda t: answer_rewards.correctness_reward(
-            [t], gold=["A"], options=[OPTIONS]),
+            [t], gold=["A"], options=[OPTIONS]
+        ),
         "answer_rewards.well_formed_correctness_reward": lambda t: answer_rewards.well_formed_correctness_reward(
-            [[{"role": "assistant", "content": t}]], gold=["A"], options=[OPTIONS]),
+            [[{"role": "assistant", "content": t}]], gold=["A"], options=[OPTIONS]
+        ),
         "answer_rewards.format_reward": lambda t: answer_rewards.format_reward([t]),
         "answer_rewards.length_penalty": lambda t: answer_rewards.length_penalty([t]),
         "answer_rewards.evidence_use_reward": lambda t: answer_rewards.evidence_use_reward(
-            [t], gold=["A"], options=[OPTIONS], triplets=[TRIPLETS]),
+            [t], gold=["A"], options=[OPTIONS], triplets=[TRIPLETS]
+        ),
         "search_rewards.audit_searches": search_rewards.audit_searches,
         "search_rewards.search_format_reward": lambda t: search_rewards.search_format_reward([t]),
         "search_rewards.retrieval_hit_reward": lambda t: search_rewards.retrieval_hit_reward([t], **hit_kwargs),
@@ -142,13 +148,20 @@ def check_parser(name: str) -> Verdict:
             slow.append(f"{label}: {why}")
     if slow:
         return hang(f"not linear ({limits_text()}) on {len(slow)} of {len(wholes)} inputs: " + ", ".join(slow))
-    return ok(f"{len(wholes)} inputs up to 1 MB, none raised, all linear; slowest {slowest[0]} "
-              f"{slowest[1] * 1000:.1f} ms of CPU")
+    return ok(
+        f"{len(wholes)} inputs up to 1 MB, none raised, all linear; slowest {slowest[0]} "
+        f"{slowest[1] * 1000:.1f} ms of CPU"
+    )
 
 
 def _register(name: str) -> None:
-    @register(f"parser_{name}", "parsers", f"linear on every adversarial input up to 1 MB ({limits_text()}), "
-              "never raises", quick=True, timeout_s=120)
+    @register(
+        f"parser_{name}",
+        "parsers",
+        f"linear on every adversarial input up to 1 MB ({limits_text()}), never raises",
+        quick=True,
+        timeout_s=120,
+    )
     def run(workspace: Workspace) -> Verdict:
         return check_parser(name)
 

@@ -15,9 +15,23 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from benches.reliability.harness import (Timer, Verdict, Workspace, answer_problem, clear_error, crash,
-                                         cli_in_process, error_text, hang, judge_cli, judge_error, ok, one_line,
-                                         register, silent_wrong)
+from benches.reliability.harness import (
+    Timer,
+    Verdict,
+    Workspace,
+    answer_problem,
+    clear_error,
+    crash,
+    cli_in_process,
+    error_text,
+    hang,
+    judge_cli,
+    judge_error,
+    ok,
+    one_line,
+    register,
+    silent_wrong,
+)
 
 QUESTION = "Which drug is first-line for type 2 diabetes?"
 OPTIONS = {"A": "Metformin", "B": "Insulin", "C": "Glipizide"}
@@ -25,14 +39,24 @@ MODEL = "openai:misbehaving"
 TIMEOUT_S, CONNECT_S, RETRIES, BACKOFF_S = 1.0, 1.0, 1, 0.05
 SLACK_S = 3.0
 # What each failing mode's error must say besides the URL.
-CAUSE_WORDS = {"refused": "refused", "hang": "did not answer within", "5xx": "HTTP 503",
-               "malformed_json": "malformed JSON", "wrong_shape": "not a chat completion", "dropped": "dropped",
-               "empty_choices": "choices is empty", "no_message": "no message", "null_content": "content is null",
-               "wrong_types": "not a string", "stream_error": "mid-response", "trickle": "did not answer within"}
+CAUSE_WORDS = {
+    "refused": "refused",
+    "hang": "did not answer within",
+    "5xx": "HTTP 503",
+    "malformed_json": "malformed JSON",
+    "wrong_shape": "not a chat completion",
+    "dropped": "dropped",
+    "empty_choices": "choices is empty",
+    "no_message": "no message",
+    "null_content": "content is null",
+    "wrong_types": "not a string",
+    "stream_error": "mid-response",
+    "trickle": "did not answer within",
+}
 
 
 def bound_s(timeout_s: float, connect_s: float, retries: int, backoff_s: float) -> float:
-    backoffs = sum(min(8.0, backoff_s * 2 ** i) for i in range(retries))
+    backoffs = sum(min(8.0, backoff_s * 2**i) for i in range(retries))
     return (retries + 1) * (timeout_s + connect_s) + backoffs + SLACK_S
 
 
@@ -49,10 +73,18 @@ def server(mode: str, **options: Any) -> Iterator[tuple[str, Any]]:
         yield running.base_url, running
 
 
-def server_context(base_url: str, *, timeout_s: float = TIMEOUT_S, retries: int = RETRIES,
-                   backoff_s: float = BACKOFF_S) -> dict[str, Any]:
-    return {"extractor_model": MODEL, "respondent_model": MODEL, "base_url": base_url, "request_timeout_s": timeout_s,
-            "connect_timeout_s": CONNECT_S, "max_retries": retries, "retry_backoff_s": backoff_s}
+def server_context(
+    base_url: str, *, timeout_s: float = TIMEOUT_S, retries: int = RETRIES, backoff_s: float = BACKOFF_S
+) -> dict[str, Any]:
+    return {
+        "extractor_model": MODEL,
+        "respondent_model": MODEL,
+        "base_url": base_url,
+        "request_timeout_s": timeout_s,
+        "connect_timeout_s": CONNECT_S,
+        "max_retries": retries,
+        "retry_backoff_s": backoff_s,
+    }
 
 
 def run_status_problem(workspace: Workspace, run_id: str, cause: str) -> Verdict | None:
@@ -67,8 +99,9 @@ def run_status_problem(workspace: Workspace, run_id: str, cause: str) -> Verdict
     return None
 
 
-def judge_failure(call: Callable[[], Any], workspace: Workspace, run_id: str, base_url: str, cause: str,
-                  limit_s: float) -> Verdict:
+def judge_failure(
+    call: Callable[[], Any], workspace: Workspace, run_id: str, base_url: str, cause: str, limit_s: float
+) -> Verdict:
     timer = Timer()
     try:
         result = call()
@@ -90,15 +123,19 @@ def judge_failure(call: Callable[[], Any], workspace: Workspace, run_id: str, ba
 def warm_up(workspace: Workspace) -> None:
     """Load what the first timed call would otherwise pay for (the encoder, the starter index, the OpenAI client):
     a time bound is about the server's failure, not about loading."""
+
     def load() -> bool:
         from ermedrag.graphs.registry import load_graph
         from ermedrag.tools.model_server import background
         from benches.reliability.harness import SCRIPTED
 
         background().client()
-        load_graph("vanilla_rag").invoke({"question": QUESTION, "options": OPTIONS},
-                                         context={"respondent_model": SCRIPTED, "extractor_model": SCRIPTED})
+        load_graph("vanilla_rag").invoke(
+            {"question": QUESTION, "options": OPTIONS},
+            context={"respondent_model": SCRIPTED, "extractor_model": SCRIPTED},
+        )
         return True
+
     workspace.fixture("servers_warm", load)
 
 
@@ -111,15 +148,21 @@ def invoke(graph: str, context: dict[str, Any], run_id: str) -> dict[str, Any]:
 def failing_case(mode: str, graph: str = "cot", quick: bool = True) -> None:
     limit = bound_s(TIMEOUT_S, CONNECT_S, RETRIES, BACKOFF_S)
 
-    @register(f"server_{mode}_{graph}", "servers",
-              f"{graph} on a server that {mode}: one-line ModelServerError naming the URL and '{CAUSE_WORDS[mode]}' "
-              f"within {limit:.0f} s; trace run failed", quick=quick, timeout_s=limit * 3 + 30)
+    @register(
+        f"server_{mode}_{graph}",
+        "servers",
+        f"{graph} on a server that {mode}: one-line ModelServerError naming the URL and '{CAUSE_WORDS[mode]}' "
+        f"within {limit:.0f} s; trace run failed",
+        quick=quick,
+        timeout_s=limit * 3 + 30,
+    )
     def run(workspace: Workspace) -> Verdict:
         warm_up(workspace)
         run_id = uuid.uuid4().hex
         with server(mode) as (url, _):
-            return judge_failure(lambda: invoke(graph, server_context(url), run_id), workspace, run_id, url,
-                                 CAUSE_WORDS[mode], limit)
+            return judge_failure(
+                lambda: invoke(graph, server_context(url), run_id), workspace, run_id, url, CAUSE_WORDS[mode], limit
+            )
 
 
 for _mode in CAUSE_WORDS:
@@ -130,23 +173,42 @@ failing_case("hang", "er_medrag")
 failing_case("hang", "med_r3")
 
 
-@register("server_5xx_streamed", "servers",
-          "cot streamed (stream_mode='messages', LangGraph's token streaming) from a 5xx server: one-line error "
-          "naming the URL; trace run failed", quick=True, timeout_s=60)
+@register(
+    "server_5xx_streamed",
+    "servers",
+    "cot streamed (stream_mode='messages', LangGraph's token streaming) from a 5xx server: one-line error "
+    "naming the URL; trace run failed",
+    quick=True,
+    timeout_s=60,
+)
 def streamed(workspace: Workspace) -> Verdict:
     from ermedrag.graphs.registry import load_graph
 
     run_id = uuid.uuid4().hex
     with server("5xx") as (url, _):
+
         def call() -> list[Any]:
             graph = load_graph("cot")
-            return list(graph.stream({"question": QUESTION, "options": OPTIONS, "run_id": run_id},
-                                     context=server_context(url), stream_mode="messages"))
-        return judge_failure(call, workspace, run_id, url, "HTTP 503", bound_s(TIMEOUT_S, CONNECT_S, RETRIES, BACKOFF_S))
+            return list(
+                graph.stream(
+                    {"question": QUESTION, "options": OPTIONS, "run_id": run_id},
+                    context=server_context(url),
+                    stream_mode="messages",
+                )
+            )
+
+        return judge_failure(
+            call, workspace, run_id, url, "HTTP 503", bound_s(TIMEOUT_S, CONNECT_S, RETRIES, BACKOFF_S)
+        )
 
 
-@register("server_slow_then_ok", "servers", "a server that answers after 0.5 s, timeout 3 s: answered 'A'",
-          quick=True, timeout_s=60)
+@register(
+    "server_slow_then_ok",
+    "servers",
+    "a server that answers after 0.5 s, timeout 3 s: answered 'A'",
+    quick=True,
+    timeout_s=60,
+)
 def slow_then_ok(workspace: Workspace) -> Verdict:
     run_id = uuid.uuid4().hex
     with server("slow_then_ok", delay_s=0.5) as (url, _):
@@ -158,9 +220,13 @@ def slow_then_ok(workspace: Workspace) -> Verdict:
     return silent_wrong(problem) if problem else ok("answered 'A'")
 
 
-@register("server_fails_twice_then_ok", "servers",
-          "a server whose first 2 requests get 503, retries 2: answered 'A' after exactly 3 requests", quick=True,
-          timeout_s=60)
+@register(
+    "server_fails_twice_then_ok",
+    "servers",
+    "a server whose first 2 requests get 503, retries 2: answered 'A' after exactly 3 requests",
+    quick=True,
+    timeout_s=60,
+)
 def fail_then_ok(workspace: Workspace) -> Verdict:
     run_id = uuid.uuid4().hex
     with server("fail_then_ok", failures=2) as (url, running):
@@ -173,28 +239,49 @@ def fail_then_ok(workspace: Workspace) -> Verdict:
     return silent_wrong(problem) if problem else ok("answered 'A' after 3 requests")
 
 
-@register("server_fails_twice_one_retry", "servers",
-          "the same server with retries 1: a clear error after exactly 2 requests, naming the URL and HTTP 503",
-          quick=True, timeout_s=60)
+@register(
+    "server_fails_twice_one_retry",
+    "servers",
+    "the same server with retries 1: a clear error after exactly 2 requests, naming the URL and HTTP 503",
+    quick=True,
+    timeout_s=60,
+)
 def fail_then_ok_too_few_retries(workspace: Workspace) -> Verdict:
     run_id = uuid.uuid4().hex
     with server("fail_then_ok", failures=2) as (url, running):
-        verdict = judge_failure(lambda: invoke("cot", server_context(url, retries=1), run_id), workspace, run_id, url,
-                                "HTTP 503", bound_s(TIMEOUT_S, CONNECT_S, 1, BACKOFF_S))
+        verdict = judge_failure(
+            lambda: invoke("cot", server_context(url, retries=1), run_id),
+            workspace,
+            run_id,
+            url,
+            "HTTP 503",
+            bound_s(TIMEOUT_S, CONNECT_S, 1, BACKOFF_S),
+        )
         requests = running.requests
     if verdict.outcome == "clear_error" and requests != 2:
         return silent_wrong(f"{requests} requests for 1 retry (expected 2)")
     return verdict
 
 
-@register("server_http_404_not_retried", "servers",
-          "a server answering HTTP 404 (wrong model or path), retries 2: a clear error naming the URL and 404 after "
-          "one request (a 404 is not retried)", quick=True, timeout_s=60)
+@register(
+    "server_http_404_not_retried",
+    "servers",
+    "a server answering HTTP 404 (wrong model or path), retries 2: a clear error naming the URL and 404 after "
+    "one request (a 404 is not retried)",
+    quick=True,
+    timeout_s=60,
+)
 def http_404(workspace: Workspace) -> Verdict:
     run_id = uuid.uuid4().hex
     with server("5xx", status=404) as (url, running):
-        verdict = judge_failure(lambda: invoke("cot", server_context(url, retries=2), run_id), workspace, run_id, url,
-                                "404", bound_s(TIMEOUT_S, CONNECT_S, 2, BACKOFF_S))
+        verdict = judge_failure(
+            lambda: invoke("cot", server_context(url, retries=2), run_id),
+            workspace,
+            run_id,
+            url,
+            "404",
+            bound_s(TIMEOUT_S, CONNECT_S, 2, BACKOFF_S),
+        )
         requests = running.requests
     if verdict.outcome == "clear_error" and requests != 1:
         return silent_wrong(f"a 404 was tried {requests} times")
@@ -203,18 +290,43 @@ def http_404(workspace: Workspace) -> Verdict:
 
 # ------------------------------------------------------------------------------------------------ the CLI
 
+
 def cli_failing_case(mode: str, graph: str = "cot") -> None:
     limit = bound_s(TIMEOUT_S, CONNECT_S, RETRIES, 0.5)  # the CLI keeps the default backoff (0.5 s)
 
-    @register(f"cli_server_{mode}_{graph}", "servers",
-              f"ermedrag ask --graph {graph} on a server that {mode}: exit 3, one error line naming the URL and "
-              f"'{CAUSE_WORDS[mode]}', within {limit:.0f} s; trace run failed", quick=True, timeout_s=limit * 3 + 30)
+    @register(
+        f"cli_server_{mode}_{graph}",
+        "servers",
+        f"ermedrag ask --graph {graph} on a server that {mode}: exit 3, one error line naming the URL and "
+        f"'{CAUSE_WORDS[mode]}', within {limit:.0f} s; trace run failed",
+        quick=True,
+        timeout_s=limit * 3 + 30,
+    )
     def run(workspace: Workspace) -> Verdict:
         warm_up(workspace)
         with server(mode) as (url, _):
-            result = cli_in_process(["ask", QUESTION, "--graph", graph, "-o", "A=Metformin", "-o", "B=Insulin",
-                                     "--model", MODEL, "--base-url", url, "--timeout", str(TIMEOUT_S),
-                                     "--connect-timeout", str(CONNECT_S), "--retries", str(RETRIES)])
+            result = cli_in_process(
+                [
+                    "ask",
+                    QUESTION,
+                    "--graph",
+                    graph,
+                    "-o",
+                    "A=Metformin",
+                    "-o",
+                    "B=Insulin",
+                    "--model",
+                    MODEL,
+                    "--base-url",
+                    url,
+                    "--timeout",
+                    str(TIMEOUT_S),
+                    "--connect-timeout",
+                    str(CONNECT_S),
+                    "--retries",
+                    str(RETRIES),
+                ]
+            )
         verdict = judge_cli(result, (url,))
         if verdict.outcome != "clear_error":
             return verdict
@@ -233,17 +345,43 @@ cli_failing_case("5xx", "er_medrag")
 cli_failing_case("5xx", "med_r3")
 
 
-@register("cli_eval_failing_server", "servers",
-          "ermedrag eval of 3 questions against a 5xx server: every question listed in failures.jsonl naming the "
-          "server, no result rows, the count of failures printed", quick=True, timeout_s=120)
+@register(
+    "cli_eval_failing_server",
+    "servers",
+    "ermedrag eval of 3 questions against a 5xx server: every question listed in failures.jsonl naming the "
+    "server, no result rows, the count of failures printed",
+    quick=True,
+    timeout_s=120,
+)
 def eval_failing_server(workspace: Workspace) -> Verdict:
     questions = workspace.path("servers/eval_questions.jsonl")
-    questions.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{QUESTION} ({i})", "options": OPTIONS,
-                                             "answer": "A"}) + "\n" for i in range(3)))
+    questions.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "question": f"{QUESTION} ({i})", "options": OPTIONS, "answer": "A"}) + "\n"
+            for i in range(3)
+        )
+    )
     out = workspace.path("servers/eval_out")
     with server("5xx") as (url, _):
-        result = cli_in_process(["eval", "--system", "cot", "--bench", str(questions), "--model", MODEL,
-                                 "--base-url", url, "--retries", "0", "--timeout", "2", "--out", str(out)])
+        result = cli_in_process(
+            [
+                "eval",
+                "--system",
+                "cot",
+                "--bench",
+                str(questions),
+                "--model",
+                MODEL,
+                "--base-url",
+                url,
+                "--retries",
+                "0",
+                "--timeout",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
 
     failures = _records(out / "failures.jsonl")
     rows = _records(out / "results.jsonl")

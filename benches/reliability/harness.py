@@ -45,8 +45,19 @@ OUTCOMES = ("ok", "clear_error", "silent_wrong", "crash", "hang", "data_lost")
 FAILURES = ("silent_wrong", "crash", "hang", "data_lost")
 MAX_DETAIL_CHARS = 600
 # Exceptions that are bugs, whatever their message: never a clear error.
-PROGRAMMING_ERRORS = (AssertionError, AttributeError, KeyError, IndexError, TypeError, NameError, UnicodeError,
-                      RecursionError, ZeroDivisionError, NotImplementedError, MemoryError)
+PROGRAMMING_ERRORS = (
+    AssertionError,
+    AttributeError,
+    KeyError,
+    IndexError,
+    TypeError,
+    NameError,
+    UnicodeError,
+    RecursionError,
+    ZeroDivisionError,
+    NotImplementedError,
+    MemoryError,
+)
 ERROR_LINE = re.compile(r"^(?:error: |ermedrag(?: \S+)?: error: )")
 SCRIPTED = "scripted:ermedrag.testing.scripted"  # answers the first option
 PARROT = "scripted:benches.reliability.scripted_parrot"  # quotes what it reads, answers B
@@ -101,8 +112,9 @@ class Case:
 CASES: list[Case] = []
 
 
-def register(name: str, category: str, expect: str, *, quick: bool = False, timeout_s: float = 60.0
-             ) -> Callable[[Callable[["Workspace"], Verdict]], Callable[["Workspace"], Verdict]]:
+def register(
+    name: str, category: str, expect: str, *, quick: bool = False, timeout_s: float = 60.0
+) -> Callable[[Callable[["Workspace"], Verdict]], Callable[["Workspace"], Verdict]]:
     def add(run: Callable[["Workspace"], Verdict]) -> Callable[["Workspace"], Verdict]:
         CASES.append(Case(name, category, expect, run, quick, timeout_s))
         return run
@@ -120,6 +132,7 @@ def error_text(err: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ workspace
+
 
 class Workspace:
     """A temporary folder for one bench run: its trace store and checkpoint store (the environment points every
@@ -160,11 +173,28 @@ class Workspace:
 
 
 # Settings a user's shell may hold that would change what the cases run.
-CLEARED_ENV = ("ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL", "ERMEDRAG_RESPONDENT_MODEL",
-               "OPENAI_BASE_URL", "ERMEDRAG_SNIPPETS_K", "ERMEDRAG_COARSE_K", "ERMEDRAG_CHROMA_URL",
-               "ERMEDRAG_RERANKER", "ERMEDRAG_TEMPERATURE", "ERMEDRAG_REQUEST_TIMEOUT_S", "ERMEDRAG_CONNECT_TIMEOUT_S",
-               "ERMEDRAG_MAX_RETRIES", "ERMEDRAG_RETRY_BACKOFF_S", "ERMEDRAG_INDEX_PAUSE", "SCRIPTED_COUNTING_CALLS",
-               "SCRIPTED_COUNTING_STEP_S", "SCRIPTED_COUNTING_FAIL", "ERMEDRAG_MAX_SEARCHES", "ERMEDRAG_SEARCH_K")
+CLEARED_ENV = (
+    "ERMEDRAG_INDEX_DIR",
+    "ERMEDRAG_MODEL",
+    "ERMEDRAG_EXTRACTOR_MODEL",
+    "ERMEDRAG_RESPONDENT_MODEL",
+    "OPENAI_BASE_URL",
+    "ERMEDRAG_SNIPPETS_K",
+    "ERMEDRAG_COARSE_K",
+    "ERMEDRAG_CHROMA_URL",
+    "ERMEDRAG_RERANKER",
+    "ERMEDRAG_TEMPERATURE",
+    "ERMEDRAG_REQUEST_TIMEOUT_S",
+    "ERMEDRAG_CONNECT_TIMEOUT_S",
+    "ERMEDRAG_MAX_RETRIES",
+    "ERMEDRAG_RETRY_BACKOFF_S",
+    "ERMEDRAG_INDEX_PAUSE",
+    "SCRIPTED_COUNTING_CALLS",
+    "SCRIPTED_COUNTING_STEP_S",
+    "SCRIPTED_COUNTING_FAIL",
+    "ERMEDRAG_MAX_SEARCHES",
+    "ERMEDRAG_SEARCH_K",
+)
 
 
 def prepare_environment(workspace: Workspace) -> None:
@@ -197,6 +227,7 @@ def patched_env(**values: str | None) -> Iterator[None]:
 
 # ------------------------------------------------------------------------------------------------ judges
 
+
 def names_any(message: str, names: Sequence[str]) -> bool:
     lowered = message.lower()
     return not names or any(name.lower() in lowered for name in names)
@@ -214,8 +245,13 @@ def judge_error(err: BaseException, names: Sequence[str], *, refusal_expected: b
     return clear_error(message)
 
 
-def judge_call(call: Callable[[], Any], check: Callable[[Any], Verdict], names: Sequence[str] = (), *,
-               refusal_expected: bool = True) -> Verdict:
+def judge_call(
+    call: Callable[[], Any],
+    check: Callable[[Any], Verdict],
+    names: Sequence[str] = (),
+    *,
+    refusal_expected: bool = True,
+) -> Verdict:
     """Call a public function: its result judged by `check`, an exception by `judge_error`."""
     try:
         result = call()
@@ -230,6 +266,7 @@ def must_refuse(what: str) -> Callable[[Any], Verdict]:
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
+
 
 @dataclass
 class CliResult:
@@ -271,13 +308,15 @@ def cli_in_process(argv: Sequence[str], **env: str | None) -> CliResult:
     return CliResult(rc, out.getvalue(), err.getvalue(), time.perf_counter() - started, escaped)
 
 
-def cli_subprocess(argv: Sequence[str | bytes], env: Mapping[str, str], timeout_s: float,
-                   cwd: Path = REPO) -> CliResult:
+def cli_subprocess(
+    argv: Sequence[str | bytes], env: Mapping[str, str], timeout_s: float, cwd: Path = REPO
+) -> CliResult:
     """`python -m ermedrag ARGV` as a real process (its own session, killed with its children on timeout)."""
     started = time.perf_counter()
     command = [sys.executable, "-m", "ermedrag", *argv]  # POSIX takes str and bytes arguments side by side
-    proc = subprocess.Popen(command, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
         rc: int | None = proc.returncode
@@ -302,12 +341,19 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 def traceback_error(stderr: str) -> str:
     """The exception line of a printed traceback (the last `Name: message` line; notes may follow it)."""
-    lines = [line for line in stderr.strip().splitlines() if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", line)]
+    lines = [
+        line for line in stderr.strip().splitlines() if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", line)
+    ]
     return one_line(lines[-1] if lines else stderr.strip().splitlines()[-1] if stderr.strip() else "?")
 
 
-def judge_cli(result: CliResult, names: Sequence[str], *, check: Callable[[CliResult], Verdict] | None = None,
-              refusal_expected: bool = True) -> Verdict:
+def judge_cli(
+    result: CliResult,
+    names: Sequence[str],
+    *,
+    check: Callable[[CliResult], Verdict] | None = None,
+    refusal_expected: bool = True,
+) -> Verdict:
     """A CLI call: exit 0 is judged by `check` (None: an answer where a refusal was expected is wrong); a
     non-zero exit must be one clear error line naming one of `names`, without a traceback."""
     if result.rc is None:
@@ -329,6 +375,7 @@ def judge_cli(result: CliResult, names: Sequence[str], *, check: Callable[[CliRe
 
 
 # ------------------------------------------------------------------------------------------------ answers
+
 
 def answer_problem(state: Mapping[str, Any], expected: str | None) -> str | None:
     """What is wrong with a graph's final answer (None: it is `expected`, ok agrees with error, and the trace run

@@ -28,8 +28,13 @@ def index_state(directory: str) -> dict[str, Any]:
     stored: list[str] = []
     for offset in range(0, index.collection.count(), PAGE):
         stored.extend(index.collection.get(include=[], limit=PAGE, offset=offset)["ids"])
-    return state | {"opened": True, "manifest_chunks": manifest.get("chunks"), "bm25_ids": len(index.bm25_ids),
-                    "chroma_count": index.collection.count(), "same_ids": set(stored) == set(index.bm25_ids)}
+    return state | {
+        "opened": True,
+        "manifest_chunks": manifest.get("chunks"),
+        "bm25_ids": len(index.bm25_ids),
+        "chroma_count": index.collection.count(),
+        "same_ids": set(stored) == set(index.bm25_ids),
+    }
 
 
 if __name__ == "__main__":

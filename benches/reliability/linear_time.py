@@ -25,8 +25,9 @@ def cpu_seconds(parse: Callable[[str], object], text: str) -> float:
     return time.thread_time() - started
 
 
-def best_of_alternate_runs(parse: Callable[[str], object], quarter: str, whole: str,
-                           rounds: int) -> tuple[float, float]:
+def best_of_alternate_runs(
+    parse: Callable[[str], object], quarter: str, whole: str, rounds: int
+) -> tuple[float, float]:
     """Best CPU seconds on the quarter and on the whole over `rounds` rounds of one run each, with the garbage
     collector paused. Alternating matters: CPU time itself stretches on a busy machine (shared caches and
     hyperthreads; a linear 5 ms quarter and 44 ms whole read 8.6x in CI at a414d90), so the runs of one size must
@@ -75,5 +76,7 @@ def superlinear(parse: Callable[[str], object], quarter: str, whole: str) -> tup
 
 
 def limits_text() -> str:
-    return (f"at most {CPU_LIMIT_S * 1000:.0f} ms of CPU on 1 MB and {MAX_GROWTH_FOR_4X_INPUT:.0f}x the time of a "
-            "quarter MB")
+    return (
+        f"at most {CPU_LIMIT_S * 1000:.0f} ms of CPU on 1 MB and {MAX_GROWTH_FOR_4X_INPUT:.0f}x the time of a "
+        "quarter MB"
+    )

@@ -49,8 +49,17 @@ from typing import Any
 from benches.reliability import harness
 from benches.reliability.harness import CASES, FAILURES, OUTCOMES, Case, Verdict, Workspace
 
-CASE_MODULES = ("cases_parsers", "cases_inputs", "cases_documents", "cases_medr3", "cases_servers",
-                "cases_protocol", "cases_indexing", "cases_durable", "cases_misc")
+CASE_MODULES = (
+    "cases_parsers",
+    "cases_inputs",
+    "cases_documents",
+    "cases_medr3",
+    "cases_servers",
+    "cases_protocol",
+    "cases_indexing",
+    "cases_durable",
+    "cases_misc",
+)
 DEFAULT_OUT = harness.REPO / "benches" / "results" / "reliability.json"
 
 
@@ -86,22 +95,36 @@ def run_case(case: Case, workspace: Workspace, stdout: Any, stderr: Any) -> dict
         verdict = harness.hang(f"no result after {case.timeout_s:.0f} s; abandoned")
     else:
         verdict = box["verdict"]
-    return {"case": case.name, "category": case.category, "expect": case.expect, "outcome": verdict.outcome,
-            "seconds": round(seconds, 3), "detail": verdict.detail}
+    return {
+        "case": case.name,
+        "category": case.category,
+        "expect": case.expect,
+        "outcome": verdict.outcome,
+        "seconds": round(seconds, 3),
+        "detail": verdict.detail,
+    }
 
 
 def summarise(rows: list[dict[str, Any]], quick: bool, seconds: float) -> dict[str, Any]:
     counts = Counter(row["outcome"] for row in rows)
-    return {"cases": len(rows), **{outcome: counts.get(outcome, 0) for outcome in OUTCOMES},
-            "quick": quick, "seconds": round(seconds, 1), "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "rows": rows}
+    return {
+        "cases": len(rows),
+        **{outcome: counts.get(outcome, 0) for outcome in OUTCOMES},
+        "quick": quick,
+        "seconds": round(seconds, 1),
+        "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "rows": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the quick cases (what CI runs)")
-    parser.add_argument("--out", default=None, help=f"result JSON (default {DEFAULT_OUT.relative_to(harness.REPO)}; "
-                                                    "--quick writes none unless given)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help=f"result JSON (default {DEFAULT_OUT.relative_to(harness.REPO)}; --quick writes none unless given)",
+    )
     parser.add_argument("--only", default=None, help="comma-separated substrings of case names or categories")
     parser.add_argument("--list", action="store_true", help="list the selected cases and exit")
     parser.add_argument("--keep", action="store_true", help="keep the temporary workspace (its path is printed)")
@@ -128,16 +151,23 @@ def main(argv: list[str] | None = None) -> int:
         row = run_case(case, workspace, stdout, stderr)
         rows.append(row)
         mark = "FAIL" if row["outcome"] in FAILURES else "    "
-        print(f"{mark} {row['outcome']:12} {row['seconds']:7.2f}s  {case.category}/{case.name}  "
-              f"{harness.one_line(row['detail'], 160)}", file=stdout, flush=True)
+        print(
+            f"{mark} {row['outcome']:12} {row['seconds']:7.2f}s  {case.category}/{case.name}  "
+            f"{harness.one_line(row['detail'], 160)}",
+            file=stdout,
+            flush=True,
+        )
         if out:  # written as it goes: an interrupted run keeps what it measured
             _write(out, summarise(rows, args.quick, time.perf_counter() - started))
     summary = summarise(rows, args.quick, time.perf_counter() - started)
     if out:
         _write(out, summary)
     counts = ", ".join(f"{name}={summary[name]}" for name in OUTCOMES)
-    print(f"{summary['cases']} cases: {counts} ({summary['seconds']:.0f} s)" + (f"; wrote {out}" if out else ""),
-          file=stdout, flush=True)
+    print(
+        f"{summary['cases']} cases: {counts} ({summary['seconds']:.0f} s)" + (f"; wrote {out}" if out else ""),
+        file=stdout,
+        flush=True,
+    )
     if args.keep:
         print(f"workspace kept: {root}", file=stdout, flush=True)
     else:

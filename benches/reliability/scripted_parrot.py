@@ -41,7 +41,7 @@ def reasoner_reply(messages: list[BaseMessage]) -> str:
         question = next(m.text for m in reversed(messages) if m.type == "human")
         first_line = question.removeprefix("Question: ").splitlines()[0]
         return f"<think>I should look this up. <search>{first_line}</search>"
-    documents = transcript[transcript.find("<document>"):]
+    documents = transcript[transcript.find("<document>") :]
     return f"I read: {documents[:QUOTE_CHARS]} So the answer is {ANSWER}.</think><answer>{ANSWER}</answer>"
 
 
@@ -52,4 +52,4 @@ def _between(text: str, start: str, end: str) -> str | None:
         return None
     begin += len(start)
     stop = text.rfind(end)
-    return text[begin:stop if stop >= begin else len(text)]
+    return text[begin : stop if stop >= begin else len(text)]

@@ -32,8 +32,13 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def run_system(name: str, search: Callable[[str], object], score: Callable[[dict, object], dict[str, float]],
-               questions: list[dict], warmup: list[dict]) -> dict[str, float]:
+def run_system(
+    name: str,
+    search: Callable[[str], object],
+    score: Callable[[dict, object], dict[str, float]],
+    questions: list[dict],
+    warmup: list[dict],
+) -> dict[str, float]:
     """Mean metrics over `questions` and single-query latency percentiles (after untimed warm-up queries)."""
     for q in warmup:
         search(q["question"])
@@ -65,8 +70,11 @@ def chroma_server(store: Path, timeout_s: float = 300) -> Iterator[str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     chroma = Path(sys.executable).with_name("chroma")
-    server = subprocess.Popen([str(chroma), "run", "--path", str(store), "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(chroma), "run", "--path", str(store), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + timeout_s
         while True:

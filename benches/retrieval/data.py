@@ -36,11 +36,16 @@ class SharedData:
         return self.root / "cache"
 
     def check(self) -> None:
-        missing = [str(p) for p in (self.qrels, self.cache / "minilm_passages_f16.npy",
-                                    self.cache / "minilm_passages_ids.txt.gz") if not p.exists()]
+        missing = [
+            str(p)
+            for p in (self.qrels, self.cache / "minilm_passages_f16.npy", self.cache / "minilm_passages_ids.txt.gz")
+            if not p.exists()
+        ]
         if not self.corpora or missing:
-            sys.exit(f"shared data not found under {self.root} (missing: {missing or ['corpora/*.jsonl.gz']}); "
-                     "pass --data or set ERMEDRAG_SHARED_DATA")
+            sys.exit(
+                f"shared data not found under {self.root} (missing: {missing or ['corpora/*.jsonl.gz']}); "
+                "pass --data or set ERMEDRAG_SHARED_DATA"
+            )
 
 
 def load_passages(data: SharedData) -> list[Document]:
@@ -80,6 +85,7 @@ def split_qrels(data: SharedData, seed: int, held_out: int = HELD_OUT) -> tuple[
 
 # ---------------------------------------------------------------- long documents
 
+
 def source_document(passage: Document) -> str:
     """The source document a passage came from: its PubMed article, OpenStax module or MedQuAD document."""
     if "pmid" in passage.meta:
@@ -117,8 +123,9 @@ def long_documents(passages: list[Document]) -> tuple[list[Document], dict[str, 
     return documents, spans
 
 
-def single_passage_vectors(documents: list[Document], spans: dict[str, Span],
-                           vectors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def single_passage_vectors(
+    documents: list[Document], spans: dict[str, Span], vectors: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """Document id -> its passage's cached vector, for documents made of one passage (same title and text)."""
     members: dict[str, list[str]] = {}
     for passage_id, span in spans.items():

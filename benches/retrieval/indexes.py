@@ -20,8 +20,9 @@ from ermedrag.tools.retrieval.corpus import Document
 INDEX_FILES = {"manifest.json", "chroma", "bm25", "bench.json"}
 
 
-def whole_passage_vectors(documents: list[Document], vectors: dict[str, np.ndarray],
-                          chunk_size: int, chunk_overlap: int) -> tuple[dict[str, np.ndarray], Counter]:
+def whole_passage_vectors(
+    documents: list[Document], vectors: dict[str, np.ndarray], chunk_size: int, chunk_overlap: int
+) -> tuple[dict[str, np.ndarray], Counter]:
     """Chunk id -> cached vector for chunks that are a whole passage; also chunks per document."""
     from ermedrag.tools.retrieval.corpus import chunk_documents
 
@@ -34,8 +35,16 @@ def whole_passage_vectors(documents: list[Document], vectors: dict[str, np.ndarr
     return reusable, per_doc
 
 
-def ensure_index(index_dir: Path, documents: list[Document], vectors: dict[str, np.ndarray], *,
-                 chunk_size: int, chunk_overlap: int, fingerprint: dict, rebuild: bool) -> dict:
+def ensure_index(
+    index_dir: Path,
+    documents: list[Document],
+    vectors: dict[str, np.ndarray],
+    *,
+    chunk_size: int,
+    chunk_overlap: int,
+    fingerprint: dict,
+    rebuild: bool,
+) -> dict:
     """Reuse a complete bench index (its bench.json matches `fingerprint` and the manifest), else build it."""
     from ermedrag.tools.retrieval.index_files import read_manifest
 
@@ -43,10 +52,15 @@ def ensure_index(index_dir: Path, documents: list[Document], vectors: dict[str, 
     record_path = index_dir / "bench.json"
     if index_dir.exists() and not rebuild and record_path.exists():
         record = json.loads(record_path.read_text())
-        if record.get("fingerprint") == fingerprint and read_manifest(index_dir).get("chunks") == record["index"]["chunks"]:
+        if (
+            record.get("fingerprint") == fingerprint
+            and read_manifest(index_dir).get("chunks") == record["index"]["chunks"]
+        ):
             refresh_bm25(index_dir)
-            print(f"reusing the complete index at {index_dir} ({record['index']['chunks']:,} chunks, "
-                  f"built in {record['index']['build_seconds']:.0f} s)")
+            print(
+                f"reusing the complete index at {index_dir} ({record['index']['chunks']:,} chunks, "
+                f"built in {record['index']['build_seconds']:.0f} s)"
+            )
             return record
         print(f"{index_dir} is incomplete or stale: rebuilding")
     if index_dir.exists() and any(index_dir.iterdir()):
@@ -57,14 +71,21 @@ def ensure_index(index_dir: Path, documents: list[Document], vectors: dict[str, 
     return _build_in_child(index_dir, documents, vectors, chunk_size, chunk_overlap, fingerprint)
 
 
-def _build_in_child(index_dir: Path, documents: list[Document], vectors: dict[str, np.ndarray], chunk_size: int,
-                    chunk_overlap: int, fingerprint: dict) -> dict:
+def _build_in_child(
+    index_dir: Path,
+    documents: list[Document],
+    vectors: dict[str, np.ndarray],
+    chunk_size: int,
+    chunk_overlap: int,
+    fingerprint: dict,
+) -> dict:
     """Build in a child process, so that the build's own peak RSS can be measured and recorded."""
     import multiprocessing
     import resource
 
     child = multiprocessing.get_context("fork").Process(
-        target=_build, args=(index_dir, documents, vectors, chunk_size, chunk_overlap, fingerprint))
+        target=_build, args=(index_dir, documents, vectors, chunk_size, chunk_overlap, fingerprint)
+    )
     child.start()
     child.join()
     if child.exitcode:
@@ -76,8 +97,14 @@ def _build_in_child(index_dir: Path, documents: list[Document], vectors: dict[st
     return record
 
 
-def _build(index_dir: Path, documents: list[Document], vectors: dict[str, np.ndarray], chunk_size: int,
-           chunk_overlap: int, fingerprint: dict) -> dict:
+def _build(
+    index_dir: Path,
+    documents: list[Document],
+    vectors: dict[str, np.ndarray],
+    chunk_size: int,
+    chunk_overlap: int,
+    fingerprint: dict,
+) -> dict:
     from ermedrag.tools.retrieval.index import build_index
 
     t0 = time.perf_counter()
@@ -88,24 +115,45 @@ def _build(index_dir: Path, documents: list[Document], vectors: dict[str, np.nda
     cached_docs = {cid.rsplit("#", 1)[0] for cid in reusable}
     fresh = [d for d in documents if d.id not in cached_docs]
     cached = [d for d in documents if d.id in cached_docs]
-    print(f"chunk_size={chunk_size}: {len(documents):,} documents -> {sum(per_doc.values()):,} chunks; "
-          f"{len(reusable):,} are whole passages with cached vectors, the other "
-          f"{sum(per_doc[d.id] for d in fresh):,} are encoded now (planning pass {plan_s:.0f} s, not counted)")
+    print(
+        f"chunk_size={chunk_size}: {len(documents):,} documents -> {sum(per_doc.values()):,} chunks; "
+        f"{len(reusable):,} are whole passages with cached vectors, the other "
+        f"{sum(per_doc[d.id] for d in fresh):,} are encoded now (planning pass {plan_s:.0f} s, not counted)"
+    )
     stats = []
     for label, docs in (("encoded now", fresh), ("cached vectors", cached)):
         if docs:
             print(f"build_index ({label}): {len(docs):,} documents", flush=True)
-            stats.append(build_index(docs, index_dir, chunk_size=chunk_size, chunk_overlap=chunk_overlap,
-                                     precomputed=reusable, progress=True))
+            stats.append(
+                build_index(
+                    docs,
+                    index_dir,
+                    chunk_size=chunk_size,
+                    chunk_overlap=chunk_overlap,
+                    precomputed=reusable,
+                    progress=True,
+                )
+            )
             s = stats[-1]
-            print(f"  +{s['chunks_added']:,} chunks in {s['seconds']:.1f} s (embedding {s['embed_seconds']:.1f} s, "
-                  f"bm25 {s['bm25_seconds']:.1f} s)", flush=True)
-    index = {"documents": len(documents), "chunks": stats[-1]["chunks_total"],
-             "build_seconds": round(sum(s["seconds"] for s in stats), 1),
-             "bm25_seconds": round(sum(s["bm25_seconds"] for s in stats), 1),
-             "fresh_encoded": stats[0]["chunks_added"] if fresh else 0,
-             "fresh_embed_seconds": round(stats[0]["embed_seconds"], 1) if fresh else 0.0}
-    record = {"fingerprint": fingerprint, "index": index, "calls": stats, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+            print(
+                f"  +{s['chunks_added']:,} chunks in {s['seconds']:.1f} s (embedding {s['embed_seconds']:.1f} s, "
+                f"bm25 {s['bm25_seconds']:.1f} s)",
+                flush=True,
+            )
+    index = {
+        "documents": len(documents),
+        "chunks": stats[-1]["chunks_total"],
+        "build_seconds": round(sum(s["seconds"] for s in stats), 1),
+        "bm25_seconds": round(sum(s["bm25_seconds"] for s in stats), 1),
+        "fresh_encoded": stats[0]["chunks_added"] if fresh else 0,
+        "fresh_embed_seconds": round(stats[0]["embed_seconds"], 1) if fresh else 0.0,
+    }
+    record = {
+        "fingerprint": fingerprint,
+        "index": index,
+        "calls": stats,
+        "built_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     record["bm25"] = bm25_fingerprint()  # build_index used the current BM25 settings
     (index_dir / "bench.json").write_text(json.dumps(record, indent=2))
     return record

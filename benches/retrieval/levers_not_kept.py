@@ -32,14 +32,27 @@ Features = dict[str, dict[str, float]]  # chunk id -> feature -> value
 def two_pass_features(index, query: str, vector: np.ndarray) -> Features:
     """Every candidate of the default coarse stage's two passes with each list's normalised score (0 where
     absent) and the dense cosines: the inputs the learned fusion may weigh."""
-    from ermedrag.tools.retrieval.search import (DEFAULT_CONFIG, bm25_search, bm25_weighted_search, dense_search, feedback_query,
-                                 fuse, min_max, query_terms)
+    from ermedrag.tools.retrieval.search import (
+        DEFAULT_CONFIG,
+        bm25_search,
+        bm25_weighted_search,
+        dense_search,
+        feedback_query,
+        fuse,
+        min_max,
+        query_terms,
+    )
 
     k = max(DEFAULT_CONFIG.fetch_k, 2 * DEPTH)  # as coarse_hybrid fetches for DEPTH results
     bm25_1, dense_1 = bm25_search(index, query, k), dense_search(index, query, k, vector)
     first = fuse(bm25_1, dense_1, k, DEFAULT_CONFIG)
-    weights, moved = feedback_query(index, query_terms(index.bm25, query), vector,
-                                    [h.chunk_id for h in first[:DEFAULT_CONFIG.feedback_chunks]], DEFAULT_CONFIG)
+    weights, moved = feedback_query(
+        index,
+        query_terms(index.bm25, query),
+        vector,
+        [h.chunk_id for h in first[: DEFAULT_CONFIG.feedback_chunks]],
+        DEFAULT_CONFIG,
+    )
     bm25_2, dense_2 = bm25_weighted_search(index, weights, k), dense_search(index, query, k, moved)
     lists = {"bm25_1": bm25_1, "dense_1": dense_1, "bm25_2": bm25_2, "dense_2": dense_2}
     features: Features = {}
@@ -74,6 +87,7 @@ def sibling_boost(index, lam: float) -> Callable[[str, Features], list[str]]:
             others.remove(value)
             boosted[cid] = value + lam * (others[0] if others else 0.0)
         return sorted(boosted, key=boosted.get, reverse=True)
+
     return rank
 
 
@@ -90,9 +104,12 @@ def term_coverage(index, gamma: float) -> Callable[[str, Features], list[str]]:
             idf = math.log(1 + (n - present.sum() + 0.5) / (present.sum() + 0.5))
             coverage += idf * present
             total += idf
-        scored = {cid: default_score(row) + gamma * float(coverage[position[cid]]) / max(total, 1e-9)
-                  for cid, row in features.items()}
+        scored = {
+            cid: default_score(row) + gamma * float(coverage[position[cid]]) / max(total, 1e-9)
+            for cid, row in features.items()
+        }
         return sorted(scored, key=scored.get, reverse=True)
+
     return rank
 
 
@@ -109,11 +126,13 @@ def learned_fusion(train: list[tuple[dict, Features]]) -> tuple[Callable[[str, F
     def rank(query: str, features: Features) -> list[str]:
         scored = {cid: float(np.dot(weights, [row[f] for f in FEATURES])) for cid, row in features.items()}
         return sorted(scored, key=scored.get, reverse=True)
+
     return rank, [round(float(w), 3) for w in weights]
 
 
-def train_query_adapter(index, train: list[dict], vectors: np.ndarray, epochs: int = 20, decay: float = 0.01,
-                        temperature: float = 0.05) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def train_query_adapter(
+    index, train: list[dict], vectors: np.ndarray, epochs: int = 20, decay: float = 0.01, temperature: float = 0.05
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """W (384×384, from the identity, L2-pulled towards it): softmax over all passage vectors with the gold
     chunks as positives. Returns W, the passage matrix and its chunk ids."""
     import torch
@@ -135,7 +154,7 @@ def train_query_adapter(index, train: list[dict], vectors: np.ndarray, epochs: i
     for epoch in range(epochs):
         order = np.random.default_rng(epoch).permutation(len(train))
         for start in range(0, len(order), 64):
-            batch = [i for i in order[start:start + 64] if positives[i]]
+            batch = [i for i in order[start : start + 64] if positives[i]]
             q = torch.nn.functional.normalize(queries[batch] @ weight, dim=1)
             log_probs = torch.log_softmax(q @ matrix.T / temperature, dim=1)
             loss = -torch.stack([log_probs[j, positives[i]].mean() for j, i in enumerate(batch)]).mean()
@@ -161,13 +180,12 @@ def main() -> None:
     from ermedrag.tools.retrieval.search import DEFAULT_CONFIG, clean_query, coarse_hybrid
 
     tuning, _ = split_qrels(SharedData(Path(args.data)), args.seed)
-    train, scored = tuning[:args.train], tuning[args.train:]
+    train, scored = tuning[: args.train], tuning[args.train :]
     index = open_index(args.index_dir)
     vectors = encode([clean_query(q["question"]) for q in tuning], index.encoder)
     vector_of = {q["id"]: v for q, v in zip(tuning, vectors)}
     by_text = {q["question"]: q for q in tuning}
-    features = {q["id"]: two_pass_features(index, clean_query(q["question"]), vector_of[q["id"]])
-                for q in tuning}
+    features = {q["id"]: two_pass_features(index, clean_query(q["question"]), vector_of[q["id"]]) for q in tuning}
 
     def system(rank: Callable[[str, Features], list[str]]) -> Callable[[str], list[str]]:
         return lambda text: passage_ids(rank(clean_query(text), features[by_text[text]["id"]]))[:DEPTH]
@@ -178,8 +196,15 @@ def main() -> None:
         results[name] = {**run_system(name, search, score_passages, scored, []), **extra}
         print(name, json.dumps(results[name]), flush=True)
 
-    measure("default", lambda text: passage_ids([h.chunk_id for h in coarse_hybrid(
-        index, clean_query(text), DEPTH, DEFAULT_CONFIG, vector_of[by_text[text]["id"]])]))
+    measure(
+        "default",
+        lambda text: passage_ids(
+            [
+                h.chunk_id
+                for h in coarse_hybrid(index, clean_query(text), DEPTH, DEFAULT_CONFIG, vector_of[by_text[text]["id"]])
+            ]
+        ),
+    )
     measure("default_from_features", system(lambda q, f: sorted(f, key=lambda c: default_score(f[c]), reverse=True)))
     for lam in (0.1, 0.35):
         measure(f"sibling_boost_{lam}", system(sibling_boost(index, lam)))
@@ -188,20 +213,39 @@ def main() -> None:
     rank, weights = learned_fusion([(q, features[q["id"]]) for q in train])
     measure("learned_fusion", system(rank), weights=dict(zip(FEATURES, weights)))
 
-    adapter, matrix, ids = train_query_adapter(index, train, vectors[:len(train)])
-    adapted = {q["id"]: v / np.linalg.norm(v) for q, v in zip(scored, vectors[len(train):] @ adapter)}
+    adapter, matrix, ids = train_query_adapter(index, train, vectors[: len(train)])
+    adapted = {q["id"]: v / np.linalg.norm(v) for q, v in zip(scored, vectors[len(train) :] @ adapter)}
 
     def dense_only(vector_by_id: dict[str, np.ndarray]) -> Callable[[str], list[str]]:
-        return lambda text: passage_ids([ids[i] for i in np.argsort(-(matrix @ vector_by_id[by_text[text]["id"]]))[:DEPTH]])
+        return lambda text: passage_ids(
+            [ids[i] for i in np.argsort(-(matrix @ vector_by_id[by_text[text]["id"]]))[:DEPTH]]
+        )
 
     measure("dense_exact", dense_only(vector_of))
     measure("dense_exact_query_adapter", dense_only(adapted))
-    measure("query_adapter", lambda text: passage_ids([h.chunk_id for h in coarse_hybrid(
-        index, clean_query(text), DEPTH, DEFAULT_CONFIG, adapted[by_text[text]["id"]])]))
-    Path(args.out).write_text(json.dumps({
-        "split": "tuning", "seed": args.seed, "train_questions": len(train), "scored_questions": len(scored),
-        "note": "every figure is on the tuning questions after the first --train; learned levers trained on those",
-        "results": results}, indent=2) + "\n")
+    measure(
+        "query_adapter",
+        lambda text: passage_ids(
+            [
+                h.chunk_id
+                for h in coarse_hybrid(index, clean_query(text), DEPTH, DEFAULT_CONFIG, adapted[by_text[text]["id"]])
+            ]
+        ),
+    )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "split": "tuning",
+                "seed": args.seed,
+                "train_questions": len(train),
+                "scored_questions": len(scored),
+                "note": "every figure is on the tuning questions after the first --train; learned levers trained on those",
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -38,14 +38,23 @@ from ermedrag.tools.machine import describe_machine
 PASSAGE_CHUNK_SIZE = 1024  # tokens: 99.3% of passages stay one chunk (512 would split 1,720)
 LONG_DOC_CHUNK_SIZE = 256  # build_index's default: the documents are chunked as the project does for users
 CHUNK_OVERLAP = 32
-SYSTEMS = ["bm25", "dense", "medrag_rrf", "llamaindex_fusion", "ours", "ours_k10", "ours_coarse_only",
-           "ours_no_feedback"]
+SYSTEMS = [
+    "bm25",
+    "dense",
+    "medrag_rrf",
+    "llamaindex_fusion",
+    "ours",
+    "ours_k10",
+    "ours_coarse_only",
+    "ours_no_feedback",
+]
 VIGNETTES_FILE = "benchmarks/medqa_us_test.jsonl"  # USMLE-style clinical vignettes, the main benchmark's questions
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--data", default=DEFAULT_DATA, help="shared data folder (env ERMEDRAG_SHARED_DATA)")
     parser.add_argument("--passages-index", default=str(CACHE / "passages-index"))
     parser.add_argument("--long-documents-index", default=str(CACHE / "longdocs-index"))
@@ -57,10 +66,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up queries per system")
     parser.add_argument("--batch", type=int, default=32, help="batch size for the batched-latency figure")
-    parser.add_argument("--throughput-documents", type=int, default=300,
-                        help="long documents encoded for the build-throughput comparison")
-    parser.add_argument("--vignettes", type=int, default=200,
-                        help="MedQA questions timed per system on the passages index (0 = skip)")
+    parser.add_argument(
+        "--throughput-documents",
+        type=int,
+        default=300,
+        help="long documents encoded for the build-throughput comparison",
+    )
+    parser.add_argument(
+        "--vignettes", type=int, default=200, help="MedQA questions timed per system on the passages index (0 = skip)"
+    )
     parser.add_argument("--no-extras", action="store_true", help="skip throughput, RSS, batch and server figures")
     parser.add_argument("--out", default=str(REPO / "benches/results/retrieval.json"))
     return parser.parse_args()
@@ -68,11 +82,18 @@ def parse_args() -> argparse.Namespace:
 
 # ---------------------------------------------------------------- settings
 
+
 def passages_setting(args, data: SharedData, passages, vectors) -> tuple[Path, dict, callable]:
     index_dir = Path(args.passages_index).expanduser()
-    record = ensure_index(index_dir, passages, vectors, chunk_size=PASSAGE_CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP,
-                          fingerprint=fingerprint([*data.corpora, data.cache / "minilm_passages_f16.npy"]),
-                          rebuild=args.rebuild)
+    record = ensure_index(
+        index_dir,
+        passages,
+        vectors,
+        chunk_size=PASSAGE_CHUNK_SIZE,
+        chunk_overlap=CHUNK_OVERLAP,
+        fingerprint=fingerprint([*data.corpora, data.cache / "minilm_passages_f16.npy"]),
+        rebuild=args.rebuild,
+    )
     score = lambda q, spans: passage_metrics(list(dict.fromkeys(s.doc_id for s in spans)), set(q["gold"]))  # noqa: E731
     return index_dir, record, score
 
@@ -80,16 +101,22 @@ def passages_setting(args, data: SharedData, passages, vectors) -> tuple[Path, d
 def long_documents_setting(args, data: SharedData, passages, vectors) -> tuple[Path, dict, callable]:
     documents, spans = long_documents(passages)
     index_dir = Path(args.long_documents_index).expanduser()
-    record = ensure_index(index_dir, documents, single_passage_vectors(documents, spans, vectors),
-                          chunk_size=LONG_DOC_CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP,
-                          fingerprint=fingerprint([*data.corpora, data.cache / "minilm_passages_f16.npy"]),
-                          rebuild=args.rebuild)
+    record = ensure_index(
+        index_dir,
+        documents,
+        single_passage_vectors(documents, spans, vectors),
+        chunk_size=LONG_DOC_CHUNK_SIZE,
+        chunk_overlap=CHUNK_OVERLAP,
+        fingerprint=fingerprint([*data.corpora, data.cache / "minilm_passages_f16.npy"]),
+        rebuild=args.rebuild,
+    )
     record["index"]["documents_from_passages"] = {"documents": len(documents), "passages": len(passages)}
     score = lambda q, found: snippet_metrics(found, [spans[g] for g in q["gold"]])  # noqa: E731
     return index_dir, record, score
 
 
 # ---------------------------------------------------------------- extras
+
 
 def build_throughput(passages, n_documents: int, seed: int) -> dict:
     """Raw encoder vs build_index on the same chunks, side by side (fresh temporary index, no cached vectors)."""
@@ -106,12 +133,17 @@ def build_throughput(passages, n_documents: int, seed: int) -> dict:
     encode(texts)
     raw_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory(prefix="ermedrag-throughput-") as tmp:
-        stats = build_index(sample, Path(tmp) / "index", chunk_size=LONG_DOC_CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP,
-                            progress=False)
-    out = {"chunks": len(chunks), "raw_encoder_chunks_per_s": round(len(chunks) / raw_s, 1),
-           "build_index_chunks_per_s": round(stats["chunks_added"] / stats["seconds"], 1),
-           "build_seconds": round(stats["seconds"], 1), "embed_seconds": round(stats["embed_seconds"], 1),
-           "bm25_seconds": round(stats["bm25_seconds"], 2)}
+        stats = build_index(
+            sample, Path(tmp) / "index", chunk_size=LONG_DOC_CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP, progress=False
+        )
+    out = {
+        "chunks": len(chunks),
+        "raw_encoder_chunks_per_s": round(len(chunks) / raw_s, 1),
+        "build_index_chunks_per_s": round(stats["chunks_added"] / stats["seconds"], 1),
+        "build_seconds": round(stats["seconds"], 1),
+        "embed_seconds": round(stats["embed_seconds"], 1),
+        "bm25_seconds": round(stats["bm25_seconds"], 2),
+    }
     out["build_vs_raw"] = round(out["build_index_chunks_per_s"] / out["raw_encoder_chunks_per_s"], 3)
     return out
 
@@ -138,8 +170,14 @@ print(json.dumps({{"peak_rss_mb": round(peak_rss_mb()),
 def serve_in_child(index_dir: Path, questions: list[str], threads: int, chroma_url: str | None = None) -> dict:
     """The default pipeline (`retrieve`, k=10) in a fresh process: its peak RSS and latency."""
     script = SERVE_SCRIPT.format(threads=max(threads, 1), index=str(index_dir), url=chroma_url)
-    proc = subprocess.run([sys.executable, "-c", script], input=json.dumps(questions), capture_output=True,
-                          text=True, timeout=1800, env=os.environ)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        input=json.dumps(questions),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=os.environ,
+    )
     if proc.returncode:
         raise RuntimeError(f"serving child failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -162,13 +200,19 @@ def vignette_latency(systems: dict, wanted: list[str], questions: list[str], war
 
     import numpy as np
 
-    timed = {("ours" if name == "ours_k10" else "ours_k100" if name == "ours" else name): systems[name]
-             for name in wanted}
+    timed = {
+        ("ours" if name == "ours_k10" else "ours_k100" if name == "ours" else name): systems[name] for name in wanted
+    }
     tokenizer = load_encoder().tokenizer
     lengths = [len(tokenizer(q, add_special_tokens=False, verbose=False)["input_ids"]) for q in questions]
-    out: dict = {"_questions": {"count": len(questions), "source": VIGNETTES_FILE + " (file order)",
-                                "median_tokens": int(np.median(lengths)),
-                                "longer_than_encoder_window": round(sum(n > 254 for n in lengths) / len(lengths), 3)}}
+    out: dict = {
+        "_questions": {
+            "count": len(questions),
+            "source": VIGNETTES_FILE + " (file order)",
+            "median_tokens": int(np.median(lengths)),
+            "longer_than_encoder_window": round(sum(n > 254 for n in lengths) / len(lengths), 3),
+        }
+    }
     for name, search in timed.items():
         for q in questions[-warmup:] if warmup else []:
             search(q)
@@ -177,8 +221,10 @@ def vignette_latency(systems: dict, wanted: list[str], questions: list[str], war
             t0 = time.perf_counter()
             search(q)
             latencies.append(1000 * (time.perf_counter() - t0))
-        out[name] = {"p50_ms": round(float(np.percentile(latencies, 50)), 1),
-                     "p95_ms": round(float(np.percentile(latencies, 95)), 1)}
+        out[name] = {
+            "p50_ms": round(float(np.percentile(latencies, 50)), 1),
+            "p95_ms": round(float(np.percentile(latencies, 95)), 1),
+        }
         print(f"vignettes {name:>18}: {json.dumps(out[name])}", flush=True)
     return out
 
@@ -198,11 +244,12 @@ def batched_latency(index, questions: list[str], batch: int) -> dict:
     retrieve_many(index, questions[:2], k=10)
     t0 = time.perf_counter()
     for start in range(0, len(questions), batch):
-        retrieve_many(index, questions[start:start + batch], k=10)
+        retrieve_many(index, questions[start : start + batch], k=10)
     return {"batch": batch, "ms_per_query": round(1000 * (time.perf_counter() - t0) / len(questions), 1)}
 
 
 # ---------------------------------------------------------------- main
+
 
 def main() -> None:
     args = parse_args()
@@ -213,12 +260,13 @@ def main() -> None:
     load_at_start = describe_machine()
     out_path = Path(args.out)
     out: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
-    out.update({"command": shlex.join(["python", os.path.relpath(__file__, REPO), *sys.argv[1:]]),
-                "machine": load_at_start})
+    out.update(
+        {"command": shlex.join(["python", os.path.relpath(__file__, REPO), *sys.argv[1:]]), "machine": load_at_start}
+    )
 
     _, held_out = split_qrels(data, args.seed)
-    questions = held_out[:args.queries]
-    warmup = held_out[-args.warmup:] if args.warmup else []  # only for warming up: never scored here
+    questions = held_out[: args.queries]
+    warmup = held_out[-args.warmup :] if args.warmup else []  # only for warming up: never scored here
     print(f"{len(questions)} held-out BioASQ questions (seed {args.seed}); tuning split used by tune.py only")
     passages = load_passages(data)
     vectors = passage_vectors(data, passages)

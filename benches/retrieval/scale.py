@@ -50,6 +50,7 @@ NOISE = 0.02
 
 # ------------------------------------------------------------------------------------------ child steps
 
+
 def synthetic_corpus(data_root: Path, first: int, count: int) -> tuple[list, dict]:
     """Passages number `first` .. `first + count - 1` of the endless corpus (real passages, then perturbed copies),
     with their chunk ids' vectors."""
@@ -77,8 +78,9 @@ def synthetic_corpus(data_root: Path, first: int, count: int) -> tuple[list, dic
             if len(kept) > 2:
                 i = rng.randrange(len(kept) - 1)
                 kept[i], kept[i + 1] = kept[i + 1], kept[i]
-            document = Document(id=f"{source.id}~x{copy}", title=source.title, text=" ".join(kept) or source.text,
-                                source=source.source)
+            document = Document(
+                id=f"{source.id}~x{copy}", title=source.title, text=" ".join(kept) or source.text, source=source.source
+            )
             noisy = vectors[source.id] + np.random.default_rng(number).normal(0, NOISE, vectors[source.id].shape)
             vector = (noisy / np.linalg.norm(noisy)).astype(np.float32)
         documents.append(document)
@@ -91,11 +93,22 @@ def child_build(index_dir: Path, data_root: Path, first: int, count: int) -> dic
     from ermedrag.tools.retrieval.index import build_index
 
     documents, precomputed = synthetic_corpus(data_root, first, count)
-    stats = build_index(documents, index_dir, chunk_size=CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP,
-                        precomputed=precomputed, progress=False)
+    stats = build_index(
+        documents,
+        index_dir,
+        chunk_size=CHUNK_SIZE,
+        chunk_overlap=CHUNK_OVERLAP,
+        precomputed=precomputed,
+        progress=False,
+    )
     segments = json.loads((index_dir / "manifest.json").read_text())["bm25_segments"]
-    return {"seconds": round(stats["seconds"], 1), "bm25_s": round(stats["bm25_seconds"], 1),
-            "chunks_total": stats["chunks_total"], "segments": len(segments), "peak_rss_mb": peak_rss_mb()}
+    return {
+        "seconds": round(stats["seconds"], 1),
+        "bm25_s": round(stats["bm25_seconds"], 1),
+        "chunks_total": stats["chunks_total"],
+        "segments": len(segments),
+        "peak_rss_mb": peak_rss_mb(),
+    }
 
 
 def child_serve(index_dir: Path, data_root: Path, chroma_url: str | None) -> dict:
@@ -121,15 +134,26 @@ def child_serve(index_dir: Path, data_root: Path, chroma_url: str | None) -> dic
         t0 = time.perf_counter()
         retrieve(index, question, k=10)
         latencies.append(1000 * (time.perf_counter() - t0))
-    return {"open_s": round(open_s, 2), "p50_ms": round(float(np.percentile(latencies, 50)), 1),
-            "p95_ms": round(float(np.percentile(latencies, 95)), 1), "peak_rss_mb": peak_rss_mb()}
+    return {
+        "open_s": round(open_s, 2),
+        "p50_ms": round(float(np.percentile(latencies, 50)), 1),
+        "p95_ms": round(float(np.percentile(latencies, 95)), 1),
+        "peak_rss_mb": peak_rss_mb(),
+    }
 
 
 # ------------------------------------------------------------------------------------------ the parent
 
+
 def run_child(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", *args], env=offline_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=6 * 3600)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", *args],
+        env=offline_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=6 * 3600,
+    )
     if proc.returncode:
         raise RuntimeError(f"child {args[0]} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -149,16 +173,29 @@ def measure(size: int, work: Path, data_root: Path) -> dict:
     shutil.rmtree(index_dir, ignore_errors=True)
     built = run_child("build", str(index_dir), str(data_root), "0", str(size))
     print(f"{size:,}: built {json.dumps(built)}", flush=True)
-    row = {"build_s": built["seconds"], "build_bm25_s": built["bm25_s"], "build_peak_rss_mb": built["peak_rss_mb"],
-           "chunks": built["chunks_total"], "disk_mb": disk_mb(index_dir)}
+    row = {
+        "build_s": built["seconds"],
+        "build_bm25_s": built["bm25_s"],
+        "build_peak_rss_mb": built["peak_rss_mb"],
+        "chunks": built["chunks_total"],
+        "disk_mb": disk_mb(index_dir),
+    }
     served = run_child("serve", str(index_dir), str(data_root), "")
-    row.update(open_s=served["open_s"], p50_ms=served["p50_ms"], p95_ms=served["p95_ms"],
-               serve_peak_rss_mb=served["peak_rss_mb"])
+    row.update(
+        open_s=served["open_s"],
+        p50_ms=served["p50_ms"],
+        p95_ms=served["p95_ms"],
+        serve_peak_rss_mb=served["peak_rss_mb"],
+    )
     remote = through_chroma_server(index_dir, data_root)
     row.update(server_p50_ms=remote["p50_ms"], server_p95_ms=remote["p95_ms"])
     added = run_child("build", str(index_dir), str(data_root), str(size), str(ADD))
-    row.update(add_10k_s=added["seconds"], add_bm25_s=added["bm25_s"], add_peak_rss_mb=added["peak_rss_mb"],
-               add_segments=added["segments"])
+    row.update(
+        add_10k_s=added["seconds"],
+        add_bm25_s=added["bm25_s"],
+        add_peak_rss_mb=added["peak_rss_mb"],
+        add_segments=added["segments"],
+    )
     after = run_child("serve", str(index_dir), str(data_root), "")  # the commits' segments scored as one BM25
     row.update(after_add_p50_ms=after["p50_ms"], after_add_p95_ms=after["p95_ms"])
     print(f"{size:,}: {json.dumps(row)}", flush=True)
@@ -172,9 +209,15 @@ def plot(sizes: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     xs = sorted(int(s) for s in sizes)
-    series = {"build s": "build_s", "add 10k s": "add_10k_s", "disk MB": "disk_mb",
-              "serving peak RSS MB": "serve_peak_rss_mb", "query p50 ms": "p50_ms", "query p95 ms": "p95_ms",
-              "open s": "open_s"}
+    series = {
+        "build s": "build_s",
+        "add 10k s": "add_10k_s",
+        "disk MB": "disk_mb",
+        "serving peak RSS MB": "serve_peak_rss_mb",
+        "query p50 ms": "p50_ms",
+        "query p95 ms": "p95_ms",
+        "open s": "open_s",
+    }
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for label, key in series.items():
         ys = [sizes[str(x)][key] for x in xs]
@@ -191,7 +234,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="50000,200000,1000000")
-    parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA") or str(REPO.parent / "shared" / "data"))
+    parser.add_argument(
+        "--data", default=os.environ.get("ERMEDRAG_SHARED_DATA") or str(REPO.parent / "shared" / "data")
+    )
     parser.add_argument("--work", default=str(CACHE))
     parser.add_argument("--out", default=str(REPO / "benches" / "results" / "scale.json"))
     args = parser.parse_args()
@@ -217,10 +262,12 @@ def main() -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         sizes[str(size)] = measure(size, work, data_root)
         out.write_text(json.dumps(record, indent=2) + "\n")
-    record.update(command="python benches/retrieval/scale.py " + " ".join(sys.argv[1:]),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  machine=at_start,
-                  seconds=round(time.perf_counter() - started, 1))
+    record.update(
+        command="python benches/retrieval/scale.py " + " ".join(sys.argv[1:]),
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        machine=at_start,
+        seconds=round(time.perf_counter() - started, 1),
+    )
     out.write_text(json.dumps(record, indent=2) + "\n")
     plot(sizes, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")

@@ -38,11 +38,17 @@ def snippet_metrics(snippets: Sequence[Span], gold: Sequence[Span]) -> dict[str,
     by_doc: dict[str, list[int]] = {}
     for i, g in enumerate(gold):
         by_doc.setdefault(g.doc_id, []).append(i)
-    found = [{i for i in by_doc.get(s.doc_id, ()) if _overlap(s, gold[i]) >= MIN_OVERLAP * max(_len(s), _len(gold[i]))}
-             for s in snippets[:DEPTH]]
+    found = [
+        {i for i in by_doc.get(s.doc_id, ()) if _overlap(s, gold[i]) >= MIN_OVERLAP * max(_len(s), _len(gold[i]))}
+        for s in snippets[:DEPTH]
+    ]
     out = _metrics(found, len(gold))
-    contained = set().union(*[{i for i in by_doc.get(s.doc_id, ()) if _overlap(s, gold[i]) >= MIN_OVERLAP * _len(gold[i])}
-                              for s in snippets[:10]])
+    contained = set().union(
+        *[
+            {i for i in by_doc.get(s.doc_id, ()) if _overlap(s, gold[i]) >= MIN_OVERLAP * _len(gold[i])}
+            for s in snippets[:10]
+        ]
+    )
     out["contained@10"] = len(contained) / len(gold)
     out["snippet_chars"] = sum(_len(s) for s in snippets[:10]) / max(len(snippets[:10]), 1)
     return out
@@ -59,8 +65,12 @@ def _metrics(found: list[set], n_gold: int) -> dict[str, float]:
             dcg += 1 / math.log2(r + 2)
         seen |= f
     idcg = sum(1 / math.log2(r + 2) for r in range(min(n_gold, 10)))
-    return {"hit@10": float(bool(seen)), "recall@10": len(seen) / n_gold,
-            "mrr@100": 0.0 if first is None else 1 / (first + 1), "ndcg@10": dcg / idcg}
+    return {
+        "hit@10": float(bool(seen)),
+        "recall@10": len(seen) / n_gold,
+        "mrr@100": 0.0 if first is None else 1 / (first + 1),
+        "ndcg@10": dcg / idcg,
+    }
 
 
 def _overlap(a: Span, b: Span) -> int:

@@ -46,8 +46,16 @@ def make_systems(index: Any) -> dict[str, System]:
     from dataclasses import replace
 
     from ermedrag.tools.retrieval.index import Index
-    from ermedrag.tools.retrieval.search import (DEFAULT_CONFIG, ChunkHit, RetrievalConfig, bm25_search, coarse_hybrid, dense_search,
-                                 retrieve, rrf_fuse)
+    from ermedrag.tools.retrieval.search import (
+        DEFAULT_CONFIG,
+        ChunkHit,
+        RetrievalConfig,
+        bm25_search,
+        coarse_hybrid,
+        dense_search,
+        retrieve,
+        rrf_fuse,
+    )
 
     bm25, bm25_ids = default_bm25(index)
     baseline_index = Index(index.directory, index.encoder, index.collection, bm25, bm25_ids)
@@ -57,8 +65,9 @@ def make_systems(index: Any) -> dict[str, System]:
 
     def medrag_rrf(query: str) -> list[Span]:
         fetch = max(2 * DEPTH, 100)
-        fused = rrf_fuse({"bm25": bm25_hits(query, fetch), "dense": dense_search(index, query, fetch)}, DEPTH,
-                         MEDRAG_RRF_K)
+        fused = rrf_fuse(
+            {"bm25": bm25_hits(query, fetch), "dense": dense_search(index, query, fetch)}, DEPTH, MEDRAG_RRF_K
+        )
         return [chunk_span(h.chunk_id) for h in fused]
 
     def chunks_of(config: RetrievalConfig) -> System:
@@ -110,9 +119,18 @@ def llamaindex_fusion(index: Any, chunk_ids: list[str]) -> System:
     ids, texts = chunk_texts(index.collection)
     nodes = [TextNode(id_=cid, text=text) for cid, text in zip(ids, texts)]
     fetch = max(2 * DEPTH, 100)
-    bm25 = BM25Retriever.from_defaults(nodes=nodes, similarity_top_k=fetch, stemmer=snowball_stemmer(), language="english")
-    vectors = VectorStoreIndex.from_vector_store(ChromaVectorStore(chroma_collection=index.collection),
-                                                 embed_model=LocalEmbedding())
-    fusion = QueryFusionRetriever([vectors.as_retriever(similarity_top_k=fetch), bm25], llm=MockLLM(),
-                                  mode="reciprocal_rerank", similarity_top_k=DEPTH, num_queries=1, use_async=False)
+    bm25 = BM25Retriever.from_defaults(
+        nodes=nodes, similarity_top_k=fetch, stemmer=snowball_stemmer(), language="english"
+    )
+    vectors = VectorStoreIndex.from_vector_store(
+        ChromaVectorStore(chroma_collection=index.collection), embed_model=LocalEmbedding()
+    )
+    fusion = QueryFusionRetriever(
+        [vectors.as_retriever(similarity_top_k=fetch), bm25],
+        llm=MockLLM(),
+        mode="reciprocal_rerank",
+        similarity_top_k=DEPTH,
+        num_queries=1,
+        use_async=False,
+    )
     return lambda q: [chunk_span(n.node.node_id) for n in fusion.retrieve(clean(q))]

@@ -65,8 +65,11 @@ def bm25_variants(index, questions: list[dict]) -> list[dict]:
         retriever.index(tokenize(texts), show_progress=False)
 
         def search(text: str, r=retriever, s=stemmer) -> list[str]:
-            terms = [t for t in bm25s.tokenize([text], stopwords="en", stemmer=s, show_progress=False,
-                                               return_ids=False)[0] if t in r.vocab_dict]
+            terms = [
+                t
+                for t in bm25s.tokenize([text], stopwords="en", stemmer=s, show_progress=False, return_ids=False)[0]
+                if t in r.vocab_dict
+            ]
             if not terms:
                 return []
             found, _ = r.retrieve([terms], k=DEPTH, show_progress=False, n_threads=1)
@@ -102,16 +105,24 @@ def hnsw_vs_exact(index, questions: list[dict]) -> dict:
         overlap.append(len(approx & exact) / DEPTH)
         hnsw_ms.append(1000 * (t1 - t0))
         exact_ms.append(1000 * (t2 - t1))
-    row = {"recall_of_exact_top100": round(float(np.mean(overlap)), 4),
-           "hnsw_p50_ms": round(float(np.median(hnsw_ms)), 1), "exact_numpy_p50_ms": round(float(np.median(exact_ms)), 1),
-           "configuration": index.collection.configuration_json.get("hnsw")}
+    row = {
+        "recall_of_exact_top100": round(float(np.mean(overlap)), 4),
+        "hnsw_p50_ms": round(float(np.median(hnsw_ms)), 1),
+        "exact_numpy_p50_ms": round(float(np.median(exact_ms)), 1),
+        "configuration": index.collection.configuration_json.get("hnsw"),
+    }
     print("hnsw vs exact:", json.dumps(row), flush=True)
     return row
 
 
 # The fine stage (RetrievalConfig's fine-stage fields), likewise.
-FINE_VARIANTS: list[dict] = [{"windows_per_chunk": 1}, {"windows_per_chunk": 2}, {"windows_per_chunk": 3},
-                             {"windows_per_chunk": 5}, {"windows_per_chunk": 3, "min_relative_score": 0.25}]
+FINE_VARIANTS: list[dict] = [
+    {"windows_per_chunk": 1},
+    {"windows_per_chunk": 2},
+    {"windows_per_chunk": 3},
+    {"windows_per_chunk": 5},
+    {"windows_per_chunk": 3, "min_relative_score": 0.25},
+]
 
 
 def fine_variants(index_dir: str, data: SharedData, questions: list[dict]) -> list[dict]:
@@ -126,10 +137,13 @@ def fine_variants(index_dir: str, data: SharedData, questions: list[dict]) -> li
     index = open_index(index_dir)
     rows = []
     for changes in FINE_VARIANTS:
+
         def search(text: str, c=dataclasses.replace(RetrievalConfig(), **changes)) -> list:
             query = clean_query(text)
-            return [Span(s.doc_id, s.start, s.end)
-                    for s in fine_sentence_windows(index, query, coarse_hybrid(index, query, DEPTH), DEPTH, c)]
+            return [
+                Span(s.doc_id, s.start, s.end)
+                for s in fine_sentence_windows(index, query, coarse_hybrid(index, query, DEPTH), DEPTH, c)
+            ]
 
         score_spans = lambda q, found: snippet_metrics(found, [spans[g] for g in q["gold"]])  # noqa: E731
         rows.append({"fine": changes, **run_system(json.dumps(changes), search, score_spans, questions, [])})
@@ -141,8 +155,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA)
     parser.add_argument("--index-dir", default=str(CACHE / "passages-index"), help="built by retrieval_bench.py")
-    parser.add_argument("--long-documents-index", default=str(CACHE / "longdocs-index"),
-                        help="built by retrieval_bench.py (the fine-stage variants run on it)")
+    parser.add_argument(
+        "--long-documents-index",
+        default=str(CACHE / "longdocs-index"),
+        help="built by retrieval_bench.py (the fine-stage variants run on it)",
+    )
     parser.add_argument("--queries", type=int, default=400, help="tuning questions used")
     parser.add_argument("--fine-queries", type=int, default=150, help="tuning questions for the fine-stage variants")
     parser.add_argument("--seed", type=int, default=0)
@@ -157,7 +174,7 @@ def main() -> None:
 
     data = SharedData(Path(args.data))
     tuning, _ = split_qrels(data, args.seed)
-    questions = tuning[:args.queries]
+    questions = tuning[: args.queries]
     index = open_index(args.index_dir)
     hnsw = hnsw_vs_exact(index, questions)
     bm25_rows = bm25_variants(index, questions)
@@ -165,17 +182,30 @@ def main() -> None:
     for changes in VARIANTS:
         config = dataclasses.replace(RetrievalConfig(), **changes)
         search = lambda text, c=config: passage_ids(  # noqa: E731
-            h.chunk_id for h in coarse_hybrid(index, " ".join(text.split()), DEPTH, c))
+            h.chunk_id for h in coarse_hybrid(index, " ".join(text.split()), DEPTH, c)
+        )
         t0 = time.perf_counter()
         row = {"changes": changes, **run_system(json.dumps(changes), search, score_passages, questions, tuning[-3:])}
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    fine_rows = fine_variants(args.long_documents_index, data, tuning[:args.fine_queries])
-    Path(args.out).write_text(json.dumps({"questions": len(questions), "split": "tuning", "seed": args.seed,
-                                          "defaults": dataclasses.asdict(RetrievalConfig()), "bm25_params": BM25_PARAMS,
-                                          "bm25_variants": bm25_rows, "variants": rows, "hnsw": hnsw,
-                                          "fine_long_documents": {"questions": args.fine_queries, "variants": fine_rows}},
-                                         indent=2) + "\n")
+    fine_rows = fine_variants(args.long_documents_index, data, tuning[: args.fine_queries])
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "questions": len(questions),
+                "split": "tuning",
+                "seed": args.seed,
+                "defaults": dataclasses.asdict(RetrievalConfig()),
+                "bm25_params": BM25_PARAMS,
+                "bm25_variants": bm25_rows,
+                "variants": rows,
+                "hnsw": hnsw,
+                "fine_long_documents": {"questions": args.fine_queries, "variants": fine_rows},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

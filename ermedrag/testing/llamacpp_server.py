@@ -22,8 +22,13 @@ def register_chat_format() -> None:
 
     from ermedrag.tools.models.offline import END_OF_TURN, GEMMA_CHAT_TEMPLATE
 
-    formatter = Jinja2ChatFormatter(template=GEMMA_CHAT_TEMPLATE, eos_token=END_OF_TURN, bos_token="<bos>",
-                                    add_generation_prompt=True, stop_token_ids=GEMMA_STOP_TOKEN_IDS)
+    formatter = Jinja2ChatFormatter(
+        template=GEMMA_CHAT_TEMPLATE,
+        eos_token=END_OF_TURN,
+        bos_token="<bos>",
+        add_generation_prompt=True,
+        stop_token_ids=GEMMA_STOP_TOKEN_IDS,
+    )
     register_chat_completion_handler(CHAT_FORMAT)(formatter.to_chat_handler())
 
 

@@ -52,16 +52,61 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
-MODES = ("ok", "hang", "5xx", "malformed_json", "wrong_shape", "empty_choices", "no_message", "null_content",
-         "wrong_types", "dropped", "stream_error", "trickle", "ignores_limit", "slow_then_ok", "fail_then_ok")
+MODES = (
+    "ok",
+    "hang",
+    "5xx",
+    "malformed_json",
+    "wrong_shape",
+    "empty_choices",
+    "no_message",
+    "null_content",
+    "wrong_types",
+    "dropped",
+    "stream_error",
+    "trickle",
+    "ignores_limit",
+    "slow_then_ok",
+    "fail_then_ok",
+)
 FLAVOURS = ("openai", "vllm", "keeps_stop")
 TRAILING = "\nThe model keeps writing after its answer, as models do."
 # The OpenAI API's chat-completion request fields (what `strict` accepts).
-OPENAI_FIELDS = frozenset({
-    "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
-    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
-    "presence_penalty", "reasoning_effort", "response_format", "seed", "service_tier", "stop", "store", "stream",
-    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "web_search_options"})
+OPENAI_FIELDS = frozenset(
+    {
+        "messages",
+        "model",
+        "audio",
+        "frequency_penalty",
+        "function_call",
+        "functions",
+        "logit_bias",
+        "logprobs",
+        "max_completion_tokens",
+        "max_tokens",
+        "metadata",
+        "modalities",
+        "n",
+        "parallel_tool_calls",
+        "prediction",
+        "presence_penalty",
+        "reasoning_effort",
+        "response_format",
+        "seed",
+        "service_tier",
+        "stop",
+        "store",
+        "stream",
+        "stream_options",
+        "temperature",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "user",
+        "web_search_options",
+    }
+)
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a test server still bounds what it reads
 
 
@@ -110,11 +155,16 @@ def completion(body: dict[str, Any], flavour: str = "openai") -> dict[str, Any]:
     prompt_words = sum(len(_text(m.get("content")).split()) for m in body.get("messages") or [])
     message = {"role": "assistant", "content": "".join(words)}
     return {
-        "id": "cmpl-misbehaving", "object": "chat.completion", "created": int(time.time()),
+        "id": "cmpl-misbehaving",
+        "object": "chat.completion",
+        "created": int(time.time()),
         "model": body.get("model", "x"),
         "choices": [_choice(flavour, stop_reason, finish_reason=finish, message=message)],
-        "usage": {"prompt_tokens": prompt_words, "completion_tokens": len(words),
-                  "total_tokens": prompt_words + len(words)},
+        "usage": {
+            "prompt_tokens": prompt_words,
+            "completion_tokens": len(words),
+            "total_tokens": prompt_words + len(words),
+        },
     }
 
 
@@ -126,10 +176,15 @@ def stream_events(body: dict[str, Any], flavour: str = "openai") -> Iterator[byt
     """The same completion as server-sent events: a role chunk, a word per chunk, the finish reason, the usage when
     `stream_options.include_usage` asks for it (`keeps_stop`: always, as `transformers serve` does), `[DONE]`."""
     words, finish, stop_reason = generate(body, flavour)
-    base = {"id": "cmpl-misbehaving", "created": int(time.time()), "model": body.get("model", "x"),
-            "object": "chat.completion.chunk"}
-    yield _event(base | {"choices": [_choice(flavour, None, delta={"role": "assistant", "content": ""},
-                                             finish_reason=None)]})
+    base = {
+        "id": "cmpl-misbehaving",
+        "created": int(time.time()),
+        "model": body.get("model", "x"),
+        "object": "chat.completion.chunk",
+    }
+    yield _event(
+        base | {"choices": [_choice(flavour, None, delta={"role": "assistant", "content": ""}, finish_reason=None)]}
+    )
     for word in words:
         yield _event(base | {"choices": [_choice(flavour, None, delta={"content": word}, finish_reason=None)]})
     yield _event(base | {"choices": [_choice(flavour, stop_reason, delta={}, finish_reason=finish)]})
@@ -142,8 +197,17 @@ def stream_events(body: dict[str, Any], flavour: str = "openai") -> Iterator[byt
 class MisbehavingServer:
     """An HTTP server in a background thread; `base_url` ends in /v1 like any OpenAI-compatible server."""
 
-    def __init__(self, mode: str, *, port: int = 0, delay_s: float = 1.0, failures: int = 2, status: int = 503,
-                 flavour: str = "openai", strict: bool = False):
+    def __init__(
+        self,
+        mode: str,
+        *,
+        port: int = 0,
+        delay_s: float = 1.0,
+        failures: int = 2,
+        status: int = 503,
+        flavour: str = "openai",
+        strict: bool = False,
+    ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         if flavour not in FLAVOURS:
@@ -158,8 +222,9 @@ class MisbehavingServer:
         self._httpd = _QuietServer(("127.0.0.1", port), _handler_for(self))
         self._httpd.daemon_threads = True
         # A short poll keeps `stop` quick (serve_forever checks for shutdown every poll_interval).
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"misbehaving-{mode}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name=f"misbehaving-{mode}", daemon=True
+        )
 
     @property
     def port(self) -> int:
@@ -206,12 +271,16 @@ BROKEN_COMPLETIONS = {
     "wrong_shape": {"id": "cmpl-odd", "object": "chat.completion", "result": "no choices here"},
     "empty_choices": {"id": "cmpl-odd", "object": "chat.completion", "choices": []},
     "no_message": {"id": "cmpl-odd", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop"}]},
-    "null_content": {"id": "cmpl-odd", "object": "chat.completion",
-                     "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant",
-                                                                                    "content": None}}]},
-    "wrong_types": {"id": "cmpl-odd", "object": "chat.completion",
-                    "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant",
-                                                                                   "content": 42}}]},
+    "null_content": {
+        "id": "cmpl-odd",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": None}}],
+    },
+    "wrong_types": {
+        "id": "cmpl-odd",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": 42}}],
+    },
 }
 
 
@@ -253,8 +322,16 @@ def _handler_for(server: MisbehavingServer) -> type[BaseHTTPRequestHandler]:
                 server._stopping.wait()
                 self.close_connection = True
             elif mode == "5xx" or (mode == "fail_then_ok" and n <= server.failures):
-                self._send_json(server.status, {"error": {"message": "server overloaded (misbehaving test server)",
-                                                          "type": "server_error", "code": server.status}})
+                self._send_json(
+                    server.status,
+                    {
+                        "error": {
+                            "message": "server overloaded (misbehaving test server)",
+                            "type": "server_error",
+                            "code": server.status,
+                        }
+                    },
+                )
             elif mode == "malformed_json":
                 self._send_bytes(200, b'{"id": "cmpl-broken", "choices": [{"message": ', "application/json")
             elif mode in BROKEN_COMPLETIONS:
@@ -271,9 +348,14 @@ def _handler_for(server: MisbehavingServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
             elif mode == "stream_error":
                 events = stream_events(body, server.flavour)
-                self._stream([next(events), next(events), _event({"error": {"message": "engine crashed (test)",
-                                                                           "type": "internal_error"}}),
-                              _event("[DONE]")])
+                self._stream(
+                    [
+                        next(events),
+                        next(events),
+                        _event({"error": {"message": "engine crashed (test)", "type": "internal_error"}}),
+                        _event("[DONE]"),
+                    ]
+                )
             elif mode == "trickle":
                 self._trickle()
             elif mode == "ignores_limit":
@@ -355,8 +437,15 @@ def main() -> None:
     parser.add_argument("--failures", type=int, default=2, help="fail_then_ok: requests that fail first")
     parser.add_argument("--status", type=int, default=503, help="5xx/fail_then_ok: the error status")
     args = parser.parse_args()
-    server = MisbehavingServer(args.mode, port=args.port, delay_s=args.delay, failures=args.failures,
-                               status=args.status, flavour=args.flavour, strict=args.strict).start()
+    server = MisbehavingServer(
+        args.mode,
+        port=args.port,
+        delay_s=args.delay,
+        failures=args.failures,
+        status=args.status,
+        flavour=args.flavour,
+        strict=args.strict,
+    ).start()
     print(f"{args.mode} server ({args.flavour}) on {server.base_url}", flush=True)
     try:
         while True:

@@ -53,8 +53,21 @@ def server_command(kind: str, port: int, threads: int | None = None) -> tuple[li
         gguf = str(offline_gguf())
         # --interrupt_requests False: by default a new request cuts the one streaming (ending it with [DONE] and no
         # finish_reason), so concurrent calls (an extractor fan-out) cut each other; this way they queue.
-        command = [sys.executable, "-m", "ermedrag.testing.llamacpp_server", "--model", gguf, "--host", "127.0.0.1",
-                   "--port", str(port), "--n_ctx", "8192", "--interrupt_requests", "False"]
+        command = [
+            sys.executable,
+            "-m",
+            "ermedrag.testing.llamacpp_server",
+            "--model",
+            gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "8192",
+            "--interrupt_requests",
+            "False",
+        ]
         if threads:
             command += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
         return command, gguf
@@ -65,8 +78,23 @@ def server_command(kind: str, port: int, threads: int | None = None) -> tuple[li
         folder = str(offline_model_dir())
         dtype = str(inference_dtype("cpu", checkpoint_dtype(folder))).removeprefix("torch.")
         transformers = str(Path(sys.executable).parent / "transformers")
-        return [transformers, "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-                "--dtype", dtype, "--model-timeout", "86400", "--log-level", "info"], folder
+        return [
+            transformers,
+            "serve",
+            folder,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--dtype",
+            dtype,
+            "--model-timeout",
+            "86400",
+            "--log-level",
+            "info",
+        ], folder
     raise ValueError(f"unknown server kind {kind!r}; expected one of {SERVER_KINDS}")
 
 
@@ -79,8 +107,9 @@ def _models(base: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def real_server(kind: str, workdir: Path, *, threads: int | None = None,
-                startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[RealServer]:
+def real_server(
+    kind: str, workdir: Path, *, threads: int | None = None, startup_timeout_s: float = STARTUP_TIMEOUT_S
+) -> Iterator[RealServer]:
     """A `kind` server on a free port, ready (it lists its model), stopped with everything it spawned afterwards."""
     port = free_port()
     command, model = server_command(kind, port, threads)
@@ -91,8 +120,9 @@ def real_server(kind: str, workdir: Path, *, threads: int | None = None,
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("OMP_WAIT_POLICY", "passive")  # shared cores: no busy-waiting threads
     with log.open("wb") as out:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + startup_timeout_s

@@ -24,15 +24,38 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>", "<search>", "</search>", "<document>", "</document>"]
 
 _SUBJECTS = [
-    "Metformin", "Aspirin", "Warfarin", "Insulin", "Amoxicillin", "Lisinopril", "Atorvastatin", "Heparin",
-    "Furosemide", "Prednisone", "Levothyroxine", "Omeprazole", "Salbutamol", "Digoxin", "Vancomycin",
+    "Metformin",
+    "Aspirin",
+    "Warfarin",
+    "Insulin",
+    "Amoxicillin",
+    "Lisinopril",
+    "Atorvastatin",
+    "Heparin",
+    "Furosemide",
+    "Prednisone",
+    "Levothyroxine",
+    "Omeprazole",
+    "Salbutamol",
+    "Digoxin",
+    "Vancomycin",
 ]
 _EFFECTS = [
-    "lowers blood glucose in type 2 diabetes", "inhibits platelet aggregation", "prolongs the INR",
-    "treats diabetic ketoacidosis", "covers streptococcal pharyngitis", "reduces blood pressure",
-    "lowers LDL cholesterol", "prevents venous thromboembolism", "relieves pulmonary oedema",
-    "suppresses inflammation", "replaces thyroid hormone", "reduces gastric acid secretion",
-    "relieves acute bronchospasm", "controls atrial fibrillation rate", "treats MRSA infection",
+    "lowers blood glucose in type 2 diabetes",
+    "inhibits platelet aggregation",
+    "prolongs the INR",
+    "treats diabetic ketoacidosis",
+    "covers streptococcal pharyngitis",
+    "reduces blood pressure",
+    "lowers LDL cholesterol",
+    "prevents venous thromboembolism",
+    "relieves pulmonary oedema",
+    "suppresses inflammation",
+    "replaces thyroid hormone",
+    "reduces gastric acid secretion",
+    "relieves acute bronchospasm",
+    "controls atrial fibrillation rate",
+    "treats MRSA infection",
 ]
 _PATIENTS = [
     "A 45-year-old man presents with chest pain radiating to the left arm.",
@@ -45,8 +68,10 @@ _PATIENTS = [
     "A 40-year-old man has epigastric pain relieved by meals.",
 ]
 _QUESTIONS = [
-    "What is the most likely diagnosis?", "Which drug is the first-line treatment?",
-    "What is the next best step in management?", "Which laboratory test confirms the diagnosis?",
+    "What is the most likely diagnosis?",
+    "Which drug is the first-line treatment?",
+    "What is the next best step in management?",
+    "Which laboratory test confirms the diagnosis?",
 ]
 
 
@@ -96,18 +121,26 @@ def build_tokenizer(vocab_size: int = 768):
     return tokenizer
 
 
-def qwen2_for(tokenizer: Any, *, vocab_size: int | None = None, max_position_embeddings: int = 512,
-              **shape: int) -> tuple[Any, Any]:
+def qwen2_for(
+    tokenizer: Any, *, vocab_size: int | None = None, max_position_embeddings: int = 512, **shape: int
+) -> tuple[Any, Any]:
     """A Qwen2 config of the given shape around `tokenizer` (its ids for eos and pad, no bos), and a sampling
     generation config that stops at its eos: what every randomly initialised test model here is built from."""
     from transformers import GenerationConfig, Qwen2Config
 
-    config = Qwen2Config(vocab_size=vocab_size or len(tokenizer), max_position_embeddings=max_position_embeddings,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **shape)
+    config = Qwen2Config(
+        vocab_size=vocab_size or len(tokenizer),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **shape,
+    )
     config.architectures = ["Qwen2ForCausalLM"]
-    generation = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                  do_sample=True)
+    generation = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
+    )
     return config, generation
 
 
@@ -119,8 +152,14 @@ def build_tiny_causal_lm(directory: str | Path, *, seed: int = 0) -> str:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config, generation = qwen2_for(tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    config, generation = qwen2_for(
+        tokenizer,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config = generation

@@ -11,6 +11,7 @@ from ermedrag.graphs.context import Context
 from ermedrag.tools.settings import context_field
 from ermedrag.tools.models import require_image_support
 
+
 @dataclass(kw_only=True)
 class MMedAgentContext(Context):
     specialties: str = context_field("ERMEDRAG_SPECIALTIES")
@@ -34,16 +35,21 @@ class MMedAgentContext(Context):
         triage_mode, default = str(values["triage_mode"]), str(values["default_specialty"])
         mode, name = triage_role.split_triage_mode(triage_mode)
         if mode not in ("model", "oracle", "fixed") or (mode == "fixed") != bool(name):
-            raise ValueError(f"context field 'triage_mode' is {triage_mode!r}; use one of "
-                             f"{', '.join(triage_role.TRIAGE_MODES)}")
+            raise ValueError(
+                f"context field 'triage_mode' is {triage_mode!r}; use one of {', '.join(triage_role.TRIAGE_MODES)}"
+            )
         if mode == "fixed" and not triage_role.canonical_specialty(name, known):
-            raise ValueError(f"context field 'triage_mode': {name!r} is not one of the specialties "
-                             f"({', '.join(known)})")
+            raise ValueError(
+                f"context field 'triage_mode': {name!r} is not one of the specialties ({', '.join(known)})"
+            )
         if default.strip() and not triage_role.canonical_specialty(default, known):
-            raise ValueError(f"context field 'default_specialty': {default!r} is not one of the "
-                             f"specialties ({', '.join(known)})")
-        for field_name, most in (("n_specialists", specialist_role.MAX_SPECIALISTS),
-                                 ("attending_samples", attending_role.MAX_ATTENDING_SAMPLES)):
+            raise ValueError(
+                f"context field 'default_specialty': {default!r} is not one of the specialties ({', '.join(known)})"
+            )
+        for field_name, most in (
+            ("n_specialists", specialist_role.MAX_SPECIALISTS),
+            ("attending_samples", attending_role.MAX_ATTENDING_SAMPLES),
+        ):
             value = values[field_name]
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
                 raise ValueError(f"context field {field_name!r} must be an integer from 1 to {most}, got {value!r}")
@@ -68,8 +74,10 @@ def seeing_roles(ctx: MMedAgentContext) -> list[tuple[str, str, str]]:
     roles_fields = [("specialist", "specialist_model"), ("attending", "attending_model")]
     if triage_role.split_triage_mode(ctx.triage_mode)[0] == "model":
         roles_fields.insert(0, ("triage doctor", "triage_model"))
-    return [(role, field if getattr(ctx, field) else "respondent_model", role_model(ctx, getattr(ctx, field)))
-            for role, field in roles_fields]
+    return [
+        (role, field if getattr(ctx, field) else "respondent_model", role_model(ctx, getattr(ctx, field)))
+        for role, field in roles_fields
+    ]
 
 
 def check_models_see(ctx: MMedAgentContext, images: list[str]) -> None:

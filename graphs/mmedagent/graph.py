@@ -29,8 +29,18 @@ from langgraph.graph import END, START, StateGraph
 
 from ermedrag.graphs.mmedagent.context import MMedAgentContext
 from ermedrag.graphs.mmedagent.state import MMedAgentInput, State
-from ermedrag.graphs.mmedagent.steps import (after_intake, attending, collect, consult_attending,
-                                             consult_specialists, finish, intake, retrieve, specialist, triage)
+from ermedrag.graphs.mmedagent.steps import (
+    after_intake,
+    attending,
+    collect,
+    consult_attending,
+    consult_specialists,
+    finish,
+    intake,
+    retrieve,
+    specialist,
+    triage,
+)
 
 builder = StateGraph(State, context_schema=MMedAgentContext, input_schema=MMedAgentInput)
 builder.add_node(intake)

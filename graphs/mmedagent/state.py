@@ -14,6 +14,7 @@ from ermedrag.agents.triage import Triage
 from ermedrag.agents.respondent import Answer
 from ermedrag.graphs.state import InputState, per_question
 
+
 class MMedAgentInput(InputState, total=False):
     gold_specialty: str | None  # the case's specialty, when known: the oracle triage and the triage's gold label
     # File paths, http(s) URLs or data:image/...;base64 URIs (at most 8): every role sees them. After `intake` the

@@ -46,8 +46,9 @@ def run_smoke_until(shared_data: Path, work: Path, line: str, *args: str) -> boo
     stop it; False when it ended first."""
     env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
     command = [sys.executable, str(SCRIPT), "--smoke", *args, "--data", str(shared_data), "--work", str(work)]
-    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as proc:
+    with subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
         assert proc.stdout is not None
         for output in proc.stdout:
             if line in output:
@@ -66,8 +67,15 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     seeds = result["seeds"]
     assert seeds["n"] == 2
     grpo = seeds["grpo_respondent"]
-    for metric in ("accuracy", "well_formed_rate", "reward/format_reward", "reward/well_formed_correctness_reward",
-                   "reward/length_penalty", "reward/evidence_use_reward", "mean_reasoning_chars"):
+    for metric in (
+        "accuracy",
+        "well_formed_rate",
+        "reward/format_reward",
+        "reward/well_formed_correctness_reward",
+        "reward/length_penalty",
+        "reward/evidence_use_reward",
+        "mean_reasoning_chars",
+    ):
         entry = grpo[metric]
         assert len(entry["after"]["values"]) == 2 and 0 <= entry["seeds_higher_after"] <= 2, metric
         assert entry["before"] == result["grpo_respondent"]["before"][metric]  # one before for every seed
@@ -79,9 +87,16 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     for metric in ("cites_relevant_number", "cites_distractor_number", "cites_first_line"):  # what is cited
         assert len(grpo[metric]["after"]["values"]) == 2, metric
     # every measurement keeps the held-out replies it scored, so a metric added later needs no model
-    kept = {folder: json.loads((tmp_path / "smoke" / folder / "heldout_replies.json").read_text())
-            for folder in ("grpo-before", "grpo-merged-s0", "grpo-merged-s1", "extractor-before",
-                           "dpo-train-closed-merged-s1")}
+    kept = {
+        folder: json.loads((tmp_path / "smoke" / folder / "heldout_replies.json").read_text())
+        for folder in (
+            "grpo-before",
+            "grpo-merged-s0",
+            "grpo-merged-s1",
+            "extractor-before",
+            "dpo-train-closed-merged-s1",
+        )
+    }
     prompts = {"grpo": result["grpo_respondent"]["eval_prompts"], "dpo": result["dpo_extractor"]["eval_prompts"]}
     assert all(len(kept[f]["replies"]) == prompts["grpo" if f.startswith("grpo") else "dpo"] for f in kept)
     assert len({kept[f]["prompts_sha256"] for f in kept if f.startswith("grpo")}) == 1  # the same prompts
@@ -94,14 +109,20 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
         composition = result[arm]["pair_composition"]  # what the pairs teach: each side's reward components
         assert set(composition) == ({"chosen", "rejected"} if result[arm]["pairs"] else set())
         assert all(composition[side]["total"] <= composition["chosen"]["total"] for side in composition)
-        for metric in ("reward/structure", "reward/faithfulness", "reward/conciseness", "mean_triplets",
-                       "mean_completion_chars"):  # every component of the extractor reward, and the lengths
+        for metric in (
+            "reward/structure",
+            "reward/faithfulness",
+            "reward/conciseness",
+            "mean_triplets",
+            "mean_completion_chars",
+        ):  # every component of the extractor reward, and the lengths
             assert len(dpo[metric]["after"]["values"]) == 2, metric
     assert result["dpo_extractor"]["before"] == result["dpo_extractor_close_cut"]["before"]
 
     # --reuse-trained with a third seed: the two trained seeds are measured again from their merged models.
-    proc = run_smoke(shared_data, tmp_path, "--reuse", "--reuse-trained", "--parts", "dpo", "--seeds", "3",
-                     "--dpo-close-cut", "both")
+    proc = run_smoke(
+        shared_data, tmp_path, "--reuse", "--reuse-trained", "--parts", "dpo", "--seeds", "3", "--dpo-close-cut", "both"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.count("reusing dpo-") + proc.stdout.count("reusing dpo-") == 4  # 2 arms x seeds 0 and 1
     grown = json.loads(out.read_text())
@@ -125,20 +146,32 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     # (measured again from its merged model here) and says how far the run got; --first-seed 1 goes on.
     shutil.rmtree(tmp_path / "smoke" / "grpo-out-s1")
     (tmp_path / "smoke" / "grpo-merged-s1" / "bench_run.json").unlink()
-    seed_one_started = run_smoke_until(shared_data, tmp_path, "grpo_respondent seed 0: recorded",
-                                       "--reuse", "--reuse-trained", "--parts", "grpo", "--seeds", "2")
+    seed_one_started = run_smoke_until(
+        shared_data,
+        tmp_path,
+        "grpo_respondent seed 0: recorded",
+        "--reuse",
+        "--reuse-trained",
+        "--parts",
+        "grpo",
+        "--seeds",
+        "2",
+    )
     assert seed_one_started, "the run ended without recording seed 0"
     stopped = json.loads(out.read_text())
     assert stopped["progress"].startswith("grpo_respondent seed 0 recorded")
     assert stopped["seeds"]["grpo_respondent"]["n"] == 1 and stopped["grpo_respondent"]["reused_seeds"] == [0]
-    proc = run_smoke(shared_data, tmp_path, "--reuse", "--reuse-trained", "--parts", "grpo", "--first-seed", "1",
-                     "--seeds", "1")
+    proc = run_smoke(
+        shared_data, tmp_path, "--reuse", "--reuse-trained", "--parts", "grpo", "--first-seed", "1", "--seeds", "1"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     finished = json.loads(out.read_text())
     assert "progress" not in finished and finished["seeds"]["grpo_respondent"]["n"] == 2
     assert finished["grpo_respondent"]["reused_seeds"] == [0]  # the earlier run's, kept
-    assert finished["seeds"]["grpo_respondent"]["accuracy"]["after"]["values"][0] == \
-        stopped["seeds"]["grpo_respondent"]["accuracy"]["after"]["values"][0]
+    assert (
+        finished["seeds"]["grpo_respondent"]["accuracy"]["after"]["values"][0]
+        == stopped["seeds"]["grpo_respondent"]["accuracy"]["after"]["values"][0]
+    )
 
     # seeds recorded against another before (other traces: another kind of CPU) are not added to: one clear line
     assert json.loads(out.read_text())["grpo_respondent"]["cpu"] == cpu_model()
@@ -153,10 +186,14 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
 
 def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> None:
     seeds = bench_module("seeds")
-    befores = [{"accuracy": 0.25, "rewards": {"format": 0.5}, "ended": {"budget": 10}},
-               {"accuracy": 0.5, "rewards": {"format": 0.25}, "ended": {"budget": 8}}]
-    afters = [{"accuracy": 0.5, "rewards": {"format": 1.0}, "ended": {"budget": 4, "answer": 6}},
-              {"accuracy": 0.25, "rewards": {"format": 0.75}, "ended": {"budget": 2}}]
+    befores = [
+        {"accuracy": 0.25, "rewards": {"format": 0.5}, "ended": {"budget": 10}},
+        {"accuracy": 0.5, "rewards": {"format": 0.25}, "ended": {"budget": 8}},
+    ]
+    afters = [
+        {"accuracy": 0.5, "rewards": {"format": 1.0}, "ended": {"budget": 4, "answer": 6}},
+        {"accuracy": 0.25, "rewards": {"format": 0.75}, "ended": {"budget": 2}},
+    ]
     summary = seeds.paired_over_seeds(befores, afters)
     assert summary["n"] == 2
     assert summary["accuracy"]["before"]["values"] == [0.25, 0.5]
@@ -176,16 +213,18 @@ def test_paired_seeds_report_each_seeds_own_before_and_every_nested_metric() -> 
 def test_seeds_added_later_extend_the_recorded_ones_against_the_same_before() -> None:
     seeds = bench_module("seeds")
     before = {"mean_reward": 0.5, "strict_json_rate": 0.1}
-    recorded = seeds.over_seeds(before, [{"mean_reward": 0.6, "strict_json_rate": 0.2},
-                                         {"mean_reward": 0.4, "strict_json_rate": 0.1}])
+    recorded = seeds.over_seeds(
+        before, [{"mean_reward": 0.6, "strict_json_rate": 0.2}, {"mean_reward": 0.4, "strict_json_rate": 0.1}]
+    )
     recorded = {**recorded, "mean_reward_gain": seeds.gain(recorded, "mean_reward")}  # extra keys are not metrics
     earlier = seeds.afters_from_summary(recorded, before, 2)
     assert earlier == [{"mean_reward": 0.6, "strict_json_rate": 0.2}, {"mean_reward": 0.4, "strict_json_rate": 0.1}]
     grown = seeds.over_seeds(before, [*earlier, {"mean_reward": 0.8, "strict_json_rate": 0.3}])
     assert grown["n"] == 3 and grown["mean_reward"]["after"]["values"] == [0.6, 0.4, 0.8]
     assert grown["mean_reward"]["seeds_higher_after"] == 2
-    newer = seeds.over_seeds({**before, "cites": 0.2}, [*earlier, {"mean_reward": 0.8, "strict_json_rate": 0.3,
-                                                                "cites": 0.4}])
+    newer = seeds.over_seeds(
+        {**before, "cites": 0.2}, [*earlier, {"mean_reward": 0.8, "strict_json_rate": 0.3, "cites": 0.4}]
+    )
     assert "cites" not in newer  # measured in the added seed only: no mean over 1 seed under n = 3
     with pytest.raises(ValueError, match="another before"):
         seeds.afters_from_summary(recorded, {**before, "mean_reward": 0.45}, 2)
@@ -196,8 +235,17 @@ def test_seeds_added_later_extend_the_recorded_ones_against_the_same_before() ->
 def arm_file(path: Path, before: dict, afters: list[dict], cpu: str, **settings) -> Path:
     """A results file holding one run of an arm as learning_signal.py writes it."""
     seeds = bench_module("seeds")
-    record = {"before": before, "after": afters[0], "steps": 50, "eval_prompts": 48, "temperature": 0.7,
-              "minutes": 50.0, "command": "python benches/learning/learning_signal.py", "cpu": cpu, **settings}
+    record = {
+        "before": before,
+        "after": afters[0],
+        "steps": 50,
+        "eval_prompts": 48,
+        "temperature": 0.7,
+        "minutes": 50.0,
+        "command": "python benches/learning/learning_signal.py",
+        "cpu": cpu,
+        **settings,
+    }
     summary = {**seeds.over_seeds(before, afters), "zero_variance_share": [0.5] * len(afters)}
     path.write_text(json.dumps({"arm": record, "seeds": {"arm": summary, "n": len(afters)}}))
     return path
@@ -207,11 +255,18 @@ def test_runs_with_their_own_befores_combine_into_paired_seeds(tmp_path: Path, c
     """Two machines' runs of one recipe (other traces, so other befores) join as paired seeds; a third run adds on;
     another recipe is refused in one line."""
     combine = bench_module("combine_runs")
-    first = arm_file(tmp_path / "a.json", {"accuracy": 0.3125, "rewards": {"format": 0.75}},
-                     [{"accuracy": 0.5, "rewards": {"format": 1.0}}], cpu="Xeon")
-    second = arm_file(tmp_path / "b.json", {"accuracy": 0.375, "rewards": {"format": 0.5}},
-                      [{"accuracy": 0.375, "rewards": {"format": 0.75}},
-                       {"accuracy": 0.5, "rewards": {"format": 1.0}}], cpu="EPYC")
+    first = arm_file(
+        tmp_path / "a.json",
+        {"accuracy": 0.3125, "rewards": {"format": 0.75}},
+        [{"accuracy": 0.5, "rewards": {"format": 1.0}}],
+        cpu="Xeon",
+    )
+    second = arm_file(
+        tmp_path / "b.json",
+        {"accuracy": 0.375, "rewards": {"format": 0.5}},
+        [{"accuracy": 0.375, "rewards": {"format": 0.75}}, {"accuracy": 0.5, "rewards": {"format": 1.0}}],
+        cpu="EPYC",
+    )
     assert combine.main(["--key", "arm", "--into", str(first), str(second)]) == 0
     result = json.loads(first.read_text())
     summary = result["seeds"]["arm"]
@@ -225,8 +280,12 @@ def test_runs_with_their_own_befores_combine_into_paired_seeds(tmp_path: Path, c
     assert len(summary["accuracy_before"]) == 2 and summary["zero_variance_share"] == [0.5, 0.5, 0.5]
     assert [run["cpu"] for run in result["arm"]["runs"]] == ["Xeon", "EPYC"] and "before" not in result["arm"]
 
-    third = arm_file(tmp_path / "c.json", {"accuracy": 0.25, "rewards": {"format": 0.5}},
-                     [{"accuracy": 0.25, "rewards": {"format": 0.5}}], cpu="EPYC")
+    third = arm_file(
+        tmp_path / "c.json",
+        {"accuracy": 0.25, "rewards": {"format": 0.5}},
+        [{"accuracy": 0.25, "rewards": {"format": 0.5}}],
+        cpu="EPYC",
+    )
     assert combine.main(["--key", "arm", "--into", str(first), str(third)]) == 0
     assert json.loads(first.read_text())["seeds"]["arm"]["accuracy"]["gain"]["values"] == [0.1875, 0.0, 0.125, 0.0]
     kept = first.read_text()
@@ -235,16 +294,23 @@ def test_runs_with_their_own_befores_combine_into_paired_seeds(tmp_path: Path, c
 
     # the third run grown by --first-seed (its seed 0 and a seed 1) replaces itself; other seeds against its before
     # are refused
-    grown = arm_file(tmp_path / "c2.json", {"accuracy": 0.25, "rewards": {"format": 0.5}},
-                     [{"accuracy": 0.25, "rewards": {"format": 0.5}}, {"accuracy": 0.5, "rewards": {"format": 1.0}}],
-                     cpu="EPYC")
+    grown = arm_file(
+        tmp_path / "c2.json",
+        {"accuracy": 0.25, "rewards": {"format": 0.5}},
+        [{"accuracy": 0.25, "rewards": {"format": 0.5}}, {"accuracy": 0.5, "rewards": {"format": 1.0}}],
+        cpu="EPYC",
+    )
     assert combine.main(["--key", "arm", "--into", str(first), str(grown)]) == 0
     combined = json.loads(first.read_text())["seeds"]["arm"]
     assert combined["accuracy"]["gain"]["values"] == [0.1875, 0.0, 0.125, 0.0, 0.25]
     assert combined["runs"] == [{"cpu": "Xeon", "seeds": 1}, {"cpu": "EPYC", "seeds": 2}, {"cpu": "EPYC", "seeds": 2}]
     kept = first.read_text()
-    rerun = arm_file(tmp_path / "c3.json", {"accuracy": 0.25, "rewards": {"format": 0.5}},
-                     [{"accuracy": 0.375, "rewards": {"format": 0.5}}], cpu="EPYC")
+    rerun = arm_file(
+        tmp_path / "c3.json",
+        {"accuracy": 0.25, "rewards": {"format": 0.5}},
+        [{"accuracy": 0.375, "rewards": {"format": 0.5}}],
+        cpu="EPYC",
+    )
     assert combine.main(["--key", "arm", "--into", str(first), str(rerun)]) == 2
     assert "grow with learning_signal.py --first-seed" in capsys.readouterr().err and first.read_text() == kept
 
@@ -316,19 +382,48 @@ def test_a_finished_seed_is_reused_and_an_unfinished_or_changed_one_runs_again(t
 
 def lever_options(**changed: Any) -> Namespace:
     """learning_signal.py's GRPO options at their defaults, with `changed` ones (by attribute name)."""
-    return Namespace(**{"grpo_evidence_weight": None, "grpo_respond_tokens": None, "respond_tokens": 96,
-                        "grpo_generations": 4, "grpo_temperature": 0.7, "grpo_prompts_per_step": 1,
-                        "grpo_example": "current", "grpo_steps": 50, "grpo_resample": 0, "smoke": False, **changed})
+    return Namespace(
+        **{
+            "grpo_evidence_weight": None,
+            "grpo_respond_tokens": None,
+            "respond_tokens": 96,
+            "grpo_generations": 4,
+            "grpo_temperature": 0.7,
+            "grpo_prompts_per_step": 1,
+            "grpo_example": "current",
+            "grpo_steps": 50,
+            "grpo_resample": 0,
+            "smoke": False,
+            **changed,
+        }
+    )
 
 
 def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
     grpo_arm = bench_module("learning_signal").grpo_arm
 
-    def options(evidence=None, tokens=None, generations=4, temperature=0.7, prompts=1, example="current", steps=50,
-                resample=0, smoke=False):
-        return lever_options(grpo_evidence_weight=evidence, grpo_respond_tokens=tokens, grpo_generations=generations,
-                             grpo_temperature=temperature, grpo_prompts_per_step=prompts, grpo_example=example,
-                             grpo_steps=steps, grpo_resample=resample, smoke=smoke)
+    def options(
+        evidence=None,
+        tokens=None,
+        generations=4,
+        temperature=0.7,
+        prompts=1,
+        example="current",
+        steps=50,
+        resample=0,
+        smoke=False,
+    ):
+        return lever_options(
+            grpo_evidence_weight=evidence,
+            grpo_respond_tokens=tokens,
+            grpo_generations=generations,
+            grpo_temperature=temperature,
+            grpo_prompts_per_step=prompts,
+            grpo_example=example,
+            grpo_steps=steps,
+            grpo_resample=resample,
+            smoke=smoke,
+        )
 
     def arm(*args, **kwargs):
         key, settings = grpo_arm(options(*args, **kwargs))
@@ -337,14 +432,20 @@ def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
     assert arm() == arm(tokens=96) == ("grpo_respondent", "grpo", 96, {})  # the default arm: its seeds are reused
     assert arm(evidence=1.0) == ("grpo_respondent_evidence_1", "grpo-evidence1", 96, {"evidence": 1.0})
     assert arm(tokens=192) == ("grpo_respondent_tokens_192", "grpo-tokens192", 192, {})
-    assert arm(0.5, 192) == ("grpo_respondent_evidence_0.5_tokens_192", "grpo-evidence0.5-tokens192", 192,
-                             {"evidence": 0.5})
+    assert arm(0.5, 192) == (
+        "grpo_respondent_evidence_0.5_tokens_192",
+        "grpo-evidence0.5-tokens192",
+        192,
+        {"evidence": 0.5},
+    )
     # The zero-variance levers: each sampling setting off its default is an arm of its own.
     assert arm(generations=8)[:2] == ("grpo_respondent_generations_8", "grpo-generations8")
     assert arm(temperature=1.0)[:2] == ("grpo_respondent_temperature_1", "grpo-temperature1")
     assert arm(temperature=0.7000001)[0] == "grpo_respondent_temperature_0.7000001"  # never the default's name
-    assert arm(prompts=2, temperature=0.9)[:2] == ("grpo_respondent_temperature_0.9_prompts_2",
-                                                   "grpo-temperature0.9-prompts2")
+    assert arm(prompts=2, temperature=0.9)[:2] == (
+        "grpo_respondent_temperature_0.9_prompts_2",
+        "grpo-temperature0.9-prompts2",
+    )
     prompts_arm = grpo_arm(options(prompts=2))[1]
     assert (prompts_arm.generations, prompts_arm.temperature, prompts_arm.prompts_per_step) == (4, 0.7, 2)
     # the same sampled completions in half the steps, and dynamic sampling, are arms too; --smoke's steps are its own
@@ -356,17 +457,24 @@ def test_each_grpo_lever_arm_has_its_own_key_and_folders() -> None:
 
 def test_respondent_metrics_split_numbered_citations_into_relevant_and_distractor() -> None:
     respondent_metrics = bench_module("learning_signal").respondent_metrics
-    evidence = [{"condition": "c", "relation": "r", "conclusion": "x", "snippet_id": "s1", "distractor": True},
-                {"condition": "c", "relation": "r", "conclusion": "y", "snippet_id": "s2", "distractor": False}]
+    evidence = [
+        {"condition": "c", "relation": "r", "conclusion": "x", "snippet_id": "s1", "distractor": True},
+        {"condition": "c", "relation": "r", "conclusion": "y", "snippet_id": "s2", "distractor": False},
+    ]
     row = {"options": None, "triplets": evidence}
-    replies = ["<think>Evidence 1 says so.</think><answer>yes</answer>",  # a distractor
-               "<think>Evidence 2 says so.</think><answer>yes</answer>",  # the relevant line
-               "<think>Evidence 1 and evidence 2 agree.</think><answer>yes</answer>",  # both
-               "<think>Evidence 7 says so.</think><answer>yes</answer>",  # a number the prompt never showed
-               "<think>The evidence says so.</think><answer>yes</answer>"]  # no number
+    replies = [
+        "<think>Evidence 1 says so.</think><answer>yes</answer>",  # a distractor
+        "<think>Evidence 2 says so.</think><answer>yes</answer>",  # the relevant line
+        "<think>Evidence 1 and evidence 2 agree.</think><answer>yes</answer>",  # both
+        "<think>Evidence 7 says so.</think><answer>yes</answer>",  # a number the prompt never showed
+        "<think>The evidence says so.</think><answer>yes</answer>",
+    ]  # no number
     metrics = respondent_metrics(replies, [{**row, "gold": "yes", "question": "Q?"}] * len(replies))
-    assert {name: metrics[name] for name in ("cites_a_number", "cites_relevant_number", "cites_distractor_number")} \
-        == {"cites_a_number": 3 / 5, "cites_relevant_number": 2 / 5, "cites_distractor_number": 2 / 5}
+    assert {name: metrics[name] for name in ("cites_a_number", "cites_relevant_number", "cites_distractor_number")} == {
+        "cites_a_number": 3 / 5,
+        "cites_relevant_number": 2 / 5,
+        "cites_distractor_number": 2 / 5,
+    }
     assert metrics["cites_first_line"] == 2 / 5  # a position habit shows whatever line 1 holds
     assert metrics["names_unused_line"] == 3 / 5  # "says so" uses no line's words
     # with line 2's words: only the reply naming line 1 for them, and the one naming both with no words, remain
@@ -411,8 +519,10 @@ def test_an_example_copy_from_another_example_text_is_written_again_and_its_seed
     arm = learning_signal.grpo_arm(options)[1]
     copy = arm.prepare_train_dataset(tmp_path)
     # a copy written when the example read otherwise, and a seed trained on it (finished, with checkpoints)
-    stale = [[*row[:2], {**row[2], "content": row[2]["content"].replace("Evidence 1", "Line 1")}, *row[3:]]
-             for row in load_from_disk(str(copy))["prompt"]]
+    stale = [
+        [*row[:2], {**row[2], "content": row[2]["content"].replace("Evidence 1", "Line 1")}, *row[3:]]
+        for row in load_from_disk(str(copy))["prompt"]
+    ]
     Dataset.from_list([{"prompt": p, "gold": "yes"} for p in stale]).save_to_disk(str(copy) + ".old")
     shutil.rmtree(copy)
     Path(str(copy) + ".old").rename(copy)
@@ -432,8 +542,10 @@ def test_an_example_copy_from_another_example_text_is_written_again_and_its_seed
 def test_rescoring_refuses_replies_recorded_on_other_held_out_prompts() -> None:
     citation_example = bench_module("citation_example")
     rows = [{"question": "Q?", "options": None, "gold": "yes", "triplets": []}]
-    recorded = {"prompts_sha256": citation_example.prompts_sha256(rows),
-                "arms": {"current": {"replies": ["<think>The evidence says so.</think><answer>yes</answer>"]}}}
+    recorded = {
+        "prompts_sha256": citation_example.prompts_sha256(rows),
+        "arms": {"current": {"replies": ["<think>The evidence says so.</think><answer>yes</answer>"]}},
+    }
     assert citation_example.rescore(recorded, rows)["arms"]["current"]["accuracy"] == 1.0
     with pytest.raises(SystemExit, match="not the ones the recorded replies answered"):
         citation_example.rescore(recorded, [{**rows[0], "gold": "no"}])
@@ -451,32 +563,49 @@ def test_a_run_never_replaces_a_record_combined_from_several_machines(tmp_path: 
     refused = subprocess.run(command + ["--parts", "grpo"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and "holds grpo_respondent combined from 2 runs" in refused.stderr
     assert json.loads(record.read_text())["grpo_respondent"] == combined  # untouched
-    bench.refuse_combined(json.loads(record.read_text()), record, bench.dpo_keys(lever_options(
-        dpo_close_cut="on", dpo_temperature=1.0)))  # a one-machine record: no refusal
+    bench.refuse_combined(
+        json.loads(record.read_text()), record, bench.dpo_keys(lever_options(dpo_close_cut="on", dpo_temperature=1.0))
+    )  # a one-machine record: no refusal
     assert bench.dpo_keys(lever_options(dpo_close_cut="both", dpo_temperature=0.7)) == [
-        "dpo_extractor_t0.7", "dpo_extractor_close_cut_t0.7"]
+        "dpo_extractor_t0.7",
+        "dpo_extractor_close_cut_t0.7",
+    ]
 
-    missing = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "no" / "x.json")], cwd=REPO,
-                             capture_output=True, text=True, timeout=300)
+    missing = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "no" / "x.json")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert missing.returncode == 2 and "its folder does not exist" in missing.stderr
 
 
 def test_seeds_added_later_keep_the_earlier_seeds_timing_and_reuse() -> None:
     training_time = bench_module("learning_signal").training_time
     earlier = {"minutes": 50.0, "reused_seeds": [0]}  # two seeds, a mean of 50 minutes each
-    assert training_time([2], [{"minutes": 20.0, "reused": False}], earlier, 2) == {"minutes": 40.0,
-                                                                                  "reused_seeds": [0]}
-    assert training_time([0], [{"minutes": 20.0, "reused": True}], earlier, 0) == {"minutes": 20.0,
-                                                                                 "reused_seeds": [0]}
+    assert training_time([2], [{"minutes": 20.0, "reused": False}], earlier, 2) == {
+        "minutes": 40.0,
+        "reused_seeds": [0],
+    }
+    assert training_time([0], [{"minutes": 20.0, "reused": True}], earlier, 0) == {"minutes": 20.0, "reused_seeds": [0]}
 
 
 def test_a_second_run_on_a_work_folder_in_use_stops_naming_the_first(tmp_path: Path) -> None:
     seeds = bench_module("seeds")
     work = tmp_path / "full"
     holder = subprocess.Popen(  # a bench run holding the folder, until its stdin closes
-        [sys.executable, "-c", "import sys; from pathlib import Path; from seeds import hold_work_folder; "
-         f"hold_work_folder(Path({str(work)!r})); print('held', flush=True); sys.stdin.read()"],
-        cwd=SCRIPT.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from seeds import hold_work_folder; "
+            f"hold_work_folder(Path({str(work)!r})); print('held', flush=True); sys.stdin.read()",
+        ],
+        cwd=SCRIPT.parent,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         in_use = rf"{re.escape(str(work))} is in use by another bench run \(pid {holder.pid}: -c\)"

@@ -24,8 +24,9 @@ SMOKE_TIMEOUT_S = 600  # ~20 s on one thread of an idle 2-core machine; far more
 
 def run_bench(*args: str, timeout: float = SMOKE_TIMEOUT_S) -> subprocess.CompletedProcess:
     env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_smoke_run_with_two_seeds_writes_every_section(shared_data: Path, tmp_path: Path) -> None:
@@ -83,8 +84,11 @@ def test_smoke_run_with_two_seeds_writes_every_section(shared_data: Path, tmp_pa
     assert again["seeds"] == seeds and again["entropy"] == entropy and again["attending"] == attending
     assert "steps on" not in proc.stdout  # no stage trained again
     for name in ("triage", "easy", "medium", "hard", "entropy"):  # drawn again from the reused records
-        plot = tmp_path / "smoke" / (f"mmedagent_smoke_{name}_curves.png" if name != "entropy" else
-                                     "mmedagent_smoke_entropy.png")
+        plot = (
+            tmp_path
+            / "smoke"
+            / (f"mmedagent_smoke_{name}_curves.png" if name != "entropy" else "mmedagent_smoke_entropy.png")
+        )
         assert plot.stat().st_size > 0, plot
 
 
@@ -102,9 +106,15 @@ def test_without_the_shared_data_it_says_so_and_exits_cleanly(tmp_path: Path) ->
 def question(qid: str, benchmark: str = "medmcqa_dev", subject: str = "Pathology", meta: dict | None = None):
     from ermedrag.tools.data.benchmarks import Question
 
-    return Question(id=qid, question=f"Case {qid}: what is the diagnosis?", answer="B", benchmark=benchmark,
-                    options={"A": "Alpha", "B": "Beta", "C": "Gamma", "D": "Delta"}, subject=subject,
-                    meta=meta or {})
+    return Question(
+        id=qid,
+        question=f"Case {qid}: what is the diagnosis?",
+        answer="B",
+        benchmark=benchmark,
+        options={"A": "Alpha", "B": "Beta", "C": "Gamma", "D": "Delta"},
+        subject=subject,
+        meta=meta or {},
+    )
 
 
 def test_balanced_split_is_disjoint_seeded_and_even_across_specialties() -> None:
@@ -131,22 +141,30 @@ def test_scripted_specialists_are_right_at_their_reliability_and_wrong_uniformly
         assert all(abs(wrong.count(k) / len(wrong) - 1 / 3) < 0.05 for k in "ACD")
     # Right or wrong, the reasoning has the same shape: only the answer carries the signal.
     assert {o["reasoning"].split("(")[0].replace(o["answer"], "?") for opinions in draws[:50] for o in opinions} == {
-        "The findings fit option ? "}
+        "The findings fit option ? "
+    }
 
 
 def test_ceilings_on_hand_made_prompts() -> None:
-    rows = [{"gold": "A", "specialist_answers": ["A", "A", "B"], "majority": "A", "bucket": "medium"},
-            {"gold": "A", "specialist_answers": ["B", "A", "C"], "majority": None, "bucket": "medium"},  # a tie
-            {"gold": "C", "specialist_answers": ["A", "B", "B"], "majority": "B", "bucket": "hard"},
-            {"gold": "D", "specialist_answers": ["D", "D", "D"], "majority": "D", "bucket": "easy"}]
+    rows = [
+        {"gold": "A", "specialist_answers": ["A", "A", "B"], "majority": "A", "bucket": "medium"},
+        {"gold": "A", "specialist_answers": ["B", "A", "C"], "majority": None, "bucket": "medium"},  # a tie
+        {"gold": "C", "specialist_answers": ["A", "B", "B"], "majority": "B", "bucket": "hard"},
+        {"gold": "D", "specialist_answers": ["D", "D", "D"], "majority": "D", "bucket": "easy"},
+    ]
     got = bench.ceilings(rows)
-    assert got == {"majority_vote": 0.5, "trust_best": 0.5, "best_single": 0.75, "per_specialist": [0.5, 0.75, 0.25],
-                   "any_specialist_right": 0.75}
+    assert got == {
+        "majority_vote": 0.5,
+        "trust_best": 0.5,
+        "best_single": 0.75,
+        "per_specialist": [0.5, 0.75, 0.25],
+        "any_specialist_right": 0.75,
+    }
 
 
 def test_held_out_scoring_counts_right_and_wrong_replies(monkeypatch, tmp_path) -> None:
     """The scoring of held-out replies, with fixed replies in place of a model's rollouts."""
-    from ermedrag.training.config import MMedAgentTrainingConfig
+    from ermedrag.training.mmedagent.config import MMedAgentTrainingConfig
     from ermedrag.training.mmedagent.train import stage_config
 
     config = MMedAgentTrainingConfig(model="unused", dataset=str(tmp_path), output_dir=str(tmp_path / "out"))
@@ -170,7 +188,7 @@ def test_held_out_scoring_counts_right_and_wrong_replies(monkeypatch, tmp_path) 
 
 
 def test_an_empty_bucket_passes_its_start_model_on_to_the_next_stage(tmp_path) -> None:
-    from ermedrag.training.config import MMedAgentTrainingConfig
+    from ermedrag.training.mmedagent.config import MMedAgentTrainingConfig
     from ermedrag.training.mmedagent.train import stage_start_model
 
     config = MMedAgentTrainingConfig(model=str(tmp_path), dataset=str(tmp_path), output_dir=str(tmp_path / "out"))

@@ -21,12 +21,20 @@ QUICK_TIMEOUT_S = 600  # ~1 min on an idle 2-core machine; far more only when so
 
 def test_quick_reliability_cases_have_no_failures(tmp_path: Path) -> None:
     out = tmp_path / "reliability.json"
-    proc = subprocess.run([sys.executable, "-m", "benches.reliability.reliability", "--quick", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=QUICK_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benches.reliability.reliability", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=QUICK_TIMEOUT_S,
+    )
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())
-    failing = [f"{r['category']}/{r['case']}: {r['outcome']}: {r['detail']}" for r in summary["rows"]
-               if r["outcome"] in FAILURES]
+    failing = [
+        f"{r['category']}/{r['case']}: {r['outcome']}: {r['detail']}"
+        for r in summary["rows"]
+        if r["outcome"] in FAILURES
+    ]
     assert not failing, "\n".join(failing)
     assert summary["cases"] >= 100 and summary["ok"] + summary["clear_error"] == summary["cases"]
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -46,8 +54,12 @@ def test_a_cli_refusal_is_one_error_line_without_a_traceback() -> None:
         return CliResult(rc, stdout, stderr, 0.1)
 
     assert judge_cli(result(2, "Run id: x\nerror: option 'A' is given twice\n"), ("'A'",)).outcome == "clear_error"
-    assert judge_cli(result(2, "usage: ermedrag ask ...\nermedrag ask: error: argument --snippets\n"),
-                     ("--snippets",)).outcome == "clear_error"
+    assert (
+        judge_cli(
+            result(2, "usage: ermedrag ask ...\nermedrag ask: error: argument --snippets\n"), ("--snippets",)
+        ).outcome
+        == "clear_error"
+    )
     assert judge_cli(result(1, "Traceback (most recent call last):\n  ...\nValueError: x\n"), ()).outcome == "crash"
     assert judge_cli(result(2, "error: one\nerror: two\n"), ()).outcome == "crash"
     assert judge_cli(result(2, "error: something else\n"), ("--timeout",)).outcome == "crash"

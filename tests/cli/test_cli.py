@@ -31,13 +31,24 @@ def _entry_point() -> list[str]:
 
 
 def ermedrag(*args: str, trace_db: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ERMEDRAG_TRACE_DB": str(trace_db),
-           "ERMEDRAG_CHECKPOINT_DB": str(trace_db.with_name("checkpoints.sqlite"))}  # never the user's cache
-    for name in ("ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL", "ERMEDRAG_RESPONDENT_MODEL",
-                 "OPENAI_BASE_URL", "ERMEDRAG_SNIPPETS_K", "ERMEDRAG_COARSE_K"):
+    env = {
+        **os.environ,
+        "ERMEDRAG_TRACE_DB": str(trace_db),
+        "ERMEDRAG_CHECKPOINT_DB": str(trace_db.with_name("checkpoints.sqlite")),
+    }  # never the user's cache
+    for name in (
+        "ERMEDRAG_INDEX_DIR",
+        "ERMEDRAG_MODEL",
+        "ERMEDRAG_EXTRACTOR_MODEL",
+        "ERMEDRAG_RESPONDENT_MODEL",
+        "OPENAI_BASE_URL",
+        "ERMEDRAG_SNIPPETS_K",
+        "ERMEDRAG_COARSE_K",
+    ):
         env.pop(name, None)
-    return subprocess.run([*_entry_point(), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    return subprocess.run(
+        [*_entry_point(), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +75,9 @@ def test_ask_prints_snippets_triplets_answer_and_timings(asked: subprocess.Compl
     assert f"Question: {QUESTION}" in out
     assert "  A. Intramuscular epinephrine" in out and "  C. Inhaled salbutamol" in out
     assert "Retrieved snippets (4):" in out
-    snippet_lines = re.findall(r"^  \[(\d)\] (\S+@\d+-\d+)  score=-?\d+\.\d{3}  source=(.+?)  title='(.+)'$", out,
-                               re.MULTILINE)
+    snippet_lines = re.findall(
+        r"^  \[(\d)\] (\S+@\d+-\d+)  score=-?\d+\.\d{3}  source=(.+?)  title='(.+)'$", out, re.MULTILINE
+    )
     assert [n for n, *_ in snippet_lines] == ["1", "2", "3", "4"], out
     assert all(source.startswith("ermedrag-starter-kb") for _, _, source, _ in snippet_lines)
     assert any("naphylaxis" in title for *_, title in snippet_lines)
@@ -102,8 +114,20 @@ def test_ask_json_prints_the_final_state(trace_db: Path) -> None:
 
 
 def test_lowercase_option_keys_are_the_uppercase_options(tmp_path: Path) -> None:
-    proc = ermedrag("ask", QUESTION, "-o", "a=Intramuscular epinephrine", "-o", "b=Oral antihistamine", "--graph",
-                    "cot", "--model", SCRIPTED, "--json", trace_db=tmp_path / "traces.sqlite")
+    proc = ermedrag(
+        "ask",
+        QUESTION,
+        "-o",
+        "a=Intramuscular epinephrine",
+        "-o",
+        "b=Oral antihistamine",
+        "--graph",
+        "cot",
+        "--model",
+        SCRIPTED,
+        "--json",
+        trace_db=tmp_path / "traces.sqlite",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads(proc.stdout)
     assert state["options"] == {"A": "Intramuscular epinephrine", "B": "Oral antihistamine"}
@@ -134,8 +158,9 @@ def test_traces_show_prints_the_run_and_its_events(asked: subprocess.CompletedPr
     assert "<answer>A</answer>" in events[-1]["completion"]
     (retrieval,) = shown["retrievals"]
     assert (retrieval["node"], retrieval["query"], retrieval["settings"]["k"]) == ("retrieve", QUESTION, 4)
-    assert len(retrieval["snippets"]) == 4 and all(re.fullmatch(r"\S+@\d+-\d+  -?\d+\.\d{4}", line)
-                                                    for line in retrieval["snippets"])
+    assert len(retrieval["snippets"]) == 4 and all(
+        re.fullmatch(r"\S+@\d+-\d+  -?\d+\.\d{4}", line) for line in retrieval["snippets"]
+    )
 
 
 def test_traces_show_of_an_unknown_run_exits_2(asked: subprocess.CompletedProcess[str], trace_db: Path) -> None:
@@ -166,16 +191,30 @@ def test_traces_list_of_a_missing_db_exits_2(tmp_path: Path) -> None:
         (["ask", QUESTION, "-o", "notakeyvalue"], "error: option 'notakeyvalue' must look like KEY=TEXT"),
         (["ask", QUESTION, "-o", "=Metformin"], "error: option '=Metformin' must look like KEY=TEXT"),
         (["ask", QUESTION, "--model", "foo:bar"], "error: unknown model provider 'foo' in 'foo:bar'"),
-        (["ask", QUESTION, "-o", "A=Epinephrine", "-o", "a=Salbutamol"],
-         "error: option 'a' is given twice (-o A=... and -o a=...)"),
+        (
+            ["ask", QUESTION, "-o", "A=Epinephrine", "-o", "a=Salbutamol"],
+            "error: option 'a' is given twice (-o A=... and -o a=...)",
+        ),
         (["ask", QUESTION, "-o", "B=x", "-o", "B=y"], "error: option 'B' is given twice"),
-        (["ask", QUESTION, "-o", "1=Epinephrine", "-o", "2=Salbutamol"],
-         "error: input 'options' key '1': option keys are single letters A-Z"),
+        (
+            ["ask", QUESTION, "-o", "1=Epinephrine", "-o", "2=Salbutamol"],
+            "error: input 'options' key '1': option keys are single letters A-Z",
+        ),
         (["ask", QUESTION, "--timeout", "0"], "error: request_timeout_s (--timeout) must be a positive number"),
         (["ask", QUESTION, "--retries", "-1"], "error: max_retries (--retries) must be an integer from 0 to 10"),
     ],
-    ids=["empty-question", "blank-question", "option-without-equals", "option-without-key", "unknown-provider",
-         "option-twice-any-case", "option-twice", "digit-option-keys", "zero-timeout", "negative-retries"],
+    ids=[
+        "empty-question",
+        "blank-question",
+        "option-without-equals",
+        "option-without-key",
+        "unknown-provider",
+        "option-twice-any-case",
+        "option-twice",
+        "digit-option-keys",
+        "zero-timeout",
+        "negative-retries",
+    ],
 )
 def test_bad_input_exits_2_naming_the_problem(tmp_path: Path, args: list[str], message: str) -> None:
     model = [] if "--model" in args else ["--model", SCRIPTED]

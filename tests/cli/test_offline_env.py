@@ -20,7 +20,9 @@ def test_a_child_environment_keeps_the_callers_settings_and_adds_only_what_is_mi
 
 def test_go_offline_sets_every_missing_name_before_the_hub_reads_it() -> None:
     clean = {k: v for k, v in os.environ.items() if k not in OFFLINE_ENV}
-    code = ("from ermedrag.offline import go_offline; go_offline(); "
-            "import huggingface_hub.constants as c; print(c.HF_HUB_OFFLINE)")
+    code = (
+        "from ermedrag.offline import go_offline; go_offline(); "
+        "import huggingface_hub.constants as c; print(c.HF_HUB_OFFLINE)"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"

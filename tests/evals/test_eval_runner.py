@@ -21,8 +21,8 @@ import pytest
 
 from ermedrag.agents import attending, extractor, reasoner, respondent, specialist, triage
 from ermedrag.evals.position_bias import position_bias_summary
-from ermedrag.evals.runner import (RESULTS, Asking, EvalConfig, askings, call_seconds, done_keys, parse_overrides,
-                                   question_thread, run_eval, warm_up)
+from ermedrag.evals.runner import RESULTS, run_eval, warm_up
+from ermedrag.evals.rows import Asking, EvalConfig, askings, call_seconds, done_keys, parse_overrides, question_thread
 from ermedrag.graphs.registry import GRAPHS, PROMPT_VERSIONS, load_graph
 from ermedrag.tools.data.benchmarks import Question, benchmarks_folder, load_benchmark
 from tests.conftest import REPO, SCRIPTED
@@ -91,8 +91,15 @@ def test_first_letter_model_shows_position_bias_and_order_zero_keeps_its_key(tmp
 
 def test_a_model_that_knows_is_consistent_and_equally_accurate_in_every_order(tmp_path):
     out = tmp_path / "out"
-    run_eval(["cot"], [_questions_file(tmp_path)], KNOWER, out, trace_db=str(tmp_path / "t.sqlite"),
-             permute_options=3, progress=False)
+    run_eval(
+        ["cot"],
+        [_questions_file(tmp_path)],
+        KNOWER,
+        out,
+        trace_db=str(tmp_path / "t.sqlite"),
+        permute_options=3,
+        progress=False,
+    )
     rows = _rows(out)
     assert len(rows) == 9 and all(r["correct"] and r["answer"] == r["gold"] for r in rows)
     assert all(r["answer_position"] == r["gold_position"] for r in rows)
@@ -111,8 +118,9 @@ def test_orders_are_bounded_by_the_options_and_a_question_without_options_is_ask
     # Order 0 names its checkpoint thread and its done key as before orders existed.
     assert question_thread(tmp_path, config, three, 0) == question_thread(tmp_path, config, three, 0, 0)
     assert question_thread(tmp_path, config, three, 0, 1) != question_thread(tmp_path, config, three, 0, 0)
-    (tmp_path / RESULTS).write_text(json.dumps({"config_key": "k", "benchmark": "b", "question_id": "q",
-                                                "sample": 0}) + "\n")
+    (tmp_path / RESULTS).write_text(
+        json.dumps({"config_key": "k", "benchmark": "b", "question_id": "q", "sample": 0}) + "\n"
+    )
     assert done_keys(tmp_path / RESULTS) == {("k", "b", "q", 0, 0)}
     with pytest.raises(ValueError, match="--permute-options 0"):
         run_eval(["cot"], [_questions_file(tmp_path)], SCRIPTED, tmp_path / "out", permute_options=0)
@@ -124,7 +132,9 @@ def test_orders_are_bounded_by_the_options_and_a_question_without_options_is_ask
 def test_bool_settings_parse_and_split_the_key():
     assert parse_overrides(["answer_extraction=false"], ["cot"]) == {"answer_extraction": False}
     assert parse_overrides(["answer_extraction=Yes", "temperature=0.5"], ["med_r3"]) == {
-        "answer_extraction": True, "temperature": 0.5}
+        "answer_extraction": True,
+        "temperature": 0.5,
+    }
     assert parse_overrides(["answer_extraction=0"], ["cot"]) == {"answer_extraction": False}
     with pytest.raises(ValueError, match="answer_extraction takes true or false"):
         parse_overrides(["answer_extraction=maybe"], ["cot"])
@@ -159,26 +169,47 @@ PINNED_PROMPTS = {
 def _rendered_prompts(agent: str) -> list[Any]:
     question, four = "Which drug first?", {"A": "Insulin", "B": "Metformin", "C": "Glipizide", "D": "Diet"}
     three = {"A": "yes", "B": "no", "C": "maybe"}
-    snippet = {"id": "doc@0-9", "doc_id": "doc", "title": "Title", "source": "src", "text": "Metformin first.",
-               "score": 1.0, "start": 0, "end": 9}
+    snippet = {
+        "id": "doc@0-9",
+        "doc_id": "doc",
+        "title": "Title",
+        "source": "src",
+        "text": "Metformin first.",
+        "score": 1.0,
+        "start": 0,
+        "end": 9,
+    }
     if agent == "respondent":
-        conversations = [respondent.build_messages(question, options, respondent.render_snippets([snippet]))
-                         for options in (four, three, None)]
+        conversations = [
+            respondent.build_messages(question, options, respondent.render_snippets([snippet]))
+            for options in (four, three, None)
+        ]
         if hasattr(respondent, "extraction_messages"):
             conversations.append(respondent.extraction_messages(question, four, "so it is metformin"))
-        triplets = [{"condition": "type 2 diabetes", "relation": "treated first with", "conclusion": "metformin",
-                     "snippet_id": "doc@0-9"}]
+        triplets = [
+            {
+                "condition": "type 2 diabetes",
+                "relation": "treated first with",
+                "conclusion": "metformin",
+                "snippet_id": "doc@0-9",
+            }
+        ]
         return [conversations, extractor.render_triplets(triplets)]
     if agent == "extractor":
         return [extractor.build_messages(question, snippet["text"])]
     if agent == "reasoner":
-        return [[reasoner.build_messages(question, options, "<think>I should check.") for options in (four, None)],
-                reasoner.force_answer_prompt("I think"), reasoner.render_documents([snippet])]
+        return [
+            [reasoner.build_messages(question, options, "<think>I should check.") for options in (four, None)],
+            reasoner.force_answer_prompt("I think"),
+            reasoner.render_documents([snippet]),
+        ]
     if agent == "mmedagent":
         opinion = specialist.opinion(1, "Endocrinologist", "m", respondent.parse_answer("<answer>B</answer>", four))
-        return [triage.triage_messages(question, four, triage.SPECIALTIES),
-                specialist.specialist_messages("Endocrinologist", question, four, None),
-                attending.attending_messages(question, four, [opinion])]
+        return [
+            triage.triage_messages(question, four, triage.SPECIALTIES),
+            specialist.specialist_messages("Endocrinologist", question, four, None),
+            attending.attending_messages(question, four, [opinion]),
+        ]
     raise AssertionError(f"render the prompts of the agent {agent!r} here, to pin them")
 
 
@@ -187,6 +218,7 @@ def _fingerprint(value: Any) -> str:
         if isinstance(item, (list, tuple)):
             return [plain(i) for i in item]
         return [item.type, item.text] if hasattr(item, "type") and hasattr(item, "text") else item
+
     return hashlib.sha256(json.dumps(plain(value), sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -197,13 +229,21 @@ def test_prompts_are_pinned_to_their_version(agent):
     assert (PROMPT_VERSIONS[agent], now) == (version, fingerprint), (
         f"agents/{agent}.py renders other prompts than version {version} ({now}): if models are asked something "
         f"else, bump PROMPT_VERSIONS[{agent!r}] in graphs/registry.py; then pin ({PROMPT_VERSIONS[agent]}, {now!r}) "
-        "in PINNED_PROMPTS")
+        "in PINNED_PROMPTS"
+    )
     assert {a for spec in GRAPHS.values() for a in spec.agents} == set(PROMPT_VERSIONS) == set(PINNED_PROMPTS)
 
 
 # Context fields that never change an answer (where things are served, how long to wait): outside every key.
-PLUMBING = {"base_url", "chroma_url", "trace_db", "request_timeout_s", "connect_timeout_s", "max_retries",
-            "retry_backoff_s"}
+PLUMBING = {
+    "base_url",
+    "chroma_url",
+    "trace_db",
+    "request_timeout_s",
+    "connect_timeout_s",
+    "max_retries",
+    "retry_backoff_s",
+}
 
 
 def _recording(schema: type, **values: Any) -> Any:
@@ -224,10 +264,16 @@ def _recording(schema: type, **values: Any) -> Any:
 @pytest.mark.parametrize("name", sorted(GRAPHS))
 def test_every_setting_a_graph_reads_is_in_its_key(name, tmp_path):
     graph = load_graph(name)
-    context = _recording(graph.context_schema, respondent_model=SCRIPTED, extractor_model=SCRIPTED,
-                         trace_db=str(tmp_path / "t.sqlite"))
-    state = graph.invoke({"question": "What is the first-line treatment for anaphylaxis?",
-                          "options": {"A": "Epinephrine", "B": "Antihistamine"}}, context=context)
+    context = _recording(
+        graph.context_schema, respondent_model=SCRIPTED, extractor_model=SCRIPTED, trace_db=str(tmp_path / "t.sqlite")
+    )
+    state = graph.invoke(
+        {
+            "question": "What is the first-line treatment for anaphylaxis?",
+            "options": {"A": "Epinephrine", "B": "Antihistamine"},
+        },
+        context=context,
+    )
     assert state["answer"]["ok"]
     unkeyed = context.read - set(GRAPHS[name].settings) - PLUMBING
     assert not unkeyed, f"{name} reads {sorted(unkeyed)}: add them to its settings in graphs/registry.py"
@@ -276,8 +322,9 @@ def test_data_takes_the_root_or_the_benchmarks_folder(tmp_path, monkeypatch):
 
 
 def test_shared_data_root_and_benchmarks_folder_load_the_same(shared_data):
-    assert ([q.id for q in load_benchmark("pubmedqa", shared_data, limit=3)]
-            == [q.id for q in load_benchmark("pubmedqa", shared_data / "benchmarks", limit=3)])
+    assert [q.id for q in load_benchmark("pubmedqa", shared_data, limit=3)] == [
+        q.id for q in load_benchmark("pubmedqa", shared_data / "benchmarks", limit=3)
+    ]
 
 
 # ------------------------------------------------------------------------------------------- the command
@@ -291,10 +338,32 @@ def test_eval_command_one_bar_permutations_bool_setting_and_data_root(tmp_path):
     env = {**os.environ, "ERMEDRAG_TRACE_DB": str(tmp_path / "t.sqlite")}
     for name in ("ERMEDRAG_SHARED_DATA", "ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "OPENAI_BASE_URL"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-m", "ermedrag", "eval", "--system", "cot,vanilla_rag", "--bench",
-                           "medqa,pubmedqa", "--data", str(root), "--model", SCRIPTED, "--permute-options", "2",
-                           "--set", "answer_extraction=false", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, timeout=300)  # bytes: text mode turns \r into \n
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ermedrag",
+            "eval",
+            "--system",
+            "cot,vanilla_rag",
+            "--bench",
+            "medqa,pubmedqa",
+            "--data",
+            str(root),
+            "--model",
+            SCRIPTED,
+            "--permute-options",
+            "2",
+            "--set",
+            "answer_extraction=false",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )  # bytes: text mode turns \r into \n
     stderr = proc.stderr.decode(errors="replace")
     assert proc.returncode == 0, stderr[-3000:]
     rows = _rows(out)

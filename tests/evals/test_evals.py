@@ -18,11 +18,20 @@ from ermedrag.tools.data import benchmarks
 from ermedrag.tools.data.benchmarks import BadRow, gpqa_row, load_benchmark, mirage_rows, normalise
 from ermedrag.evals.metrics import answer_entropy, summarise, wilson_interval
 from ermedrag.evals.report import write_report
-from ermedrag.evals.runner import RESULTS, done_keys, run_eval
+from ermedrag.evals.runner import RESULTS, run_eval
+from ermedrag.evals.rows import done_keys
 from tests.conftest import SCRIPTED
 
-EXPECTED_SIZES = {"medqa": 1273, "medmcqa": 4183, "pubmedqa": 500, "mmlu_med": 1089, "mmlu_pro": 1535,
-                  "gpqa": 78, "medxpertqa": 2450, "bioasq": 618}
+EXPECTED_SIZES = {
+    "medqa": 1273,
+    "medmcqa": 4183,
+    "pubmedqa": 500,
+    "mmlu_med": 1089,
+    "mmlu_pro": 1535,
+    "gpqa": 78,
+    "medxpertqa": 2450,
+    "bioasq": 618,
+}
 
 
 def test_all_eight_benchmarks_load_from_the_shared_files(shared_data):
@@ -71,7 +80,10 @@ def test_bad_rows_are_reported_with_their_ids_and_left_out(tmp_path):
     assert [q.id for q in questions] == ["ok-1"] and questions[0].options == {"A": "yes", "B": "no"}
     assert questions[0].answer == "A"
     assert {b.id: b.problem.split(" ")[0] for b in bad} == {
-        "no-options": "no", "bad-answer": "answer", "medqa_us_test.jsonl:4": "not"}
+        "no-options": "no",
+        "bad-answer": "answer",
+        "medqa_us_test.jsonl:4": "not",
+    }
 
 
 def test_lines_that_are_not_json_objects_become_bad_rows_naming_the_line(tmp_path):
@@ -83,21 +95,35 @@ def test_lines_that_are_not_json_objects_become_bad_rows_naming_the_line(tmp_pat
     questions = benchmarks.load_questions_file(path, bad_rows=bad)
     assert [q.id for q in questions] == ["ok-1"]
     assert {b.id: b.problem for b in bad} == {
-        "mine.jsonl:2": "a JSON array is not a JSON object", "mine.jsonl:3": "a JSON string is not a JSON object",
-        "mine.jsonl:4": "a JSON number is not a JSON object", "mine.jsonl:5": "JSON null is not a JSON object"}
+        "mine.jsonl:2": "a JSON array is not a JSON object",
+        "mine.jsonl:3": "a JSON string is not a JSON object",
+        "mine.jsonl:4": "a JSON number is not a JSON object",
+        "mine.jsonl:5": "JSON null is not a JSON object",
+    }
     assert normalise(["not", "a", "row"], "upstream") == BadRow("upstream", "?", "a JSON array is not a JSON object")
 
 
 def test_upstream_formats_normalise_to_the_same_question(monkeypatch):
     hub_rows = {
-        "openlifescienceai/medmcqa": [{"id": "x1", "question": "Q?", "opa": "a", "opb": "b", "opc": "c", "opd": "d",
-                                       "cop": 2, "subject_name": "Anatomy"}],
-        "qiaojin/PubMedQA": [{"pubid": 7, "question": "Q?", "final_decision": "maybe",
-                              "context": {"contexts": ["abstract"]}}],
-        "TIGER-Lab/MMLU-Pro": [{"question_id": 1, "question": "Q?", "options": ["a", "b", "c"], "answer": "C",
-                                "category": "health"},
-                               {"question_id": 2, "question": "Q?", "options": ["a", "b"], "answer": "A",
-                                "category": "law"}],
+        "openlifescienceai/medmcqa": [
+            {
+                "id": "x1",
+                "question": "Q?",
+                "opa": "a",
+                "opb": "b",
+                "opc": "c",
+                "opd": "d",
+                "cop": 2,
+                "subject_name": "Anatomy",
+            }
+        ],
+        "qiaojin/PubMedQA": [
+            {"pubid": 7, "question": "Q?", "final_decision": "maybe", "context": {"contexts": ["abstract"]}}
+        ],
+        "TIGER-Lab/MMLU-Pro": [
+            {"question_id": 1, "question": "Q?", "options": ["a", "b", "c"], "answer": "C", "category": "health"},
+            {"question_id": 2, "question": "Q?", "options": ["a", "b"], "answer": "A", "category": "law"},
+        ],
     }
     monkeypatch.setattr(benchmarks, "_hub", lambda name, config, split: iter(hub_rows[name]))
     monkeypatch.delenv("ERMEDRAG_SHARED_DATA", raising=False)  # set, it would name local files to read instead
@@ -108,14 +134,22 @@ def test_upstream_formats_normalise_to_the_same_question(monkeypatch):
 
 
 def test_gpqa_upstream_shuffle_is_fixed_and_mirage_rows_read():
-    row = {"Record ID": "rec1", "Question": "Q?", "Correct Answer": "right", "Incorrect Answer 1": "w1",
-           "Incorrect Answer 2": "w2", "Incorrect Answer 3": "w3", "Subdomain": "Genetics"}
+    row = {
+        "Record ID": "rec1",
+        "Question": "Q?",
+        "Correct Answer": "right",
+        "Incorrect Answer 1": "w1",
+        "Incorrect Answer 2": "w2",
+        "Incorrect Answer 3": "w3",
+        "Subdomain": "Genetics",
+    }
     first, again = gpqa_row(row), gpqa_row(row)
     assert first == again and first["options"][first["answer"]] == "right"
     assert isinstance(normalise(first, "gpqa"), benchmarks.Question)
     mirage = {"bioasq": {"q1": {"question": "Q?", "options": {"A": "yes", "B": "no"}, "answer": "B"}}}
     assert list(mirage_rows(mirage, "bioasq")) == [
-        {"id": "bioasq-q1", "question": "Q?", "options": {"A": "yes", "B": "no"}, "answer": "B"}]
+        {"id": "bioasq-q1", "question": "Q?", "options": {"A": "yes", "B": "no"}, "answer": "B"}
+    ]
 
 
 def test_metrics_definitions():
@@ -123,8 +157,19 @@ def test_metrics_definitions():
     assert math.isclose(low, 0.4902, abs_tol=1e-3) and math.isclose(high, 0.9433, abs_tol=1e-3)
     assert answer_entropy(["A", "A", "A"]) == 0.0
     assert math.isclose(answer_entropy(["A", "B", None, None]), -(2 * 0.25 * math.log(0.25) + 0.5 * math.log(0.5)))
-    rows = [{"benchmark": "b", "question_id": "q", "answer": a, "correct": a == "A", "ok": a is not None,
-             "well_formed": True, "token_entropy": 0.5, "timings": {"respond_s": 1.0}} for a in ("A", "B")]
+    rows = [
+        {
+            "benchmark": "b",
+            "question_id": "q",
+            "answer": a,
+            "correct": a == "A",
+            "ok": a is not None,
+            "well_formed": True,
+            "token_entropy": 0.5,
+            "timings": {"respond_s": 1.0},
+        }
+        for a in ("A", "B")
+    ]
     summary = summarise(rows)
     assert summary["accuracy"] == 0.5 and summary["questions"] == 1
     assert math.isclose(summary["answer_entropy"], math.log(2)) and summary["token_entropy"] == 0.5
@@ -135,8 +180,18 @@ def test_wilson_interval_always_holds_the_rate_so_error_bars_are_never_negative(
         low, high = wilson_interval(successes, n)
         assert 0.0 <= low <= successes / n <= high <= 1.0, (successes, n, low, high)
     # 6/6 correct used to give an upper bound of 0.9999999999999999 and matplotlib refused the report
-    rows = [{"benchmark": "b", "question_id": f"q{i}", "answer": "A", "correct": True, "ok": True,
-             "well_formed": True, "config": {"system": "cot", "model": "m"}} for i in range(6)]
+    rows = [
+        {
+            "benchmark": "b",
+            "question_id": f"q{i}",
+            "answer": "A",
+            "correct": True,
+            "ok": True,
+            "well_formed": True,
+            "config": {"system": "cot", "model": "m"},
+        }
+        for i in range(6)
+    ]
     (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in rows))
     written = write_report([str(tmp_path)], tmp_path)
     assert "100.0 [61–100] (n=6)" in Path(written["report"]).read_text()
@@ -161,9 +216,28 @@ def test_runner_records_resumes_and_reports(shared_data, tmp_path):
 
 def test_killed_eval_resumes_without_losing_or_duplicating(shared_data, tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "ermedrag", "eval", "--system", "cot", "--bench", "medqa,mmlu_med",
-               "--limit", "12", "--concurrency", "2", "--model", f"{SCRIPTED}?delay=0.4", "--out", str(out),
-               "--data", str(shared_data / "benchmarks"), "--trace-db", str(tmp_path / "t.sqlite")]
+    command = [
+        sys.executable,
+        "-m",
+        "ermedrag",
+        "eval",
+        "--system",
+        "cot",
+        "--bench",
+        "medqa,mmlu_med",
+        "--limit",
+        "12",
+        "--concurrency",
+        "2",
+        "--model",
+        f"{SCRIPTED}?delay=0.4",
+        "--out",
+        str(out),
+        "--data",
+        str(shared_data / "benchmarks"),
+        "--trace-db",
+        str(tmp_path / "t.sqlite"),
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(done_keys(out / RESULTS)) < 4:
@@ -186,8 +260,9 @@ def test_killed_eval_resumes_without_losing_or_duplicating(shared_data, tmp_path
 def test_report_adds_rag_quality_from_the_traces(shared_data, tmp_path):
     out = tmp_path / "run"
     trace_db = str(tmp_path / "t.sqlite")
-    run_eval(["vanilla_rag"], ["bioasq"], SCRIPTED, out, data_dir=str(shared_data / "benchmarks"), limit=2,
-             trace_db=trace_db)
+    run_eval(
+        ["vanilla_rag"], ["bioasq"], SCRIPTED, out, data_dir=str(shared_data / "benchmarks"), limit=2, trace_db=trace_db
+    )
     write_report([str(out)], out, trace_db=trace_db, qrels=str(shared_data / "retrieval" / "bioasq_qrels.jsonl"))
     table = (out / "report.md").read_text()
     assert "## RAG quality" in table and "| vanilla_rag | bioasq | 2 |" in table

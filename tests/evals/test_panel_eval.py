@@ -13,14 +13,29 @@ from ermedrag.tools.records.jsonl import read_records
 PANEL = "scripted:ermedrag.testing.scripted.panel"
 QUESTIONS = [
     # MedMCQA subject Pathology → Pathologist: triage says Pathologist (right), all specialists right (easy)
-    {"id": "q1", "question": "Granuloma type? #triage=Pathologist #answers=A,A,A", "subject": "Pathology",
-     "options": {"A": "Caseating", "B": "Non-caseating"}, "answer": "A"},
+    {
+        "id": "q1",
+        "question": "Granuloma type? #triage=Pathologist #answers=A,A,A",
+        "subject": "Pathology",
+        "options": {"A": "Caseating", "B": "Non-caseating"},
+        "answer": "A",
+    },
     # Radiology → Radiologist: triage says Surgeon (wrong); specialists 2 of 3 wrong (medium); attending follows
-    {"id": "q2", "question": "Best first scan? #triage=Surgeon #answers=A,B,B", "subject": "Radiology",
-     "options": {"A": "CT", "B": "MRI"}, "answer": "A"},
+    {
+        "id": "q2",
+        "question": "Best first scan? #triage=Surgeon #answers=A,B,B",
+        "subject": "Radiology",
+        "options": {"A": "CT", "B": "MRI"},
+        "answer": "A",
+    },
     # Medicine maps to no specialty: unlabelled, never counted wrong; no specialist right (hard)
-    {"id": "q3", "question": "First-line drug? #answers=B,B,B", "subject": "Medicine",
-     "options": {"A": "Metformin", "B": "Insulin"}, "answer": "A"},
+    {
+        "id": "q3",
+        "question": "First-line drug? #answers=B,B,B",
+        "subject": "Medicine",
+        "options": {"A": "Metformin", "B": "Insulin"},
+        "answer": "A",
+    },
 ]
 
 
@@ -28,8 +43,17 @@ def test_panel_rows_and_report(tmp_path):
     questions = tmp_path / "medmcqa_panel.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     out = tmp_path / "out"
-    run_eval(["mmedagent"], [str(questions)], PANEL, out, trace_db=str(tmp_path / "t.sqlite"), progress=False,
-             specialist_model=PANEL, triage_model=PANEL, attending_model=PANEL)
+    run_eval(
+        ["mmedagent"],
+        [str(questions)],
+        PANEL,
+        out,
+        trace_db=str(tmp_path / "t.sqlite"),
+        progress=False,
+        specialist_model=PANEL,
+        triage_model=PANEL,
+        attending_model=PANEL,
+    )
     rows = {r["question_id"]: r for r in read_records(out / RESULTS)}
     assert rows["q1"]["gold_specialty"] == "Pathologist" and rows["q1"]["triage_correct"] is True
     assert rows["q2"]["gold_specialty"] == "Radiologist" and rows["q2"]["triage_correct"] is False

@@ -10,8 +10,14 @@ import itertools
 import pytest
 
 from ermedrag.evals.metrics import original_order_rows
-from ermedrag.evals.position_bias import (option_orders, original_key, position_bias_section, position_bias_summary,
-                                          rotate_options, shown_key)
+from ermedrag.evals.position_bias import (
+    option_orders,
+    original_key,
+    position_bias_section,
+    position_bias_summary,
+    rotate_options,
+    shown_key,
+)
 
 KEYS = ["A", "B", "C", "D"]
 
@@ -29,13 +35,32 @@ def test_rotation_moves_the_texts_and_keys_map_both_ways():
     assert [option_orders(options, n) for n in (1, 3, 9)] == [1, 3, 4] and option_orders(None, 4) == 1
 
 
-def _row(question: str, order: int, answer: str | None, gold: str = "A", *, orders: int = 2, sample: int = 0,
-         config_key: str = "k1", system: str = "cot") -> dict:
+def _row(
+    question: str,
+    order: int,
+    answer: str | None,
+    gold: str = "A",
+    *,
+    orders: int = 2,
+    sample: int = 0,
+    config_key: str = "k1",
+    system: str = "cot",
+) -> dict:
     shown = shown_key(KEYS, answer, order)
-    return {"config_key": config_key, "config": {"system": system, "model": "m"}, "benchmark": "b",
-            "question_id": question, "sample": sample, "order": order, "orders": orders, "gold": gold,
-            "answer": answer, "correct": answer == gold, "answer_position": shown,
-            "gold_position": shown_key(KEYS, gold, order)}
+    return {
+        "config_key": config_key,
+        "config": {"system": system, "model": "m"},
+        "benchmark": "b",
+        "question_id": question,
+        "sample": sample,
+        "order": order,
+        "orders": orders,
+        "gold": gold,
+        "answer": answer,
+        "correct": answer == gold,
+        "answer_position": shown,
+        "gold_position": shown_key(KEYS, gold, order),
+    }
 
 
 def test_no_summary_without_permuted_rows():
@@ -46,11 +71,15 @@ def test_no_summary_without_permuted_rows():
 
 def test_summary_counts_orders_consistency_and_positions():
     rows = [
-        _row("q1", 0, "A"), _row("q1", 1, "A"),  # the same text in both orders: consistent
-        _row("q2", 0, "A"), _row("q2", 1, "B"),  # changed its answer when the order changed
-        _row("q3", 0, None), _row("q3", 1, None),  # never parsed: never consistent
+        _row("q1", 0, "A"),
+        _row("q1", 1, "A"),  # the same text in both orders: consistent
+        _row("q2", 0, "A"),
+        _row("q2", 1, "B"),  # changed its answer when the order changed
+        _row("q3", 0, None),
+        _row("q3", 1, None),  # never parsed: never consistent
         _row("q4", 0, "A"),  # order 1 missing (failed): left out of consistency
-        _row("q1", 0, "C", config_key="k2", system="rag"), _row("q1", 1, "C", config_key="k2", system="rag"),
+        _row("q1", 0, "C", config_key="k2", system="rag"),
+        _row("q1", 1, "C", config_key="k2", system="rag"),
         _row("q9", 0, "A", orders=1, config_key="k3"),  # a configuration that was not permuted: no entry
     ]
     summary = position_bias_summary(rows)
@@ -69,8 +98,12 @@ def test_summary_counts_orders_consistency_and_positions():
 
 
 def test_samples_are_compared_order_by_order_separately():
-    rows = [_row("q1", 0, "A", sample=0), _row("q1", 1, "A", sample=0),
-            _row("q1", 0, "B", sample=1), _row("q1", 1, "A", sample=1)]
+    rows = [
+        _row("q1", 0, "A", sample=0),
+        _row("q1", 1, "A", sample=0),
+        _row("q1", 0, "B", sample=1),
+        _row("q1", 1, "A", sample=1),
+    ]
     assert position_bias_summary(rows)["k1"]["consistency"] == {"questions": 2, "consistent": 1, "rate": 0.5}
 
 

@@ -31,26 +31,58 @@ def reply(messages) -> str:
     if "Break down each sentence" in prompt:  # Faithfulness: statements of the response
         return json.dumps({"statements": ["Aspirin inhibits cyclooxygenase.", "Aspirin cures influenza."]})
     if "judge the faithfulness" in prompt:  # Faithfulness: one verdict per statement
-        return json.dumps({"statements": [
-            {"statement": "Aspirin inhibits cyclooxygenase.", "reason": "stated", "verdict": 1},
-            {"statement": "Aspirin cures influenza.", "reason": "not stated", "verdict": 0}]})
+        return json.dumps(
+            {
+                "statements": [
+                    {"statement": "Aspirin inhibits cyclooxygenase.", "reason": "stated", "verdict": 1},
+                    {"statement": "Aspirin cures influenza.", "reason": "not stated", "verdict": 0},
+                ]
+            }
+        )
     if "Generate a question for the given answer" in prompt:  # ResponseRelevancy
         return json.dumps({"question": QUESTION, "noncommittal": 0})
     return "unexpected prompt"
 
 
 def event(run_id: str, agent: str, inputs: dict, parsed=None, completion: str = "") -> TraceEvent:
-    return TraceEvent(run_id=run_id, node=agent, agent=agent, model="scripted", sampling={}, messages=[],
-                      completion=completion, parsed=parsed, usage=None, logprobs=None, latency_s=0.0,
-                      inputs=inputs)
+    return TraceEvent(
+        run_id=run_id,
+        node=agent,
+        agent=agent,
+        model="scripted",
+        sampling={},
+        messages=[],
+        completion=completion,
+        parsed=parsed,
+        usage=None,
+        logprobs=None,
+        latency_s=0.0,
+        inputs=inputs,
+    )
 
 
 def retrieval(store: TraceStore, run_id: str, snippet_ids: list[str], node: str = "retrieve") -> None:
     """A retrieval event that returned `snippet_ids`, in this rank order."""
-    store.add_retrieval(RetrievalEvent(
-        run_id=run_id, node=node, query="q", latency_s=0.0, settings={"k": len(snippet_ids)}, index_info={},
-        snippets=[{"id": sid, "doc_id": ge.doc_id(sid), "chunk_id": f"{ge.doc_id(sid)}#0-99", "score": 1 / rank,
-                   "scores": {}} for rank, sid in enumerate(snippet_ids, 1)]))
+    store.add_retrieval(
+        RetrievalEvent(
+            run_id=run_id,
+            node=node,
+            query="q",
+            latency_s=0.0,
+            settings={"k": len(snippet_ids)},
+            index_info={},
+            snippets=[
+                {
+                    "id": sid,
+                    "doc_id": ge.doc_id(sid),
+                    "chunk_id": f"{ge.doc_id(sid)}#0-99",
+                    "score": 1 / rank,
+                    "scores": {},
+                }
+                for rank, sid in enumerate(snippet_ids, 1)
+            ],
+        )
+    )
 
 
 def er_run(store: TraceStore, run_id: str, snippet_ids: list[str], extracted: list[str] | None = None) -> None:
@@ -62,8 +94,14 @@ def er_run(store: TraceStore, run_id: str, snippet_ids: list[str], extracted: li
     for sid in snippet_ids if extracted is None else extracted:
         store.add_event(event(run_id, "extractor", {"question": "q", "snippet_id": sid, "snippet": f"text of {sid}"}))
     evidence = f"1. [{snippet_ids[0]}] a — b — c"
-    store.add_event(event(run_id, "respondent", {"question": "q", "options": {"A": "yes"}, "evidence": evidence},
-                          parsed={"answer": "A", "reasoning": "because"}))
+    store.add_event(
+        event(
+            run_id,
+            "respondent",
+            {"question": "q", "options": {"A": "yes"}, "evidence": evidence},
+            parsed={"answer": "A", "reasoning": "because"},
+        )
+    )
 
 
 def respondent_run(store: TraceStore, run_id: str, graph: str, evidence: str, retrieved: list[str]) -> None:
@@ -71,8 +109,14 @@ def respondent_run(store: TraceStore, run_id: str, graph: str, evidence: str, re
     store.start_run(run_id, graph, {"question": "q"}, "A")
     if retrieved:
         retrieval(store, run_id, retrieved)
-    store.add_event(event(run_id, "respondent", {"question": "q", "options": {"A": "yes"}, "evidence": evidence},
-                          parsed={"answer": "A", "reasoning": "because"}))
+    store.add_event(
+        event(
+            run_id,
+            "respondent",
+            {"question": "q", "options": {"A": "yes"}, "evidence": evidence},
+            parsed={"answer": "A", "reasoning": "because"},
+        )
+    )
 
 
 def med_r3_run(store: TraceStore, run_id: str, searches: list[list[str]]) -> None:
@@ -85,23 +129,42 @@ def med_r3_run(store: TraceStore, run_id: str, searches: list[list[str]]) -> Non
 
 
 def row(system: str, benchmark: str, question_id: str, run_id: str | None) -> dict:
-    return {"config": {"system": system, "model": "scripted:ermedrag.testing.scripted"}, "benchmark": benchmark,
-            "question_id": question_id, "run_id": run_id, "gold": "A", "answer": "A", "ok": True, "correct": True}
+    return {
+        "config": {"system": system, "model": "scripted:ermedrag.testing.scripted"},
+        "benchmark": benchmark,
+        "question_id": question_id,
+        "run_id": run_id,
+        "gold": "A",
+        "answer": "A",
+        "ok": True,
+        "correct": True,
+    }
 
 
 @pytest.fixture
 def fixture_data(tmp_path: Path) -> dict[str, Path]:
     """A trace db, a results folder, qrels and a PubMedQA corpus with known ids."""
     qrels = tmp_path / "qrels.jsonl"
-    qrels.write_text("\n".join(json.dumps(r) for r in [
-        {"id": "bioasq-aaa", "question": "?", "type": "yesno", "gold": ["bioasq-g1", "bioasq-g2", "bioasq-g3"]},
-        {"id": "bioasq-bbb", "question": "?", "type": "yesno", "gold": ["bioasq-h1"]},
-    ]) + "\n")
+    qrels.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"id": "bioasq-aaa", "question": "?", "type": "yesno", "gold": ["bioasq-g1", "bioasq-g2", "bioasq-g3"]},
+                {"id": "bioasq-bbb", "question": "?", "type": "yesno", "gold": ["bioasq-h1"]},
+            ]
+        )
+        + "\n"
+    )
     corpora = tmp_path / "corpora"
     corpora.mkdir()
     with gzip.open(corpora / ge.PUBMEDQA_CORPUS, "wt") as handle:
-        for pid, pmid in [("pubmed-111-0", "111"), ("pubmed-111-1", "111"), ("pubmed-111-2", "111"),
-                          ("pubmed-111-3", "111"), ("pubmed-1112-0", "1112")]:
+        for pid, pmid in [
+            ("pubmed-111-0", "111"),
+            ("pubmed-111-1", "111"),
+            ("pubmed-111-2", "111"),
+            ("pubmed-111-3", "111"),
+            ("pubmed-1112-0", "1112"),
+        ]:
             handle.write(json.dumps({"id": pid, "title": "t", "text": "x", "pmid": pmid}) + "\n")
 
     store = TraceStore(tmp_path / "traces.sqlite")
@@ -110,8 +173,13 @@ def fixture_data(tmp_path: Path) -> dict[str, Path]:
     # er_medrag / bioasq-bbb: {h1} → P = 1, R = 1
     er_run(store, "r2", ["bioasq-h1@5-9"])
     # vanilla_rag / bioasq-aaa: retrieved g3 and a medquad passage → P = 1/2, R = 1/3
-    respondent_run(store, "r3", "vanilla_rag", "1. [bioasq-g3@0-5] Title: some text\n2. [medquad-1@0-9] Other: more",
-                   ["bioasq-g3@0-5", "medquad-1@0-9"])
+    respondent_run(
+        store,
+        "r3",
+        "vanilla_rag",
+        "1. [bioasq-g3@0-5] Title: some text\n2. [medquad-1@0-9] Other: more",
+        ["bioasq-g3@0-5", "medquad-1@0-9"],
+    )
     # er_medrag / pubmedqa-111: 111-0, 111-2 gold; 1112-0 only shares the digits; P = 2/4; R = 2/4 with corpus
     er_run(store, "r4", ["pubmed-111-0@0-5", "pubmed-1112-0@0-5", "pubmed-111-2@3-9", "bioasq-x@0-1"])
     # cot / pubmedqa-111: no retrieval
@@ -121,18 +189,29 @@ def fixture_data(tmp_path: Path) -> dict[str, Path]:
     # er_medrag / bioasq-ccc: not in the qrels
     er_run(store, "r7", ["bioasq-g1@0-5"])
     # retrieved a, a (another window), b, c, d; extraction finished in the reverse order
-    er_run(store, "r8", ["a@0-1", "a@2-3", "b@0-1", "c@0-1", "d@0-1"],
-           extracted=["d@0-1", "c@0-1", "b@0-1", "a@2-3", "a@0-1"])
+    er_run(
+        store,
+        "r8",
+        ["a@0-1", "a@2-3", "b@0-1", "c@0-1", "d@0-1"],
+        extracted=["d@0-1", "c@0-1", "b@0-1", "a@2-3", "a@0-1"],
+    )
     # med_r3 / pubmedqa-111: two searches, 111-1 found by both → {111-1, x, 111-3}: P = 2/3; R = 2/4 with corpus
     med_r3_run(store, "r9", [["pubmed-111-1@0-5", "bioasq-x@0-1"], ["pubmed-111-1@7-9", "pubmed-111-3@0-4"]])
 
     results = tmp_path / "results"
     results.mkdir()
-    rows = [row("er_medrag", "bioasq", "bioasq-aaa", "r1"), row("er_medrag", "bioasq", "bioasq-bbb", "r2"),
-            row("vanilla_rag", "bioasq", "bioasq-aaa", "r3"), row("er_medrag", "pubmedqa", "pubmedqa-111", "r4"),
-            row("cot", "pubmedqa", "pubmedqa-111", "r5"), row("er_medrag", "medqa", "medqa-1", "r6"),
-            row("er_medrag", "bioasq", "bioasq-ccc", "r7"), row("er_medrag", "bioasq", "bioasq-bbb", "missing-run"),
-            row("er_medrag", "bioasq", "bioasq-bbb", None), row("med_r3", "pubmedqa", "pubmedqa-111", "r9")]
+    rows = [
+        row("er_medrag", "bioasq", "bioasq-aaa", "r1"),
+        row("er_medrag", "bioasq", "bioasq-bbb", "r2"),
+        row("vanilla_rag", "bioasq", "bioasq-aaa", "r3"),
+        row("er_medrag", "pubmedqa", "pubmedqa-111", "r4"),
+        row("cot", "pubmedqa", "pubmedqa-111", "r5"),
+        row("er_medrag", "medqa", "medqa-1", "r6"),
+        row("er_medrag", "bioasq", "bioasq-ccc", "r7"),
+        row("er_medrag", "bioasq", "bioasq-bbb", "missing-run"),
+        row("er_medrag", "bioasq", "bioasq-bbb", None),
+        row("med_r3", "pubmedqa", "pubmedqa-111", "r9"),
+    ]
     (results / rq.RESULTS).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return {"db": tmp_path / "traces.sqlite", "results": results, "qrels": qrels, "corpora": corpora}
 
@@ -179,8 +258,7 @@ def test_ragas_id_metrics_are_used():
     from ragas.metrics._context_recall import IDBasedContextRecall
 
     assert rq.BACKEND == "ragas"
-    assert rq.metric_classes() == {"context_precision": IDBasedContextPrecision,
-                                   "context_recall": IDBasedContextRecall}
+    assert rq.metric_classes() == {"context_precision": IDBasedContextPrecision, "context_recall": IDBasedContextRecall}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         import ragas.metrics
@@ -190,8 +268,7 @@ def test_ragas_id_metrics_are_used():
 
 
 def test_id_scores_exact_and_equal_to_fallback():
-    pairs = [(["a", "b", "c"], ["a", "d"]), (["a", "a", "b"], ["a"]), (["x"], ["a", "b"]), ([], ["a"]),
-             (["a"], [])]
+    pairs = [(["a", "b", "c"], ["a", "d"]), (["a", "a", "b"], ["a"]), (["x"], ["a", "b"]), ([], ["a"]), (["a"], [])]
     expected = [(1 / 3, 1 / 2), (1 / 2, 1.0), (0.0, 0.0), (None, 0.0), (0.0, None)]
     got = rq.id_scores(pairs)
     assert got == [pytest.approx(e) for e in expected]
@@ -202,7 +279,9 @@ def test_id_scores_exact_and_equal_to_fallback():
 def test_context_scores_prefix_rule_has_no_recall():
     retrieved = ["pubmed-111-0", "pubmed-1112-0", "pubmed-111-2", "bioasq-x"]
     assert rq.context_scores(retrieved, ge.GoldEvidence(prefix="pubmed-111-")) == {
-        "context_precision": 0.5, "context_recall": None}
+        "context_precision": 0.5,
+        "context_recall": None,
+    }
     gold = ge.GoldEvidence(ids=frozenset(f"pubmed-111-{i}" for i in range(4)))
     assert rq.context_scores(retrieved, gold) == {"context_precision": 0.5, "context_recall": 0.5}
 
@@ -212,13 +291,21 @@ def by_key(report: dict) -> dict:
 
 
 def test_rag_quality_hand_computed(fixture_data):
-    report = rq.rag_quality([fixture_data["results"]], fixture_data["db"], qrels_path=fixture_data["qrels"],
-                            corpus_dir=fixture_data["corpora"])
+    report = rq.rag_quality(
+        [fixture_data["results"]],
+        fixture_data["db"],
+        qrels_path=fixture_data["qrels"],
+        corpus_dir=fixture_data["corpora"],
+    )
     assert report["backend"] == "ragas"
     assert report["metrics"]["context_precision"].endswith("IDBasedContextPrecision")
     groups = by_key(report)
-    assert set(groups) == {("er_medrag", "bioasq"), ("vanilla_rag", "bioasq"), ("er_medrag", "pubmedqa"),
-                           ("med_r3", "pubmedqa")}
+    assert set(groups) == {
+        ("er_medrag", "bioasq"),
+        ("vanilla_rag", "bioasq"),
+        ("er_medrag", "pubmedqa"),
+        ("med_r3", "pubmedqa"),
+    }
     er_bioasq = groups["er_medrag", "bioasq"]
     assert er_bioasq["n"] == 2 and er_bioasq["n_recall"] == 2
     assert er_bioasq["context_precision"] == pytest.approx((2 / 3 + 1) / 2)
@@ -292,16 +379,24 @@ def test_judge_metrics_offline_with_scripted_judge():
     metrics = rq.build_judge(JUDGE, embeddings=TinyEmbeddings())
     assert isinstance(metrics["faithfulness"], Faithfulness)
     assert isinstance(metrics["answer_relevancy"], ResponseRelevancy)
-    rows = [{"user_input": QUESTION, "response": "Aspirin inhibits cyclooxygenase. It cures influenza.",
-             "retrieved_contexts": ["Aspirin irreversibly inhibits cyclooxygenase-1."], "question_id": "q1"}]
+    rows = [
+        {
+            "user_input": QUESTION,
+            "response": "Aspirin inhibits cyclooxygenase. It cures influenza.",
+            "retrieved_contexts": ["Aspirin irreversibly inhibits cyclooxygenase-1."],
+            "question_id": "q1",
+        }
+    ]
     report = rq.judge_metrics(rows, JUDGE, embeddings=TinyEmbeddings())
     assert report["judge"] == JUDGE and report["relevancy_skipped"] is None
     scored = report["rows"][0]
     assert scored["question_id"] == "q1" and "errors" not in scored
     assert scored["faithfulness"] == 0.5  # one of the two statements is supported
     assert scored["answer_relevancy"] == pytest.approx(1.0)  # the generated question is the question
-    assert report["summary"] == {"faithfulness": {"mean": 0.5, "n": 1},
-                                 "answer_relevancy": {"mean": pytest.approx(1.0), "n": 1}}
+    assert report["summary"] == {
+        "faithfulness": {"mean": 0.5, "n": 1},
+        "answer_relevancy": {"mean": pytest.approx(1.0), "n": 1},
+    }
     no_relevancy = rq.judge_metrics(rows, JUDGE, relevancy=False)
     assert set(no_relevancy["summary"]) == {"faithfulness"} and no_relevancy["relevancy_skipped"]
 
@@ -315,8 +410,11 @@ def test_judge_failure_is_recorded_per_row():
 
 def test_judge_samples_from_traces(fixture_data):
     store = TraceStore(fixture_data["db"])
-    rows = [row("er_medrag", "bioasq", "bioasq-bbb", "r2"), row("vanilla_rag", "bioasq", "bioasq-aaa", "r3"),
-            row("cot", "pubmedqa", "pubmedqa-111", "r5")]
+    rows = [
+        row("er_medrag", "bioasq", "bioasq-bbb", "r2"),
+        row("vanilla_rag", "bioasq", "bioasq-aaa", "r3"),
+        row("cot", "pubmedqa", "pubmedqa-111", "r5"),
+    ]
     samples = rq.judge_samples(rows, store)
     assert [s["run_id"] for s in samples] == ["r2", "r3"]  # CoT has no contexts
     assert samples[0]["retrieved_contexts"] == ["text of bioasq-h1@5-9"]

@@ -18,16 +18,46 @@ COT = {"respondent_model": "offline:gemma3-270m", "temperature": 0.0, "responden
 
 
 def config(system: str, model: str, samples: int = 1, **settings: Any) -> dict[str, Any]:
-    return {"system": system, "model": model, "samples": samples,
-            "settings": {**COT, "respondent_model": model, **settings}}
+    return {
+        "system": system,
+        "model": model,
+        "samples": samples,
+        "settings": {**COT, "respondent_model": model, **settings},
+    }
 
 
-def row(key: str, cfg: dict[str, Any], bench: str, qid: str, *, answer: str | None = "A", gold: str = "A",
-        sample: int = 0, **extra: Any) -> dict[str, Any]:
-    return {"config_key": key, "config": cfg, "benchmark": bench, "question_id": qid, "subject": "", "sample": sample,
-            "gold": gold, "answer": answer, "ok": answer is not None, "well_formed": True, "extracted": False,
-            "correct": answer == gold, "error": None, "run_id": f"{key}-{qid}-{sample}",
-            "timings": {"respond_s": 1.5}, "seconds": 1.6, "output_tokens": 20, "token_entropy": 0.8, **extra}
+def row(
+    key: str,
+    cfg: dict[str, Any],
+    bench: str,
+    qid: str,
+    *,
+    answer: str | None = "A",
+    gold: str = "A",
+    sample: int = 0,
+    **extra: Any,
+) -> dict[str, Any]:
+    return {
+        "config_key": key,
+        "config": cfg,
+        "benchmark": bench,
+        "question_id": qid,
+        "subject": "",
+        "sample": sample,
+        "gold": gold,
+        "answer": answer,
+        "ok": answer is not None,
+        "well_formed": True,
+        "extracted": False,
+        "correct": answer == gold,
+        "error": None,
+        "run_id": f"{key}-{qid}-{sample}",
+        "timings": {"respond_s": 1.5},
+        "seconds": 1.6,
+        "output_tokens": 20,
+        "token_entropy": 0.8,
+        **extra,
+    }
 
 
 def write_rows(folder: Path, rows: list[dict[str, Any]]) -> Path:
@@ -44,8 +74,9 @@ def two_runs(tmp_path: Path) -> tuple[Path, Path]:
     run_a = [row("ka", a, "medqa", f"q{i}", answer="A" if i < 3 else "B") for i in range(4)]
     run_a += [row("ka", a, "pubmedqa", f"p{i}", answer="C") for i in range(2)]
     run_b = [row("kb", b, "medqa", f"q{i}", token_entropy=None, model_seconds=0.4, wait_seconds=0.9) for i in range(4)]
-    run_b += [row("kb", b, "pubmedqa", f"p{i}", token_entropy=None, model_seconds=0.2, wait_seconds=0.1)
-              for i in range(2)]
+    run_b += [
+        row("kb", b, "pubmedqa", f"p{i}", token_entropy=None, model_seconds=0.2, wait_seconds=0.1) for i in range(2)
+    ]
     return write_rows(tmp_path / "a", run_a), write_rows(tmp_path / "b", run_b)
 
 
@@ -57,8 +88,10 @@ def test_two_configurations_stay_apart_and_the_header_says_what_differs(tmp_path
     assert header.startswith("Configurations differ in: model (offline:gemma3-270m vs openai:x), snippets_k (6 vs 8)")
     assert "They share: system=er_medrag, samples=1, temperature=0.0, respondent_max_new_tokens=192." in text
     assert written["configurations"] == ["er_medrag · gemma3-270m · snippets_k=6", "er_medrag · x · snippets_k=8"]
-    assert "| er_medrag · gemma3-270m · snippets_k=6 | offline:gemma3-270m | 75.0 [30–95] (n=4) | 0.0 [0–66] (n=2) " \
-           "| 50.0 [19–81] (n=6) |" in text
+    assert (
+        "| er_medrag · gemma3-270m · snippets_k=6 | offline:gemma3-270m | 75.0 [30–95] (n=4) | 0.0 [0–66] (n=2) "
+        "| 50.0 [19–81] (n=6) |" in text
+    )
     assert "| er_medrag · x · snippets_k=8 | openai:x | 100.0 [51–100] (n=4) |" in text
     assert "| er_medrag · gemma3-270m · snippets_k=6 | `ka` | er_medrag | offline:gemma3-270m | 1 |" in text
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -84,8 +117,9 @@ def test_the_same_key_in_two_folders_is_kept_once_with_a_warning(tmp_path):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["duplicates_by_folder"] == {str(copy): 4}
     # another option order or sample of the same question is not a duplicate
     gemma = config("er_medrag", "offline:gemma3-270m", snippets_k=6)
-    other = write_rows(tmp_path / "other", [row("ka", gemma, "medqa", "q0", order=2),
-                                            row("ka", gemma, "medqa", "q0", sample=1)])
+    other = write_rows(
+        tmp_path / "other", [row("ka", gemma, "medqa", "q0", order=2), row("ka", gemma, "medqa", "q0", sample=1)]
+    )
     assert load_results([run_a, other]).duplicates_dropped == 0
     # one configuration over several folders is one row
     more = write_rows(tmp_path / "more", [row("ka", gemma, "medqa", "q9")])
@@ -116,9 +150,11 @@ def test_answer_entropy_is_absent_with_one_sample_and_per_configuration_with_thr
 
 def test_permuted_rows_stay_out_of_the_main_tables_and_feed_position_bias(tmp_path, monkeypatch):
     cfg = config("cot", "offline:gemma3-270m")
-    rows = [row("k", cfg, "medqa", "q0", orders=3, answer_position="A", gold_position="A"),
-            row("k", cfg, "medqa", "q0", answer="B", order=1, orders=3, answer_position="A", gold_position="C"),
-            row("k", cfg, "medqa", "q0", answer="C", order=2, orders=3, answer_position="A", gold_position="B")]
+    rows = [
+        row("k", cfg, "medqa", "q0", orders=3, answer_position="A", gold_position="A"),
+        row("k", cfg, "medqa", "q0", answer="B", order=1, orders=3, answer_position="A", gold_position="C"),
+        row("k", cfg, "medqa", "q0", answer="C", order=2, orders=3, answer_position="A", gold_position="B"),
+    ]
     run = write_rows(tmp_path / "run", rows)
     written = write_report([str(run)], tmp_path / "out")
     text = Path(written["report"]).read_text()
@@ -135,13 +171,45 @@ def test_permuted_rows_stay_out_of_the_main_tables_and_feed_position_bias(tmp_pa
 
 
 def test_old_rows_without_the_new_fields_still_report(tmp_path):
-    old_config = {"system": "cot", "model": "offline:gemma3-270m", "index_dir": "", "snippets_k": 4,
-                  "temperature": 0.0, "samples": 1}
-    old = [{"config_key": "9a65", "config": old_config, "benchmark": "medqa", "question_id": f"q{i}", "sample": 0,
-            "gold": "A", "answer": "A", "ok": True, "well_formed": True, "correct": True, "error": None, "run_id": "r",
-            "timings": {"respond_s": 2.0}, "seconds": 2.0, "output_tokens": 5, "token_entropy": None} for i in range(2)]
-    bare = [{"benchmark": "medqa", "question_id": "q9", "answer": "B", "correct": False, "ok": True,
-             "config": {"system": "cot", "model": "m"}}]
+    old_config = {
+        "system": "cot",
+        "model": "offline:gemma3-270m",
+        "index_dir": "",
+        "snippets_k": 4,
+        "temperature": 0.0,
+        "samples": 1,
+    }
+    old = [
+        {
+            "config_key": "9a65",
+            "config": old_config,
+            "benchmark": "medqa",
+            "question_id": f"q{i}",
+            "sample": 0,
+            "gold": "A",
+            "answer": "A",
+            "ok": True,
+            "well_formed": True,
+            "correct": True,
+            "error": None,
+            "run_id": "r",
+            "timings": {"respond_s": 2.0},
+            "seconds": 2.0,
+            "output_tokens": 5,
+            "token_entropy": None,
+        }
+        for i in range(2)
+    ]
+    bare = [
+        {
+            "benchmark": "medqa",
+            "question_id": "q9",
+            "answer": "B",
+            "correct": False,
+            "ok": True,
+            "config": {"system": "cot", "model": "m"},
+        }
+    ]
     written = write_report([str(write_rows(tmp_path / "old", old + bare))], tmp_path / "out")
     text = Path(written["report"]).read_text()
     assert text.splitlines()[2] == "Configurations differ in: model (m vs offline:gemma3-270m)."
@@ -165,7 +233,7 @@ def test_every_plot_gives_a_configuration_the_same_colour(tmp_path):
         pixels = matplotlib.image.imread(path)[..., :3]
         present = {tuple(int(round(255 * c)) for c in p) for p in pixels.reshape(-1, 3)[::7]}
         for label in labels:  # B has no entropy bars, but its legend entry keeps its colour
-            rgb = tuple(int(colours[label][i:i + 2], 16) for i in (1, 3, 5))
+            rgb = tuple(int(colours[label][i : i + 2], 16) for i in (1, 3, 5))
             assert rgb in present, (path, label)
 
 
@@ -174,8 +242,11 @@ def test_plots_are_written_for_one_or_many_configurations(tmp_path, configs):
     rows = []
     for k in range(configs):
         cfg = config("er_medrag", "offline:gemma3-270m", snippets_k=2 + 2 * k)
-        rows += [row(f"k{k}", cfg, bench, f"q{i}", answer="A" if i <= k else "B")
-                 for bench in ("medqa", "pubmedqa", "bioasq") for i in range(4)]
+        rows += [
+            row(f"k{k}", cfg, bench, f"q{i}", answer="A" if i <= k else "B")
+            for bench in ("medqa", "pubmedqa", "bioasq")
+            for i in range(4)
+        ]
     written = write_report([str(write_rows(tmp_path / "run", rows))], tmp_path / "out")
     assert [Path(p).name for p in written["plots"]] == ["accuracy.png", "entropy.png"]
     assert all(Path(p).stat().st_size > 5000 for p in written["plots"])

@@ -15,8 +15,11 @@ from ermedrag.graphs.registry import load_graph
 from ermedrag.tools.records.traces import TraceStore
 
 SCRIPT = "scripted:ermedrag.testing.scripted.off_option"
-QUESTION = {"question": "Which drug is first-line for type 2 diabetes in adults?",
-            "options": {"A": "Insulin", "B": "Metformin"}, "gold": "B"}
+QUESTION = {
+    "question": "Which drug is first-line for type 2 diabetes in adults?",
+    "options": {"A": "Insulin", "B": "Metformin"},
+    "gold": "B",
+}
 
 
 def _context(tmp_path, system="cot", **extra):
@@ -95,10 +98,19 @@ class _NoContinuationServer(BaseHTTPRequestHandler):
             self._send(422, {"error": {"message": "Unexpected fields: continue_final_message"}})
             return
         content = "<think>Metformin lowers hepatic glucose output.</think><answer>the biguanide one</answer>"
-        self._send(200, {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
-                         "choices": [{"index": 0, "finish_reason": "stop",
-                                      "message": {"role": "assistant", "content": content}}],
-                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        self._send(
+            200,
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            },
+        )
 
     def _send(self, status, payload):
         data = json.dumps(payload).encode()
@@ -119,8 +131,12 @@ def test_a_server_that_is_not_vllm_is_never_asked_to_continue_a_turn(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _NoContinuationServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        context = {"respondent_model": "openai:x", "base_url": f"http://127.0.0.1:{server.server_port}/v1",
-                   "trace_db": str(tmp_path / "t.sqlite"), "max_retries": 0}
+        context = {
+            "respondent_model": "openai:x",
+            "base_url": f"http://127.0.0.1:{server.server_port}/v1",
+            "trace_db": str(tmp_path / "t.sqlite"),
+            "max_retries": 0,
+        }
         state = load_graph("cot").invoke(QUESTION, context=context)
     finally:
         server.shutdown()

@@ -28,7 +28,8 @@ import pytest
 
 from tests.conftest import REPO, free_port, log_tail, stop_process_group
 from ermedrag.cli import main
-from ermedrag.evals.runner import CHECKPOINTS, FAILURES, RESULTS, done_keys, run_eval
+from ermedrag.evals.runner import CHECKPOINTS, FAILURES, RESULTS, run_eval
+from ermedrag.evals.rows import done_keys
 from ermedrag.graphs.durable import CheckpointStoreError, describe_target, open_saver
 from ermedrag.tools.records.traces import TraceStore
 
@@ -43,19 +44,26 @@ TIMEOUT_S = 300  # a fresh machine builds the starter index on the first ask
 
 # ------------------------------------------------------------------------------------------------- stores
 
+
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """A throwaway PostgreSQL server on 127.0.0.1 (initdb into a temporary folder), as a connection URL."""
-    pytest.importorskip("langgraph.checkpoint.postgres", reason="the postgres extra is not installed "
-                        "(pip install 'ermedrag[postgres]'): the Postgres checkpointer is untested here")
+    pytest.importorskip(
+        "langgraph.checkpoint.postgres",
+        reason="the postgres extra is not installed "
+        "(pip install 'ermedrag[postgres]'): the Postgres checkpointer is untested here",
+    )
     import psycopg
 
     binaries = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
-    bin_dir = next((Path(b) for b in binaries if (Path(b) / "initdb").exists() and (Path(b) / "postgres").exists()),
-                   None)
+    bin_dir = next(
+        (Path(b) for b in binaries if (Path(b) / "initdb").exists() and (Path(b) / "postgres").exists()), None
+    )
     if bin_dir is None:
-        pytest.skip("no PostgreSQL server binaries in /usr/lib/postgresql/*/bin (apt-get install postgresql): "
-                    "the Postgres checkpointer is untested here")
+        pytest.skip(
+            "no PostgreSQL server binaries in /usr/lib/postgresql/*/bin (apt-get install postgresql): "
+            "the Postgres checkpointer is untested here"
+        )
     root = Path(tempfile.mkdtemp(prefix="ermedrag-pg-"))  # not under pytest's 0700 folders: the server user reads it
     as_user = {}
     if os.geteuid() == 0:  # PostgreSQL refuses to run as root
@@ -63,16 +71,37 @@ def postgres_url() -> Iterator[str]:
         os.chown(root, account.pw_uid, account.pw_gid)
         as_user = {"user": account.pw_uid, "group": account.pw_gid}
     data, log = root / "data", root / "server.log"
-    init = subprocess.run([str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
-                           "--no-sync"], capture_output=True, text=True, timeout=120, **as_user)
+    init = subprocess.run(
+        [str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **as_user,
+    )
     if init.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
         pytest.skip(f"initdb failed, so no PostgreSQL server here: {init.stderr[-1500:]}")
     port = free_port()
     with log.open("w") as handle:
-        server = subprocess.Popen([str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), "-k", str(root),
-                                   "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
-                                  stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, **as_user)
+        server = subprocess.Popen(
+            [
+                str(bin_dir / "postgres"),
+                "-D",
+                str(data),
+                "-p",
+                str(port),
+                "-k",
+                str(root),
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "fsync=off",
+            ],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            **as_user,
+        )
     url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
     deadline = time.monotonic() + 60
     while True:
@@ -121,14 +150,29 @@ def checkpoint_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 # ------------------------------------------------------------------------------------------------- helpers
 
-UNSET = ("ERMEDRAG_INDEX_DIR", "ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL", "ERMEDRAG_RESPONDENT_MODEL",
-         "OPENAI_BASE_URL", "ERMEDRAG_SNIPPETS_K", "ERMEDRAG_COARSE_K", "SCRIPTED_COUNTING_FAIL", "SCRIPTED_COUNTING_STEP_S")
+UNSET = (
+    "ERMEDRAG_INDEX_DIR",
+    "ERMEDRAG_MODEL",
+    "ERMEDRAG_EXTRACTOR_MODEL",
+    "ERMEDRAG_RESPONDENT_MODEL",
+    "OPENAI_BASE_URL",
+    "ERMEDRAG_SNIPPETS_K",
+    "ERMEDRAG_COARSE_K",
+    "SCRIPTED_COUNTING_FAIL",
+    "SCRIPTED_COUNTING_STEP_S",
+)
 
 
 def _env(tmp_path: Path, checkpoint_db: str, **extra: str) -> dict[str, str]:
     """The environment of a test's runs: its own stores and call log, nothing from the user's settings."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ERMEDRAG_TRACE_DB": str(tmp_path / "traces.sqlite"),
-           "ERMEDRAG_CHECKPOINT_DB": checkpoint_db, "SCRIPTED_COUNTING_CALLS": str(tmp_path / "calls.tsv"), **extra}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "ERMEDRAG_TRACE_DB": str(tmp_path / "traces.sqlite"),
+        "ERMEDRAG_CHECKPOINT_DB": checkpoint_db,
+        "SCRIPTED_COUNTING_CALLS": str(tmp_path / "calls.tsv"),
+        **extra,
+    }
     for name in UNSET:
         if name not in extra:
             env.pop(name, None)
@@ -164,11 +208,18 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def _ask(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ermedrag", "ask", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "ermedrag", "ask", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
 
 
 # ------------------------------------------------------------------------------------------------- tests
+
 
 @pytest.mark.parametrize("checkpoint_db", ["sqlite", pytest.param("postgres", marks=pytest.mark.slow)], indirect=True)
 def test_killed_ask_resumes_mid_fan_out_without_repeating_a_finished_call(tmp_path: Path, checkpoint_db: str) -> None:
@@ -177,8 +228,14 @@ def test_killed_ask_resumes_mid_fan_out_without_repeating_a_finished_call(tmp_pa
     command = [QUESTION, *OPTIONS, "--model", COUNTING, "--snippets", str(SNIPPETS)]
     log = tmp_path / "killed.err"
     with log.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "ermedrag", "ask", *command], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ermedrag", "ask", *command],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+        )
     try:
         _wait_for(lambda: len(_calls(tmp_path)) >= 2, proc, "two extractions", log)
         time.sleep(SETTLE_S)
@@ -222,8 +279,9 @@ def test_killed_ask_resumes_mid_fan_out_without_repeating_a_finished_call(tmp_pa
     assert len(_calls(tmp_path)) == clean_run
 
 
-def test_resume_refuses_unknown_runs_and_other_questions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_refuses_unknown_runs_and_other_questions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The CLI in process (`ermedrag.cli.main`): bad resumes exit 2 with a message naming the problem."""
     db = tmp_path / "checkpoints.sqlite"
     _use_env(monkeypatch, _env(tmp_path, str(db)))
@@ -249,24 +307,52 @@ def test_killed_eval_rerun_continues_each_question_from_its_last_finished_node(t
     """`ermedrag eval` killed in the middle of question 2's fan-out: the rerun skips question 1 (its row is
     written), makes question 2's missing extraction and answer only, and answers question 3."""
     questions = tmp_path / "questions.jsonl"
-    texts = ["Which drug treats anaphylaxis first?", "Which drug should a new type 2 diabetic start?",
-             "What is the first treatment for status asthmaticus?"]
-    questions.write_text("".join(json.dumps({"id": f"q{i}", "question": text, "answer": "A",
-                                             "options": {"A": "yes", "B": "no"}}) + "\n"
-                                 for i, text in enumerate(texts, 1)))
+    texts = [
+        "Which drug treats anaphylaxis first?",
+        "Which drug should a new type 2 diabetic start?",
+        "What is the first treatment for status asthmaticus?",
+    ]
+    questions.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "question": text, "answer": "A", "options": {"A": "yes", "B": "no"}}) + "\n"
+            for i, text in enumerate(texts, 1)
+        )
+    )
     out = tmp_path / "out"
     cli_store = tmp_path / "cli-checkpoints.sqlite"  # `ask`'s store: an eval keeps its own in OUT
     env = _env(tmp_path, str(cli_store), SCRIPTED_COUNTING_STEP_S=str(STEP_S))
-    command = [sys.executable, "-m", "ermedrag", "eval", "--system", "er_medrag", "--bench", str(questions),
-               "--snippets", "2", "--concurrency", "1", "--model", COUNTING, "--out", str(out),
-               "--trace-db", str(tmp_path / "traces.sqlite")]
+    command = [
+        sys.executable,
+        "-m",
+        "ermedrag",
+        "eval",
+        "--system",
+        "er_medrag",
+        "--bench",
+        str(questions),
+        "--snippets",
+        "2",
+        "--concurrency",
+        "1",
+        "--model",
+        COUNTING,
+        "--out",
+        str(out),
+        "--trace-db",
+        str(tmp_path / "traces.sqlite"),
+    ]
     log = tmp_path / "killed.err"
     with log.open("w") as stderr:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+        )
     try:
-        _wait_for(lambda: len(done_keys(out / RESULTS)) == 1 and len(_calls(tmp_path)) >= 4, proc,
-                  "question 1 and one extraction of question 2", log)
+        _wait_for(
+            lambda: len(done_keys(out / RESULTS)) == 1 and len(_calls(tmp_path)) >= 4,
+            proc,
+            "question 1 and one extraction of question 2",
+            log,
+        )
         time.sleep(SETTLE_S)
     finally:
         _kill(proc)
@@ -292,15 +378,18 @@ def test_killed_eval_rerun_continues_each_question_from_its_last_finished_node(t
 
 
 @BOTH_STORES
-def test_failed_eval_questions_are_logged_and_continued_on_rerun(tmp_path: Path, checkpoint_db: str,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_eval_questions_are_logged_and_continued_on_rerun(
+    tmp_path: Path, checkpoint_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A model server error in the respondent: logged in failures.jsonl, counted, and the rerun makes only the
     failed calls again (the extractions that finished stay done). Async checkpointer, in process."""
     questions = tmp_path / "questions.jsonl"
-    questions.write_text("".join(json.dumps({"id": f"q{i}", "question": text, "answer": "A",
-                                             "options": {"A": "yes", "B": "no"}}) + "\n"
-                                 for i, text in enumerate(["Which drug treats anaphylaxis first?",
-                                                           "What lowers blood glucose first?"], 1)))
+    questions.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "question": text, "answer": "A", "options": {"A": "yes", "B": "no"}}) + "\n"
+            for i, text in enumerate(["Which drug treats anaphylaxis first?", "What lowers blood glucose first?"], 1)
+        )
+    )
     failing = tmp_path / "server-down"
     failing.touch()
     _use_env(monkeypatch, _env(tmp_path, str(tmp_path / "cli-checkpoints.sqlite"), SCRIPTED_COUNTING_FAIL=str(failing)))

@@ -22,8 +22,13 @@ def test_runs_end_to_end_and_records_every_call(scripted_context):
     assert len(state["snippets"]) == 4
     assert {e["snippet_id"] for e in state["extractions"]} == {s["id"] for s in state["snippets"]}
     assert all(e["ok"] and e["triplets"] for e in state["extractions"])
-    assert state["answer"] == {"answer": "A", "reasoning": "Scripted reasoning.", "ok": True,
-                               "well_formed": True, "error": None}
+    assert state["answer"] == {
+        "answer": "A",
+        "reasoning": "Scripted reasoning.",
+        "ok": True,
+        "well_formed": True,
+        "error": None,
+    }
     assert set(state["timings"]) == {"retrieve_s", "extract_s", "respond_s"}
 
     store = TraceStore(scripted_context["trace_db"])

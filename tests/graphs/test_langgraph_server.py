@@ -64,8 +64,15 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     langgraph = Path(sys.executable).parent / "langgraph"
     command = [str(langgraph), "dev", "--no-browser", "--no-reload", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         started = time.monotonic()

@@ -8,7 +8,7 @@ import json
 import pytest
 from langgraph.graph.state import CompiledStateGraph
 
-from ermedrag.evals.runner import EvalConfig, parse_overrides
+from ermedrag.evals.rows import EvalConfig, parse_overrides
 from ermedrag.graphs.registry import GRAPHS, context_fields, load_graph, resolved_settings
 from tests.conftest import REPO
 
@@ -50,7 +50,10 @@ def test_settings_fall_back_to_the_environment(monkeypatch):
 
 def test_overrides_are_typed_and_unknown_keys_are_named():
     assert parse_overrides(["max_searches=2", "temperature=0.5", "reranker=x/y"], ["med_r3"]) == {
-        "max_searches": 2, "temperature": 0.5, "reranker": "x/y"}
+        "max_searches": 2,
+        "temperature": 0.5,
+        "reranker": "x/y",
+    }
     with pytest.raises(ValueError, match="max_searches"):
         parse_overrides(["max_searches=two"], ["med_r3"])
     with pytest.raises(ValueError, match="KEY among"):

@@ -12,10 +12,14 @@ from ermedrag.graphs.registry import load_graph
 from ermedrag.tools.records.traces import TraceStore
 from tests.conftest import SCRIPTED
 
-FIRST = {"question": "Which drug is first-line for type 2 diabetes? #answers=A,A,A",
-         "options": {"A": "Metformin", "B": "Insulin"}}
-SECOND = {"question": "Which vitamin deficiency causes rickets? #answers=B,B,B",
-          "options": {"A": "Vitamin C", "B": "Vitamin D"}}
+FIRST = {
+    "question": "Which drug is first-line for type 2 diabetes? #answers=A,A,A",
+    "options": {"A": "Metformin", "B": "Insulin"},
+}
+SECOND = {
+    "question": "Which vitamin deficiency causes rickets? #answers=B,B,B",
+    "options": {"A": "Vitamin C", "B": "Vitamin D"},
+}
 
 
 @pytest.mark.parametrize("system", ["er_medrag", "med_r3", "mmedagent"])

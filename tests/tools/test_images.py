@@ -30,8 +30,15 @@ from ermedrag.tools import images
 from ermedrag.tools.models import hf as hf_backend
 from ermedrag.tools.models.hf import HFChatModel
 from ermedrag.tools.models import ImagesNotSupportedError, load_chat_model
-from ermedrag.tools.images import (IMAGE_ROOTS_ENV, MAX_IMAGES, ImageInputError, as_url, image_data, image_record,
-                                   validate_images)
+from ermedrag.tools.images import (
+    IMAGE_ROOTS_ENV,
+    MAX_IMAGES,
+    ImageInputError,
+    as_url,
+    image_data,
+    image_record,
+    validate_images,
+)
 from ermedrag.tools.records.traces import TraceStore
 
 pydicom = pytest.importorskip("pydicom", reason="real DICOM test images: pip install pydicom")
@@ -53,8 +60,12 @@ def medical(tmp_path_factory) -> dict[str, Path]:
     retina, ihc = folder / "retina.png", folder / "ihc.jpg"
     Image.fromarray(skimage_data.retina()).resize((96, 96)).save(retina)
     Image.fromarray(skimage_data.immunohistochemistry()).resize((64, 64)).save(ihc, quality=90)
-    return {"ct": Path(pydicom_data.get_testdata_file("CT_small.dcm")),
-            "mr": Path(pydicom_data.get_testdata_file("MR_small.dcm")), "retina": retina, "ihc": ihc}
+    return {
+        "ct": Path(pydicom_data.get_testdata_file("CT_small.dcm")),
+        "mr": Path(pydicom_data.get_testdata_file("MR_small.dcm")),
+        "retina": retina,
+        "ihc": ihc,
+    }
 
 
 def data_uri(path: Path, mime: str) -> str:
@@ -73,35 +84,48 @@ def image_home(tmp_path, monkeypatch) -> Path:
 
 
 def test_valid_references_are_kept_as_given(medical):
-    refs = [str(medical["ct"]), str(medical["retina"]), str(medical["ihc"]),
-            data_uri(medical["retina"], "image/png"), "https://example.org/chest.png"]
+    refs = [
+        str(medical["ct"]),
+        str(medical["retina"]),
+        str(medical["ihc"]),
+        data_uri(medical["retina"], "image/png"),
+        "https://example.org/chest.png",
+    ]
     assert validate_images(refs) == refs
     assert validate_images(None) == [] and validate_images([]) == []
 
 
-@pytest.mark.parametrize("value, message", [
-    ("x.png", "must be a list of strings"),
-    ([1], "item 1 must be a string"),
-    (["  "], "item 1 is empty"),
-    (["{missing}"], "item 1 .*no such file in the allowed image folders .*ERMEDRAG_IMAGE_ROOTS"),
-    (["{folder}"], "item 1 .*not a file"),
-    (["{text}"], "item 1 .*not a readable image"),
-    (["{truncated}"], "item 1 .*damaged image"),
-    (["{retina}", "data:text/plain;base64,aGVsbG8="], "item 2 .*data:image/png;base64"),
-    (["data:image/png;base64,@@not base64@@"], "item 1 .*not valid base64"),
-    (["data:image/png;base64," + base64.b64encode(b"not an image").decode()], "item 1 .*not a readable image"),
-    (["data:image/png," + "x" * 10], "item 1 .*base64"),
-    (["ftp://example.org/x.png"], "item 1 .*unsupported scheme"),
-    (["https:///no-host.png"], "item 1 .*not a valid http"),
-    (["/" + "a" * 5000], "item 1 .*at most 4096"),
-    (["{retina}"] * (MAX_IMAGES + 1), f"at most {MAX_IMAGES}"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("x.png", "must be a list of strings"),
+        ([1], "item 1 must be a string"),
+        (["  "], "item 1 is empty"),
+        (["{missing}"], "item 1 .*no such file in the allowed image folders .*ERMEDRAG_IMAGE_ROOTS"),
+        (["{folder}"], "item 1 .*not a file"),
+        (["{text}"], "item 1 .*not a readable image"),
+        (["{truncated}"], "item 1 .*damaged image"),
+        (["{retina}", "data:text/plain;base64,aGVsbG8="], "item 2 .*data:image/png;base64"),
+        (["data:image/png;base64,@@not base64@@"], "item 1 .*not valid base64"),
+        (["data:image/png;base64," + base64.b64encode(b"not an image").decode()], "item 1 .*not a readable image"),
+        (["data:image/png," + "x" * 10], "item 1 .*base64"),
+        (["ftp://example.org/x.png"], "item 1 .*unsupported scheme"),
+        (["https:///no-host.png"], "item 1 .*not a valid http"),
+        (["/" + "a" * 5000], "item 1 .*at most 4096"),
+        (["{retina}"] * (MAX_IMAGES + 1), f"at most {MAX_IMAGES}"),
+    ],
+)
 def test_bad_references_are_refused_naming_the_field_and_item(value, message, medical, tmp_path):
     (tmp_path / "folder").mkdir()
     (tmp_path / "notes.txt").write_text("not an image")
     (tmp_path / "cut.png").write_bytes(medical["retina"].read_bytes()[:300])
-    names = {"missing": tmp_path / "missing.png", "folder": tmp_path / "folder", "text": tmp_path / "notes.txt",
-             "truncated": tmp_path / "cut.png", "retina": medical["retina"]}
+    names = {
+        "missing": tmp_path / "missing.png",
+        "folder": tmp_path / "folder",
+        "text": tmp_path / "notes.txt",
+        "truncated": tmp_path / "cut.png",
+        "retina": medical["retina"],
+    }
     if isinstance(value, list):
         value = [v.format(**names) if isinstance(v, str) and v.startswith("{") else v for v in value]
     with pytest.raises(ImageInputError, match=f"input 'images' {message}" if "item" in message else message):
@@ -206,8 +230,15 @@ def test_files_outside_the_allowed_folders_look_missing(tmp_path, medical, monke
     monkeypatch.setenv(IMAGE_ROOTS_ENV, os.pathsep.join([str(root), str(tmp_path / "elsewhere")]))
     missing = _refusal(str(root / "missing.png"))
     assert "no such file in the allowed image folders" in missing and IMAGE_ROOTS_ENV in missing
-    for reference in (str(outside_png), str(root / "escape.png"), str(root / "sub" / ".." / ".." / "outside" /
-                      "retina.png"), "/etc/passwd", "/proc/self/environ", "~/.ssh/id_rsa", "a\0b"):
+    for reference in (
+        str(outside_png),
+        str(root / "escape.png"),
+        str(root / "sub" / ".." / ".." / "outside" / "retina.png"),
+        "/etc/passwd",
+        "/proc/self/environ",
+        "~/.ssh/id_rsa",
+        "a\0b",
+    ):
         assert _refusal(reference) == missing, reference
     for reference in (str(inside_png), str(root / "inner.png")):
         assert validate_images([reference]) == [reference]
@@ -284,9 +315,14 @@ def _panel_completion(body: dict[str, Any]) -> dict[str, Any]:
     from ermedrag.testing.scripted.panel import reply
 
     content = reply(convert_to_messages(body["messages"]))
-    return {"id": "cmpl-images", "object": "chat.completion", "created": 0, "model": body.get("model", "x"),
-            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+    return {
+        "id": "cmpl-images",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body.get("model", "x"),
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+    }
 
 
 def _image_blocks(body: dict[str, Any]) -> list[str]:
@@ -305,8 +341,13 @@ def test_openai_request_carries_image_blocks_with_the_files_bytes(medical, monke
     monkeypatch.delenv("ERMEDRAG_OPENAI_VISION", raising=False)
     ihc_uri = data_uri(medical["ihc"], "image/jpeg")
     refs = [str(medical["retina"]), str(medical["ct"]), ihc_uri, "https://example.org/chest.png"]
-    messages = with_images([SystemMessage(content="You are the triage doctor."),
-                            HumanMessage(content="Question: what is shown? #triage=Radiologist")], refs)
+    messages = with_images(
+        [
+            SystemMessage(content="You are the triage doctor."),
+            HumanMessage(content="Question: what is shown? #triage=Radiologist"),
+        ],
+        refs,
+    )
     with RecordingServer() as server:
         model = load_chat_model("openai:vlm", base_url=server.base_url, max_retries=0)
         assert "Radiologist" in model.invoke(messages).text
@@ -326,24 +367,29 @@ def test_openai_model_declared_text_only_refuses_before_sending(medical, monkeyp
     messages = with_images([HumanMessage(content="What is shown?")], [str(medical["retina"])])
     with RecordingServer() as server:
         model = load_chat_model("openai:text-model", base_url=server.base_url, max_retries=0)
-        with pytest.raises(ImagesNotSupportedError,
-                           match="openai:text-model cannot see images.*ERMEDRAG_OPENAI_VISION"):
+        with pytest.raises(
+            ImagesNotSupportedError, match="openai:text-model cannot see images.*ERMEDRAG_OPENAI_VISION"
+        ):
             model.invoke(messages)
-        assert model.invoke([SystemMessage(content="You are the triage doctor."),
-                             HumanMessage(content="no images here")]).text  # text still works
+        assert model.invoke(
+            [SystemMessage(content="You are the triage doctor."), HumanMessage(content="no images here")]
+        ).text  # text still works
         assert len(server.bodies) == 1
 
 
-def test_graph_over_a_real_server_shows_every_role_the_images_and_traces_keep_hashes(medical, tmp_path,
-                                                                                      monkeypatch, image_home):
+def test_graph_over_a_real_server_shows_every_role_the_images_and_traces_keep_hashes(
+    medical, tmp_path, monkeypatch, image_home
+):
     monkeypatch.delenv("ERMEDRAG_OPENAI_VISION", raising=False)
     ihc_uri = data_uri(medical["ihc"], "image/jpeg")
     images = [str(medical["retina"]), ihc_uri]
     db = tmp_path / "t.sqlite"
     with RecordingServer() as server:
         ctx = {"respondent_model": "openai:vlm", "base_url": server.base_url, "trace_db": str(db), "max_retries": 0}
-        state = graph.invoke({"question": "Which finding? #answers=A,A,B", "options": OPTIONS, "gold": "A",
-                              "images": images}, context=ctx)
+        state = graph.invoke(
+            {"question": "Which finding? #answers=A,A,B", "options": OPTIONS, "gold": "A", "images": images},
+            context=ctx,
+        )
         bodies = list(server.bodies)
     assert state["answer"]["answer"] == "A" and state["images"][0] == images[0]
     ihc_digest = hashlib.sha256(medical["ihc"].read_bytes()).hexdigest()
@@ -358,7 +404,8 @@ def test_graph_over_a_real_server_shows_every_role_the_images_and_traces_keep_ha
     for event in events:
         assert event["messages"][-1]["images"] == [
             {"ref": str(medical["retina"]), "sha256": digest["retina"]},
-            {"ref": f"data:image/jpeg;sha256={digest['ihc']}", "sha256": digest["ihc"]}]
+            {"ref": f"data:image/jpeg;sha256={digest['ihc']}", "sha256": digest["ihc"]},
+        ]
     stored = b"".join(p.read_bytes() for p in tmp_path.glob("t.sqlite*"))  # the database and its WAL
     for name in ("retina", "ihc"):
         assert base64.b64encode(medical[name].read_bytes())[:200] not in stored
@@ -393,8 +440,9 @@ def test_a_data_uri_is_written_once_and_only_its_path_reaches_state_tasks_and_ch
     serialised = json.dumps(state, default=str)
     assert ";base64," not in serialised and len(serialised) < 20_000 < len(uri)
     checkpoints = list(saver.list(thread))
-    with_base64 = [c.metadata["step"] for c in checkpoints
-                   if b";base64," in pickle.dumps((c.checkpoint, c.pending_writes))]
+    with_base64 = [
+        c.metadata["step"] for c in checkpoints if b";base64," in pickle.dumps((c.checkpoint, c.pending_writes))
+    ]
     # Only the checkpoints of the input itself (before intake ran: steps -1 and 0); before the cache every one of
     # the run's checkpoints and each specialist's task carried it (23 stored copies here, 3 now).
     assert set(with_base64) <= {-1, 0} and len(checkpoints) > 4
@@ -426,8 +474,14 @@ def test_text_only_models_refuse_images_through_the_graph_before_loading(medical
     assert "input 'images'" in message and "triage doctor's model offline:gemma3-270m cannot see images" in message
     assert "text-only" in message and "set context field 'respondent_model' to a vision-language model" in message
     with pytest.raises(ImagesNotSupportedError, match="specialist's model offline:gemma3-270m.*'specialist_model'"):
-        graph.invoke(question, context={"respondent_model": PANEL + "?vision=1", "trace_db": db,
-                                        "specialist_model": "offline:gemma3-270m"})
+        graph.invoke(
+            question,
+            context={
+                "respondent_model": PANEL + "?vision=1",
+                "trace_db": db,
+                "specialist_model": "offline:gemma3-270m",
+            },
+        )
     assert TraceStore(db).runs() == []  # refused before a run was opened
 
 
@@ -435,11 +489,21 @@ def test_backends_refuse_images_at_call_time_naming_the_model(medical, tmp_path)
     from transformers import LlamaConfig
 
     messages = with_images([HumanMessage(content="What is shown?")], [str(medical["retina"])])
-    with pytest.raises(ImagesNotSupportedError, match="scripted:ermedrag.testing.scripted.panel cannot see images.*vision=1"):
+    with pytest.raises(
+        ImagesNotSupportedError, match="scripted:ermedrag.testing.scripted.panel cannot see images.*vision=1"
+    ):
         load_chat_model(PANEL).invoke(messages)
-    assert "<answer>" in load_chat_model(PANEL + "?vision=1").invoke(
-        with_images([SystemMessage(content="You are the triage doctor."), HumanMessage(content="q")],
-                    [str(medical["retina"])])).text
+    assert (
+        "<answer>"
+        in load_chat_model(PANEL + "?vision=1")
+        .invoke(
+            with_images(
+                [SystemMessage(content="You are the triage doctor."), HumanMessage(content="q")],
+                [str(medical["retina"])],
+            )
+        )
+        .text
+    )
     text_model = tmp_path / "text-llm"  # a config and no weights: a refusal must come before any loading
     LlamaConfig(vocab_size=64, hidden_size=8, num_hidden_layers=1, num_attention_heads=1).save_pretrained(text_model)
     with pytest.raises(ImagesNotSupportedError, match=f"hf:{text_model} cannot see images: it is a text-only"):
@@ -448,11 +512,13 @@ def test_backends_refuse_images_at_call_time_naming_the_model(medical, tmp_path)
 
 # -------------------------------------------------------------------------- a tiny vision-language model (hf)
 
-TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                 "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-                 "{% if c['type'] == 'image' %}<image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
-                 "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def build_tiny_vlm(folder: Path) -> Path:
@@ -460,8 +526,14 @@ def build_tiny_vlm(folder: Path) -> Path:
     processor: a byte-level tokenizer built here (any text, no download) and the PIL CLIP image processor."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              LlavaProcessor, PreTrainedTokenizerFast)
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
@@ -469,22 +541,44 @@ def build_tiny_vlm(folder: Path) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<pad>", "<eos>", "<bos>", "<image>", "<|im_start|>", "<|im_end|>"])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
     fast.chat_template = TINY_TEMPLATE
     images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     # 32/8 squared = 16 patches; the CLS token is added by the tower and dropped by the "default" strategy.
-    processor = LlavaProcessor(image_processor=images, tokenizer=fast, patch_size=8, num_additional_image_tokens=1,
-                               vision_feature_select_strategy="default", chat_template=TINY_TEMPLATE)
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=fast,
+        patch_size=8,
+        num_additional_image_tokens=1,
+        vision_feature_select_strategy="default",
+        chat_template=TINY_TEMPLATE,
+    )
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=16, intermediate_size=32,
-                                       num_hidden_layers=1, num_attention_heads=2, projection_dim=16),
-        text_config=LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16384,
-                                pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
-                                bos_token_id=fast.bos_token_id),
-        image_token_id=fast.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
-        vision_feature_layer=-1)
+        vision_config=CLIPVisionConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            projection_dim=16,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(fast),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=16384,
+            pad_token_id=fast.pad_token_id,
+            eos_token_id=fast.eos_token_id,
+            bos_token_id=fast.bos_token_id,
+        ),
+        image_token_id=fast.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config)
     model.generation_config.eos_token_id = fast.eos_token_id
@@ -505,6 +599,7 @@ def vision_calls(tiny_vlm, monkeypatch):
     monkeypatch.setenv("ERMEDRAG_TORCH_THREADS", "1")
     _, model = hf_backend.load_hf_vision_model(str(tiny_vlm), "cpu")
     calls: list[tuple[int, ...]] = []
+
     def record(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         calls.append(tuple((args[0] if args else kwargs["pixel_values"]).shape))
 
@@ -515,8 +610,10 @@ def vision_calls(tiny_vlm, monkeypatch):
 
 def test_hf_vision_model_gets_the_pixels_and_the_image_tokens(tiny_vlm, vision_calls, medical):
     model = load_chat_model(f"hf:{tiny_vlm}", max_new_tokens=4)
-    messages = with_images([SystemMessage(content="You are a Radiologist."), HumanMessage(content="What is shown?")],
-                           [str(medical["ct"]), str(medical["retina"])])
+    messages = with_images(
+        [SystemMessage(content="You are a Radiologist."), HumanMessage(content="What is shown?")],
+        [str(medical["ct"]), str(medical["retina"])],
+    )
     reply = model.invoke(messages)
     seen = reply.response_metadata["vision_inputs"]
     assert seen["images"] == 2 and seen["pixel_values_shape"] == [2, 3, 32, 32]
@@ -532,11 +629,22 @@ def test_hf_vision_model_gets_the_pixels_and_the_image_tokens(tiny_vlm, vision_c
 
 def test_hf_vision_model_answers_through_the_whole_graph(tiny_vlm, vision_calls, medical, tmp_path):
     db = tmp_path / "t.sqlite"
-    budgets = {"triage_max_new_tokens": 4, "specialist_max_new_tokens": 4, "attending_max_new_tokens": 4,
-               "n_specialists": 2, "answer_extraction": False}
-    state = graph.invoke({"question": "Which finding does this CT show?", "options": OPTIONS, "gold": "A",
-                          "images": [str(medical["ct"])]},
-                         context={"respondent_model": f"hf:{tiny_vlm}", "trace_db": str(db), **budgets})
+    budgets = {
+        "triage_max_new_tokens": 4,
+        "specialist_max_new_tokens": 4,
+        "attending_max_new_tokens": 4,
+        "n_specialists": 2,
+        "answer_extraction": False,
+    }
+    state = graph.invoke(
+        {
+            "question": "Which finding does this CT show?",
+            "options": OPTIONS,
+            "gold": "A",
+            "images": [str(medical["ct"])],
+        },
+        context={"respondent_model": f"hf:{tiny_vlm}", "trace_db": str(db), **budgets},
+    )
     events = list(TraceStore(db).events(run_id=state["run_id"]))
     assert Counter(e["agent"] for e in events) == {"triage": 1, "specialist": 2, "attending": 1}
     assert vision_calls == [(1, 3, 32, 32)] * 4  # triage, two specialists, attending: each saw the CT

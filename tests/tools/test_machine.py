@@ -38,8 +38,10 @@ def test_the_first_processor_block_is_read_on_x86_and_arm():
 def test_the_machine_line_names_the_cpu_and_cores_without_importing_torch():
     """A bench measuring memory must not have torch pulled into its parent by the machine line (a child inherits
     its parent's peak RSS)."""
-    code = ("import sys; from ermedrag.tools.machine import describe_machine; line = describe_machine(); "
-            "print(line); print('torch' in sys.modules)")
+    code = (
+        "import sys; from ermedrag.tools.machine import describe_machine; line = describe_machine(); "
+        "print(line); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[1] == "False"
     assert out[0].startswith(cpu_model()) and f"{os.cpu_count()} CPUs" in out[0] and "load average" in out[0]

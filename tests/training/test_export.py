@@ -41,11 +41,14 @@ def test_distractor_count():
 
 
 def test_grpo_export_rebuilds_prompts_with_noise_and_provenance(scripted_traces, tmp_path):
-    counts = export_grpo(GRPOExportConfig(traces=scripted_traces, out=str(tmp_path), noise_fraction=0.25),
-                         progress=False)
+    counts = export_grpo(
+        GRPOExportConfig(traces=scripted_traces, out=str(tmp_path), noise_fraction=0.25), progress=False
+    )
     assert counts == {"processed": 4, "skipped_done": 0, "rows": 4}
     dataset = load_from_disk(str(tmp_path / "dataset"))
-    assert len(dataset) == 4 and {"prompt", "gold", "options", "triplets", "run_id", "event_id"} <= set(dataset.features)
+    assert len(dataset) == 4 and {"prompt", "gold", "options", "triplets", "run_id", "event_id"} <= set(
+        dataset.features
+    )
     store = TraceStore(scripted_traces)
     for row in dataset:
         assert [m["role"] for m in row["prompt"]] == ["system", "user", "assistant", "user"]
@@ -54,14 +57,21 @@ def test_grpo_export_rebuilds_prompts_with_noise_and_provenance(scripted_traces,
         assert len(own) == 3 and len(distractors) == row["n_distractors"] == 1
         assert set(row["snippet_ids"]) == {t["snippet_id"] for t in own}
         # Distractors come from other runs' recorded triplets.
-        other_snippets = {t["snippet_id"] for e in store.events(agent="extractor") if e["run_id"] != row["run_id"]
-                          for t in e["parsed"]["triplets"]}
+        other_snippets = {
+            t["snippet_id"]
+            for e in store.events(agent="extractor")
+            if e["run_id"] != row["run_id"]
+            for t in e["parsed"]["triplets"]
+        }
         assert distractors[0]["snippet_id"] in other_snippets
         assert all(f"[{t['snippet_id']}]" in row["prompt"][-1]["content"] for t in row["triplets"])
         assert row["gold"] == store.run(row["run_id"])["gold"]
     # Same seed, same prompts; rerunning adds nothing.
     assert export_grpo(GRPOExportConfig(traces=scripted_traces, out=str(tmp_path)), progress=False) == {
-        "processed": 0, "skipped_done": 4, "rows": 4}
+        "processed": 0,
+        "skipped_done": 4,
+        "rows": 4,
+    }
     again = tmp_path / "again"
     export_grpo(GRPOExportConfig(traces=scripted_traces, out=str(again), noise_fraction=0.25), progress=False)
     assert (again / "data.jsonl").read_text() == (tmp_path / "data.jsonl").read_text()
@@ -77,8 +87,16 @@ def tiny_model(tmp_path_factory) -> str:
 def test_dpo_export_replays_recorded_prompts_through_a_real_model(scripted_traces, tiny_model, tmp_path):
     from ermedrag.training.export import DPOExportConfig, export_dpo
 
-    config = DPOExportConfig(traces=scripted_traces, out=str(tmp_path), model=f"hf:{tiny_model}", samples=2,
-                             temperature=1.0, max_new_tokens=16, margin=0.1, limit=4)
+    config = DPOExportConfig(
+        traces=scripted_traces,
+        out=str(tmp_path),
+        model=f"hf:{tiny_model}",
+        samples=2,
+        temperature=1.0,
+        max_new_tokens=16,
+        margin=0.1,
+        limit=4,
+    )
     counts = export_dpo(config, progress=False)
     assert counts["processed"] == 4 and counts["rows"] >= 1
     log = list(read_records(tmp_path / "log.jsonl"))
@@ -88,7 +106,8 @@ def test_dpo_export_replays_recorded_prompts_through_a_real_model(scripted_trace
         # The recorded completion is always a candidate; the tiny model's samples are the others.
         assert record["candidates"][0]["completion"] == event["completion"]
         assert {"structure", "faithfulness", "conciseness", "usefulness", "total"} <= set(
-            record["candidates"][0]["components"])
+            record["candidates"][0]["components"]
+        )
     dataset = load_from_disk(str(tmp_path / "dataset"))
     for row in dataset:
         assert row["chosen_reward"] - row["rejected_reward"] >= 0.1
@@ -114,8 +133,10 @@ class CutShortSampler:
         if self.finished:
             return [SimpleNamespace(text=self.LIST[:-1], response_metadata={"stop_sequence": "}]"})] * len(messages)
         cut = self.LIST + ', {"condition": "metformin", "relation": "caus'
-        return [SimpleNamespace(text=cut + "e" * i, response_metadata={"finish_reason": "length"})
-                for i in range(len(messages))]
+        return [
+            SimpleNamespace(text=cut + "e" * i, response_metadata={"finish_reason": "length"})
+            for i in range(len(messages))
+        ]
 
 
 @pytest.mark.parametrize("close", [False, True])
@@ -126,8 +147,9 @@ def test_dpo_export_can_close_lists_the_budget_cut(scripted_traces, tmp_path, cl
     store = TraceStore(scripted_traces)
     event = next(iter(store.events(agent="extractor")))
     event = {**event, "completion": "I cannot extract anything."}  # the recorded call: unparseable
-    config = DPOExportConfig(traces=scripted_traces, out=str(tmp_path), samples=2, usefulness=False,
-                             close_cut_lists=close)
+    config = DPOExportConfig(
+        traces=scripted_traces, out=str(tmp_path), samples=2, usefulness=False, close_cut_lists=close
+    )
     record = _dpo_record(event, store.run(event["run_id"]) or {}, CutShortSampler(), config, extractor_reward)
     origins = [c["origin"] for c in record["candidates"]]
     closed = [c for c in record["candidates"] if c["origin"].startswith("closed")]
@@ -145,10 +167,12 @@ def test_dpo_export_scores_a_sample_that_ended_at_its_stop_as_the_whole_list_it_
 
     store = TraceStore(scripted_traces)
     event = {**next(iter(store.events(agent="extractor"))), "completion": "I cannot extract anything."}
-    config = DPOExportConfig(traces=scripted_traces, out=str(tmp_path), samples=2, usefulness=False,
-                             close_cut_lists=True)
-    record = _dpo_record(event, store.run(event["run_id"]) or {}, CutShortSampler(finished=True), config,
-                         extractor_reward)
+    config = DPOExportConfig(
+        traces=scripted_traces, out=str(tmp_path), samples=2, usefulness=False, close_cut_lists=True
+    )
+    record = _dpo_record(
+        event, store.run(event["run_id"]) or {}, CutShortSampler(finished=True), config, extractor_reward
+    )
     best = record["candidates"][0]
     assert best["completion"] == CutShortSampler.LIST + "]" and best["components"]["structure"] == 1.0
     assert [c["origin"] for c in record["candidates"]] == ["recorded or sampled"] * 2  # nothing to close
@@ -160,8 +184,10 @@ def test_pairs_are_reselected_from_an_exports_scored_candidates(scripted_traces,
     from ermedrag.training.export import CLOSED, reselect_pairs
 
     events = list(TraceStore(scripted_traces).events(agent="extractor"))[:2]
-    scores = [[(0.9, CLOSED), (0.6, "recorded or sampled"), (0.2, "recorded or sampled")],
-              [(0.55, CLOSED), (0.5, "recorded or sampled")]]
+    scores = [
+        [(0.9, CLOSED), (0.6, "recorded or sampled"), (0.2, "recorded or sampled")],
+        [(0.55, CLOSED), (0.5, "recorded or sampled")],
+    ]
     export = tmp_path / "export"
     export.mkdir()
     with open(export / "log.jsonl", "w") as log:
@@ -171,16 +197,31 @@ def test_pairs_are_reselected_from_an_exports_scored_candidates(scripted_traces,
     assert reselect_pairs(scripted_traces, export, tmp_path / "all", margin=0.1) == {"rows": 1}
     assert reselect_pairs(scripted_traces, export, tmp_path / "open", margin=0.1, closed=False) == {"rows": 1}
     assert reselect_pairs(scripted_traces, export, tmp_path / "wide", margin=0.5) == {"rows": 1}
-    chosen = {name: [json.loads(line)["chosen"][0]["content"] for line in (tmp_path / name / "data.jsonl").open()]
-              for name in ("all", "open", "wide")}
+    chosen = {
+        name: [json.loads(line)["chosen"][0]["content"] for line in (tmp_path / name / "data.jsonl").open()]
+        for name in ("all", "open", "wide")
+    }
     assert chosen == {"all": ["c0.9"], "open": ["c0.6"], "wide": ["c0.9"]}
     assert reselect_pairs(scripted_traces, export, tmp_path / "none", margin=0.8) == {"rows": 0}
 
 
 def test_killed_dpo_export_resumes_without_loss_or_duplicates(scripted_traces, tmp_path):
     n_events = len(list(TraceStore(scripted_traces).events(agent="extractor")))
-    command = [sys.executable, "-m", "ermedrag", "export", "dpo", "--traces", scripted_traces,
-               "--out", str(tmp_path), "--model", f"{SCRIPTED}?delay=0.3", "--samples", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "ermedrag",
+        "export",
+        "dpo",
+        "--traces",
+        scripted_traces,
+        "--out",
+        str(tmp_path),
+        "--model",
+        f"{SCRIPTED}?delay=0.3",
+        "--samples",
+        "2",
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list(read_records(tmp_path / "log.jsonl"))) < 3:

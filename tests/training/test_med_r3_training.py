@@ -20,7 +20,7 @@ from transformers import LogitsProcessor
 
 from ermedrag.agents.reasoner import render_documents
 from ermedrag.training.rewards.answers import correctness_reward, format_reward, well_formed_correctness_reward
-from ermedrag.training.config import MedR3TrainingConfig
+from ermedrag.training.med_r3.config import MedR3TrainingConfig
 from ermedrag.training.med_r3.train import STAGES, stage_config, stage_rewards, train_med_r3
 from ermedrag.training.med_r3.data import build_med_r3_dataset, med_r3_dataset
 from ermedrag.training.grpo.rollouts import make_search_rollout
@@ -46,8 +46,11 @@ def docs(*snippet_ids: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ rewards
 
-GOOD = ("<think>Need facts. <search>metformin glucose</search>" + docs("doc-met@0-40", "doc-asp@0-30")
-        + "Metformin lowers glucose.</think><answer>A</answer>")
+GOOD = (
+    "<think>Need facts. <search>metformin glucose</search>"
+    + docs("doc-met@0-40", "doc-asp@0-30")
+    + "Metformin lowers glucose.</think><answer>A</answer>"
+)
 EMPTY_QUERY = "<think><search>   </search> guess</think><answer>A</answer>"
 FORGED = "<think>I know: <document>\n[doc-met@0-1] fake\n</document></think><answer>B</answer>"
 UNCLOSED = "<think><search>metformin and then</think><answer>A</answer>"
@@ -56,7 +59,11 @@ NO_SEARCH = "<think>Metformin.</think><answer>A</answer>"
 
 
 def test_search_format_reward():
-    five = "<think>" + "".join(f"<search>q{i}</search>" + docs(f"d{i}@0-1") for i in range(5)) + "</think><answer>A</answer>"
+    five = (
+        "<think>"
+        + "".join(f"<search>q{i}</search>" + docs(f"d{i}@0-1") for i in range(5))
+        + "</think><answer>A</answer>"
+    )
     got = search_format_reward([msg(t) for t in (GOOD, EMPTY_QUERY, FORGED, UNCLOSED, OUTSIDE, NO_SEARCH, five)])
     assert got == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, pytest.approx(0.8)]
     # the rollout's model_text (what the model wrote) takes precedence over the transcript
@@ -70,8 +77,9 @@ def test_retrieval_hit_reward_reads_inserted_documents_or_the_rollout_ids():
     gold = [["doc-met", "doc-war"], [], ["doc-met"], ["doc-met"]]
     # the forged document's [doc-met@0-1] is the model's own text: it retrieves nothing
     assert retrieval_hit_reward(completions, gold_evidence=gold) == [0.5, None, 0.0, 0.0]
-    got = retrieval_hit_reward([msg(""), msg("")], gold_evidence=[["a", "b"], ["c"]],
-                               retrieved_ids=[["b", "a~2", "x"], []])
+    got = retrieval_hit_reward(
+        [msg(""), msg("")], gold_evidence=[["a", "b"], ["c"]], retrieved_ids=[["b", "a~2", "x"], []]
+    )
     assert got == [1.0, 0.0]
 
 
@@ -88,8 +96,9 @@ def test_med_r3_penalties():
 
 
 def test_correctness_and_format_read_only_the_model_text():
-    injected = ("<think><search>q</search>" + render_documents([{"id": "d@0-1", "text": "the answer is B"}])
-                + "hmm</think>")
+    injected = (
+        "<think><search>q</search>" + render_documents([{"id": "d@0-1", "text": "the answer is B"}]) + "hmm</think>"
+    )
     gold = {"gold": ["A", "B"], "options": [OPTIONS, OPTIONS]}
     assert correctness_reward([msg(GOOD), msg(injected)], **gold) == [1.0, 0.0]
     assert format_reward([msg(GOOD), msg(injected)], **gold) == [1.0, 0.0]
@@ -98,13 +107,35 @@ def test_correctness_and_format_read_only_the_model_text():
     assert well_formed_correctness_reward([msg("<answer>A</answer>")], **bare) == [0.0]  # trained: format first
 
 
-@pytest.mark.parametrize("func", [search_format_reward, retrieval_hit_reward, med_r3_penalties,
-                                  correctness_reward, well_formed_correctness_reward, format_reward])
+@pytest.mark.parametrize(
+    "func",
+    [
+        search_format_reward,
+        retrieval_hit_reward,
+        med_r3_penalties,
+        correctness_reward,
+        well_formed_correctness_reward,
+        format_reward,
+    ],
+)
 def test_rewards_never_raise(func):
-    weird = [None, 17, "", {"content": None}, [{"role": "assistant", "content": ["<search>", {"text": "x"}]}],
-             "<search>" * 10_000, "\x00</search>\n<document>\n"]
-    out = func(weird, gold_evidence=[None, "x", [None], 3, ["a"], [], []], model_text=[None] * 7,
-               retrieved_ids=[None, 5, "x", [None], [], [], []], gold=[None] * 7, options=[1] * 7)
+    weird = [
+        None,
+        17,
+        "",
+        {"content": None},
+        [{"role": "assistant", "content": ["<search>", {"text": "x"}]}],
+        "<search>" * 10_000,
+        "\x00</search>\n<document>\n",
+    ]
+    out = func(
+        weird,
+        gold_evidence=[None, "x", [None], 3, ["a"], [], []],
+        model_text=[None] * 7,
+        retrieved_ids=[None, 5, "x", [None], [], [], []],
+        gold=[None] * 7,
+        options=[1] * 7,
+    )
     assert len(out) == len(weird)
     assert all(v is None or (isinstance(v, float) and math.isfinite(v)) for v in out)
 
@@ -112,23 +143,38 @@ def test_rewards_never_raise(func):
 def test_stage_definitions_and_overrides(tmp_path):
     assert [STAGES[n].search for n in (1, 2, 3)] == [False, True, True]
     rewards = stage_rewards(3)
-    assert [r.func.__name__ for r in rewards] == ["well_formed_correctness_reward", "format_reward",
-                                                  "retrieval_hit_reward", "search_format_reward", "med_r3_penalties"]
+    assert [r.func.__name__ for r in rewards] == [
+        "well_formed_correctness_reward",
+        "format_reward",
+        "retrieval_hit_reward",
+        "search_format_reward",
+        "med_r3_penalties",
+    ]
     rewards = stage_rewards(2, {"search_format": 0, "length": 0.1})
     assert [r.func.__name__ for r in rewards] == ["retrieval_hit_reward", "length_penalty"]
     assert [r.weight for r in rewards] == [1.0, 0.1]
-    config = MedR3TrainingConfig(model="m", dataset="d", output_dir=str(tmp_path), index_dir="idx",
-                                 stage_overrides={2: {"max_steps": 7, "dataset": "d2", "rewards": {"format": 1}}})
+    config = MedR3TrainingConfig(
+        model="m",
+        dataset="d",
+        output_dir=str(tmp_path),
+        index_dir="idx",
+        stage_overrides={2: {"max_steps": 7, "dataset": "d2", "rewards": {"format": 1}}},
+    )
     staged = stage_config(config, 2)
     assert (staged.max_steps, staged.dataset, staged.rewards) == (7, "d2", {"format": 1})
     assert staged.output_dir == str(tmp_path / "stage2")
     # the stage's settings reach its parameterised rewards
-    penalties = stage_rewards(3, settings=MedR3TrainingConfig(model="m", dataset="d", output_dir="o",
-                                                              max_chars=100).reward_settings())[-1].func
+    penalties = stage_rewards(
+        3, settings=MedR3TrainingConfig(model="m", dataset="d", output_dir="o", max_chars=100).reward_settings()
+    )[-1].func
     assert penalties.max_chars == 100 and penalties.__name__ == "med_r3_penalties"
     with pytest.raises(ValueError, match=r"stage 1 rewards: unknown reward\(s\) \['typo'\]; known"):
-        stage_config(MedR3TrainingConfig(model="m", dataset="d", output_dir="o",
-                                         stage_overrides={1: {"rewards": {"typo": 1.0}}}), 1)
+        stage_config(
+            MedR3TrainingConfig(
+                model="m", dataset="d", output_dir="o", stage_overrides={1: {"rewards": {"typo": 1.0}}}
+            ),
+            1,
+        )
     with pytest.raises(ValueError, match="per stage"):
         stage_config(MedR3TrainingConfig(model="m", dataset="d", output_dir="o", rewards={"format": 1.0}), 1)
     with pytest.raises(ValueError, match="index_dir"):
@@ -136,11 +182,16 @@ def test_stage_definitions_and_overrides(tmp_path):
     with pytest.raises(ValueError, match="use_vllm"):
         stage_config(MedR3TrainingConfig(model="m", dataset="d", output_dir="o", use_vllm=True), 1)
     with pytest.raises(ValueError, match="unknown key"):
-        stage_config(MedR3TrainingConfig(model="m", dataset="d", output_dir="o",
-                                         stage_overrides={"1": {"max_step": 3}}), 1)
+        stage_config(
+            MedR3TrainingConfig(model="m", dataset="d", output_dir="o", stage_overrides={"1": {"max_step": 3}}), 1
+        )
     with pytest.raises(ValueError, match=r"resume: true is for one training .*--stages"):  # per stage too
-        stage_config(MedR3TrainingConfig(model="m", dataset="d", output_dir="o",
-                                         stage_overrides={"2": {"resume": True}}, index_dir="i"), 2)
+        stage_config(
+            MedR3TrainingConfig(
+                model="m", dataset="d", output_dir="o", stage_overrides={"2": {"resume": True}}, index_dir="i"
+            ),
+            2,
+        )
 
 
 def test_example_config_loads(tmp_path):
@@ -155,12 +206,23 @@ def test_example_config_loads(tmp_path):
 
 def test_dataset_builder_from_shared_files(tmp_path):
     questions = tmp_path / "pubmedqa_train.jsonl"
-    questions.write_text(json.dumps({"id": "pubmedqa-123", "question": "Does X help?", "answer": "A",
-                                     "options": {"A": "yes", "B": "no", "C": "maybe"},
-                                     "contexts": ["c0", "c1", "c2"]}) + "\n")
+    questions.write_text(
+        json.dumps(
+            {
+                "id": "pubmedqa-123",
+                "question": "Does X help?",
+                "answer": "A",
+                "options": {"A": "yes", "B": "no", "C": "maybe"},
+                "contexts": ["c0", "c1", "c2"],
+            }
+        )
+        + "\n"
+    )
     bioasq = tmp_path / "bioasq_yesno.jsonl"
-    bioasq.write_text(json.dumps({"id": "bioasq-q1", "question": "Is Y real?", "answer": "B",
-                                  "options": {"A": "yes", "B": "no"}}) + "\n")
+    bioasq.write_text(
+        json.dumps({"id": "bioasq-q1", "question": "Is Y real?", "answer": "B", "options": {"A": "yes", "B": "no"}})
+        + "\n"
+    )
     qrels = tmp_path / "qrels.jsonl"
     qrels.write_text(json.dumps({"id": "bioasq-q1", "gold": ["bioasq-s2", "bioasq-s1"]}) + "\n")
     counts = build_med_r3_dataset([questions, bioasq], tmp_path / "ds", qrels=qrels)
@@ -201,12 +263,23 @@ def tiny_index(tmp_path_factory) -> str:
 
 
 def questions(n: int) -> list[dict]:
-    base = [("Which drug lowers blood glucose in type 2 diabetes?", "A", ["doc-met"]),
-            ("Which drug inhibits platelet aggregation?", "B", ["doc-asp"]),
-            ("Which drug prolongs the INR?", "A", ["doc-war", "doc-met"]),
-            ("Which drug treats diabetic ketoacidosis?", "B", ["doc-ins"])]
-    return [{"id": f"q{i}", "question": base[i % 4][0], "options": OPTIONS, "gold": base[i % 4][1],
-             "gold_evidence": base[i % 4][2], "benchmark": "tiny"} for i in range(n)]
+    base = [
+        ("Which drug lowers blood glucose in type 2 diabetes?", "A", ["doc-met"]),
+        ("Which drug inhibits platelet aggregation?", "B", ["doc-asp"]),
+        ("Which drug prolongs the INR?", "A", ["doc-war", "doc-met"]),
+        ("Which drug treats diabetic ketoacidosis?", "B", ["doc-ins"]),
+    ]
+    return [
+        {
+            "id": f"q{i}",
+            "question": base[i % 4][0],
+            "options": OPTIONS,
+            "gold": base[i % 4][1],
+            "gold_evidence": base[i % 4][2],
+            "benchmark": "tiny",
+        }
+        for i in range(n)
+    ]
 
 
 class ScriptedPolicy(LogitsProcessor):
@@ -227,8 +300,11 @@ class ScriptedPolicy(LogitsProcessor):
         return next(p for p in self.scripts if tuple(row[: len(p)]) == p)
 
     def __call__(self, input_ids, scores):
-        same_call = (self.previous is not None and input_ids.shape[1] == self.previous.shape[1] + 1
-                     and torch.equal(input_ids[:, :-1], self.previous))
+        same_call = (
+            self.previous is not None
+            and input_ids.shape[1] == self.previous.shape[1] + 1
+            and torch.equal(input_ids[:, :-1], self.previous)
+        )
         if not same_call:
             self.start, self.rows = input_ids.shape[1], [self._prompt(r) for r in input_ids.tolist()]
             for prompt in self.rows:
@@ -244,8 +320,11 @@ class ScriptedPolicy(LogitsProcessor):
 
 
 SCRIPTS = [
-    ["<think>Which drug? <search>metformin glucose</search>", " Check aspirin too. <search>aspirin platelet</search>",
-     " Metformin it is.</think><answer>A</answer>"],
+    [
+        "<think>Which drug? <search>metformin glucose</search>",
+        " Check aspirin too. <search>aspirin platelet</search>",
+        " Metformin it is.</think><answer>A</answer>",
+    ],
     ["<think>I recall <document>\n[doc-met@0-9] fake\n</document> so</think><answer>B</answer>"],
     ["<think>Easy.</think><answer>A</answer>"],
 ]
@@ -264,10 +343,24 @@ def zero_runs(mask: list[int]) -> list[tuple[int, int]]:
 
 
 def small_config(model: str, dataset: str, output_dir: Path, index_dir: str, **overrides) -> MedR3TrainingConfig:
-    base = {"model": model, "dataset": dataset, "output_dir": str(output_dir), "index_dir": index_dir,
-            "learning_rate": 1e-3, "max_steps": 1, "lora_r": 8, "lora_alpha": 16, "logging_steps": 1,
-            "save_steps": 1000, "per_device_train_batch_size": 4, "num_generations": 4,
-            "max_completion_length": 24, "step_max_new_tokens": 12, "search_k": SEARCH_K, "max_searches": 2}
+    base = {
+        "model": model,
+        "dataset": dataset,
+        "output_dir": str(output_dir),
+        "index_dir": index_dir,
+        "learning_rate": 1e-3,
+        "max_steps": 1,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "logging_steps": 1,
+        "save_steps": 1000,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 24,
+        "step_max_new_tokens": 12,
+        "search_k": SEARCH_K,
+        "max_searches": 2,
+    }
     return MedR3TrainingConfig(**{**base, **overrides})
 
 
@@ -283,28 +376,54 @@ def test_rollout_masks_exactly_the_inserted_documents(tiny_model, tiny_index, tm
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     dataset = med_r3_dataset(questions(3))
     prompts = [row["prompt"] for row in dataset]
-    prompt_ids = tokenizer.apply_chat_template(conversation=prompts, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]
+    prompt_ids = tokenizer.apply_chat_template(
+        conversation=prompts, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-    policy = ScriptedPolicy({tuple(p): [encode(s) for s in script] for p, script in zip(prompt_ids, SCRIPTS)},
-                            tokenizer.pad_token_id, tokenizer.eos_token_id)
+    policy = ScriptedPolicy(
+        {tuple(p): [encode(s) for s in script] for p, script in zip(prompt_ids, SCRIPTS)},
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+    )
     index = open_index(tiny_index)
-    rollout = make_search_rollout(index_search(index, k=SEARCH_K), max_searches=2, step_max_new_tokens=40,
-                                  max_total_tokens=100, logits_processor=[policy])
-    config = small_config(tiny_model, "unused", tmp_path / "out", tiny_index, per_device_train_batch_size=3,
-                          num_generations=3, max_completion_length=100)
+    rollout = make_search_rollout(
+        index_search(index, k=SEARCH_K),
+        max_searches=2,
+        step_max_new_tokens=40,
+        max_total_tokens=100,
+        logits_processor=[policy],
+    )
+    config = small_config(
+        tiny_model,
+        "unused",
+        tmp_path / "out",
+        tiny_index,
+        per_device_train_batch_size=3,
+        num_generations=3,
+        max_completion_length=100,
+    )
     rewards = stage_rewards(3)
     args = config.to_trl(reward_weights=[r.weight for r in rewards])
-    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[r.func for r in rewards], args=args, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=config.lora_config(), rollout_func=rollout)
+    trainer = GRPOTrainer(
+        model=tiny_model,
+        reward_funcs=[r.func for r in rewards],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=config.lora_config(),
+        rollout_func=rollout,
+    )
 
     out = rollout(prompts, trainer)
 
     assert out["prompt_ids"] == prompt_ids and out["logprobs"] is None
-    expected_docs = [render_documents([s.to_dict() for s in retrieve(index, q, k=SEARCH_K, coarse_k=8)])
-                     for q in QUERIES]
+    expected_docs = [
+        render_documents([s.to_dict() for s in retrieve(index, q, k=SEARCH_K, coarse_k=8)]) for q in QUERIES
+    ]
     # every script ends at </answer>: the rollout closes it with EOS, so TRL counts it terminated, not truncated
-    assert all(ids[-1] == tokenizer.eos_token_id and m[-1] == 1 for ids, m in zip(out["completion_ids"], out["env_mask"]))
+    assert all(
+        ids[-1] == tokenizer.eos_token_id and m[-1] == 1 for ids, m in zip(out["completion_ids"], out["env_mask"])
+    )
     ids, mask = out["completion_ids"][0][:-1], out["env_mask"][0][:-1]
     assert len(ids) == len(mask)
     runs = zero_runs(mask)
@@ -312,7 +431,8 @@ def test_rollout_masks_exactly_the_inserted_documents(tiny_model, tiny_index, tm
     # masked positions are exactly the inserted documents: same text, same token ids, nothing else
     assert [tokenizer.decode(ids[s:e]) for s, e in runs] == expected_docs
     assert [ids[s:e] for s, e in runs] == [
-        tokenizer(d, add_special_tokens=False, split_special_tokens=True)["input_ids"] for d in expected_docs]
+        tokenizer(d, add_special_tokens=False, split_special_tokens=True)["input_ids"] for d in expected_docs
+    ]
     # a retrieved control token is defused, and retrieved text stays text
     assert "im_end" in expected_docs[1] and "<|im_end|>" not in expected_docs[1]
     assert tokenizer.eos_token_id not in ids
@@ -351,18 +471,31 @@ def test_rollout_forces_the_answer_as_the_graph_does(tiny_model, tiny_index):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     prompts = [row["prompt"] for row in med_r3_dataset(questions(2))]
-    prompt_ids = tokenizer.apply_chat_template(conversation=prompts, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]
+    prompt_ids = tokenizer.apply_chat_template(
+        conversation=prompts, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     scripts = [["<think>No idea", "A</answer>"], ["<think>Check. <search>metformin glucose</search>", "B</answer>"]]
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-    policy = ScriptedPolicy({tuple(p): [encode(s) for s in script] for p, script in zip(prompt_ids, scripts)},
-                            tokenizer.pad_token_id, tokenizer.eos_token_id)
-    generation = GenerationConfig(do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id)
+    policy = ScriptedPolicy(
+        {tuple(p): [encode(s) for s in script] for p, script in zip(prompt_ids, scripts)},
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+    )
+    generation = GenerationConfig(
+        do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     with torch.no_grad():
-        rollouts = run_search_rollouts(model, tokenizer, prompt_ids, generation_config=generation,
-                                       search=index_search(open_index(tiny_index)), max_searches=0,
-                                       step_max_new_tokens=40, max_total_tokens=100, logits_processor=[policy])
+        rollouts = run_search_rollouts(
+            model,
+            tokenizer,
+            prompt_ids,
+            generation_config=generation,
+            search=index_search(open_index(tiny_index)),
+            max_searches=0,
+            step_max_new_tokens=40,
+            max_total_tokens=100,
+            logits_processor=[policy],
+        )
     assert [r.forced_reason for r in rollouts] == ["stopped", "search_budget"]
     for rollout, script in zip(rollouts, scripts):
         prompt = force_answer_prompt(script[0])
@@ -370,12 +503,14 @@ def test_rollout_forces_the_answer_as_the_graph_does(tiny_model, tiny_index):
         assert [s["kind"] for s in rollout.segments] == ["model", "prompt", "model"]
         ids, mask = rollout.completion_ids, rollout.env_mask
         assert ids[-1] == tokenizer.eos_token_id  # the forced answer closed: TRL counts it terminated
-        assert [t for t, m in zip(ids, mask) if not m] == tokenizer(prompt, add_special_tokens=False,
-                                                                    split_special_tokens=True)["input_ids"]
+        assert [t for t, m in zip(ids, mask) if not m] == tokenizer(
+            prompt, add_special_tokens=False, split_special_tokens=True
+        )["input_ids"]
         assert tokenizer.eos_token_id not in ids[:-1]  # the model's own EOS before the answer was dropped
         assert rollout.model_text == script[0] + script[1]
-    answers = correctness_reward([msg("")] * 2, answer_text=[r.answer_text for r in rollouts],
-                                 gold=["A", "B"], options=[OPTIONS, OPTIONS])
+    answers = correctness_reward(
+        [msg("")] * 2, answer_text=[r.answer_text for r in rollouts], gold=["A", "B"], options=[OPTIONS, OPTIONS]
+    )
     assert answers == [1.0, 1.0]
     assert format_reward([msg("")] * 2, model_text=[r.model_text for r in rollouts]) == [0.0, 0.0]
 
@@ -443,7 +578,9 @@ def test_stages_chain_and_a_stage_reruns_alone(tiny_model, tiny_index, tmp_path)
 
     rerun = train_med_r3(config, stages=[3], logits_processor=nudge)
     s3 = rerun["stages"][3]
-    assert s3["start_model"] == str(out / "stage2" / "merged") and rerun["final_model"] == str(out / "stage3" / "merged")
+    assert s3["start_model"] == str(out / "stage2" / "merged") and rerun["final_model"] == str(
+        out / "stage3" / "merged"
+    )
     assert "med_r3_penalties" in s3["reward_functions"]
     assert "med_r3/forged_document" in read_steps(out / "stage3")[0]
     summary = json.loads((out / "med_r3_summary.json").read_text())
@@ -455,7 +592,10 @@ def test_cli_accepts_med_r3(monkeypatch, tmp_path):
     from ermedrag import cli
 
     seen = {}
-    monkeypatch.setattr(ermedrag.training.med_r3.train, "train_med_r3",
-                        lambda config, stages: seen.update(config=config, stages=stages) or {"final_model": "m"})
+    monkeypatch.setattr(
+        ermedrag.training.med_r3.train,
+        "train_med_r3",
+        lambda config, stages: seen.update(config=config, stages=stages) or {"final_model": "m"},
+    )
     assert cli.main(["train", "med-r3", "--stages", "2,3", "--config", "x.yaml"]) == 0
     assert seen == {"config": "x.yaml", "stages": "2,3"}

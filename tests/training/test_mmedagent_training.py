@@ -18,7 +18,8 @@ from ermedrag.agents.base import to_chat
 from ermedrag.graphs.mmedagent.graph import graph
 from ermedrag.tools.data.benchmarks import Question
 from ermedrag.tools.records.traces import TraceStore
-from ermedrag.training.config import MMedAgentTrainingConfig, load_config
+from ermedrag.training.mmedagent.config import MMedAgentTrainingConfig
+from ermedrag.training.config import load_config
 from ermedrag.training.mmedagent.train import (
     STAGES,
     parse_stages,
@@ -40,8 +41,7 @@ OPTIONS = {"A": "Metformin", "B": "Insulin", "C": "Sulfonylurea", "D": "Acarbose
 
 
 def question(benchmark: str, subject: str = "", **meta) -> Question:
-    return Question(id="q", question="?", options=OPTIONS, answer="A", benchmark=benchmark, subject=subject,
-                    meta=meta)
+    return Question(id="q", question="?", options=OPTIONS, answer="A", benchmark=benchmark, subject=subject, meta=meta)
 
 
 # ------------------------------------------------------------------------------------------- mapping table
@@ -69,9 +69,11 @@ def test_mapping_table_maps_known_subjects_and_never_guesses():
 
 def test_every_subject_in_the_shared_files_is_in_a_table(shared_data):
     """A value the shared files carry is in its table (mapped or explicitly None): none falls through unseen."""
-    tables = {"medmcqa_dev.jsonl": ("subject", MEDMCQA_SUBJECT_SPECIALTY),
-              "medxpertqa_text_test.jsonl": ("body_system", MEDXPERTQA_BODY_SYSTEM_SPECIALTY),
-              "mmlu_med_test.jsonl": ("subject", MMLU_SUBJECT_SPECIALTY)}
+    tables = {
+        "medmcqa_dev.jsonl": ("subject", MEDMCQA_SUBJECT_SPECIALTY),
+        "medxpertqa_text_test.jsonl": ("body_system", MEDXPERTQA_BODY_SYSTEM_SPECIALTY),
+        "mmlu_med_test.jsonl": ("subject", MMLU_SUBJECT_SPECIALTY),
+    }
     for name, (field_name, table) in tables.items():
         values = {json.loads(line).get(field_name) for line in (shared_data / "benchmarks" / name).open()}
         assert values and values <= set(table), (name, sorted(values - set(table)))
@@ -86,10 +88,20 @@ RUNS = [
     ("An unlabelled question #answers=B,B,B", "A", None, {}, {}),
     ("Thyroid storm drug? #answers=B,A,A", "B", ("medxpertqa_text_test", "body_system", "Endocrine"), {}, {}),
     ("Appendicitis next step? #answers=C,C,C", "A", None, {}, {"gold_specialty": "surgeon"}),
-    ("Silvery plaques on elbows? #answers=A,A,A", "A", ("medmcqa_dev", "subject", "Skin"),
-     {"specialties": "Radiologist, Surgeon"}, {}),
-    ("Oracle triage question #answers=A", "A", ("medmcqa_dev", "subject", "Pathology"), {"triage_mode": "oracle"},
-     {"gold_specialty": "Pathologist"}),
+    (
+        "Silvery plaques on elbows? #answers=A,A,A",
+        "A",
+        ("medmcqa_dev", "subject", "Skin"),
+        {"specialties": "Radiologist, Surgeon"},
+        {},
+    ),
+    (
+        "Oracle triage question #answers=A",
+        "A",
+        ("medmcqa_dev", "subject", "Pathology"),
+        {"triage_mode": "oracle"},
+        {"gold_specialty": "Pathologist"},
+    ),
     ("A question without gold #answers=A", None, None, {}, {}),
 ]
 
@@ -102,8 +114,18 @@ def write_benchmarks(folder: Path) -> None:
     for i, (text, _, label, _, _) in enumerate(RUNS):
         if label:
             name, field_name, value = label
-            files[name].append(json.dumps({"id": f"q{i}", "question": f"  {text} ", "options": reversed_options,
-                                           "answer": "A", "source": name, field_name: value}))
+            files[name].append(
+                json.dumps(
+                    {
+                        "id": f"q{i}",
+                        "question": f"  {text} ",
+                        "options": reversed_options,
+                        "answer": "A",
+                        "source": name,
+                        field_name: value,
+                    }
+                )
+            )
     for name, rows in files.items():
         (folder / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
 
@@ -116,11 +138,26 @@ def recorded(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mmedagent")
     traces = root / "traces.sqlite"
     for text, gold, _, context, extra in RUNS:
-        graph.invoke({"question": text, "options": OPTIONS, "gold": gold, **extra},
-                     context={"respondent_model": PANEL, "trace_db": str(traces), **context})
+        graph.invoke(
+            {"question": text, "options": OPTIONS, "gold": gold, **extra},
+            context={"respondent_model": PANEL, "trace_db": str(traces), **context},
+        )
     write_benchmarks(root / "data" / "benchmarks")
-    assert cli.main(["export", "mmedagent", "--trace-db", str(traces), "--data", str(root / "data"),
-                     "--out", str(root / "export")]) == 0
+    assert (
+        cli.main(
+            [
+                "export",
+                "mmedagent",
+                "--trace-db",
+                str(traces),
+                "--data",
+                str(root / "data"),
+                "--out",
+                str(root / "export"),
+            ]
+        )
+        == 0
+    )
     return {"traces": traces, "export": root / "export", "data": root / "data"}
 
 
@@ -132,7 +169,10 @@ def test_export_writes_triage_rows_only_with_a_gold_specialty(recorded):
     store = TraceStore(recorded["traces"])
     triage = {r["question"]: r for r in rows(recorded["export"] / "triage")}
     assert {q: r["gold_specialty"] for q, r in triage.items()} == {
-        RUNS[0][0]: "Pathologist", RUNS[3][0]: "Endocrinologist", RUNS[4][0]: "Surgeon"}
+        RUNS[0][0]: "Pathologist",
+        RUNS[3][0]: "Endocrinologist",
+        RUNS[4][0]: "Surgeon",
+    }
     assert triage[RUNS[4][0]]["label_source"] == "input gold_specialty"
     assert "subject 'Pathology'" in triage[RUNS[0][0]]["label_source"]
     for row in triage.values():  # the exact messages the graph sent the triage doctor
@@ -150,7 +190,8 @@ def test_export_puts_attending_prompts_with_frozen_opinions_in_their_bucket(reco
     assert {b: sorted(qs) for b, qs in by_bucket.items()} == {
         "easy": sorted([RUNS[0][0], RUNS[5][0], RUNS[6][0]]),
         "medium": sorted([RUNS[1][0], RUNS[3][0]]),
-        "hard": sorted([RUNS[2][0], RUNS[4][0]])}
+        "hard": sorted([RUNS[2][0], RUNS[4][0]]),
+    }
     thyroid = by_bucket["medium"][RUNS[3][0]]
     assert thyroid["agreement"] == pytest.approx(1 / 3) and thyroid["gold"] == "B"
     assert thyroid["options"] == OPTIONS and thyroid["bucket"] == "medium"
@@ -167,12 +208,22 @@ def test_export_puts_attending_prompts_with_frozen_opinions_in_their_bucket(reco
 def test_export_summary_counts_what_was_left_out_and_reruns_idempotently(recorded, capsys):
     from ermedrag import cli
 
-    argv = ["export", "mmedagent", "--trace-db", str(recorded["traces"]), "--data", str(recorded["data"]),
-            "--out", str(recorded["export"])]
+    argv = [
+        "export",
+        "mmedagent",
+        "--trace-db",
+        str(recorded["traces"]),
+        "--data",
+        str(recorded["data"]),
+        "--out",
+        str(recorded["export"]),
+    ]
     assert cli.main(argv) == 0
     line = capsys.readouterr().out
-    assert "8 finished runs → triage 3 rows (5 left out: 3 no gold specialty, 1 no triage event, " \
-           "1 not in specialties; labels: the runs' gold_specialty and 4 benchmark questions)" in line
+    assert (
+        "8 finished runs → triage 3 rows (5 left out: 3 no gold specialty, 1 no triage event, "
+        "1 not in specialties; labels: the runs' gold_specialty and 4 benchmark questions)" in line
+    )
     assert "attending easy 3, medium 2, hard 2 (1 without a bucket: no gold answer)" in line
     assert len(rows(recorded["export"] / "triage")) == 3  # nothing doubled by the rerun
 
@@ -199,17 +250,28 @@ def test_triage_rewards_paper_and_gated():
 
 
 def config(tmp_path: Path, **fields) -> MMedAgentTrainingConfig:
-    return MMedAgentTrainingConfig(**{"model": "m", "dataset": str(tmp_path / "export"),
-                                      "output_dir": str(tmp_path / "out"), "num_generations": 4, **fields})
+    return MMedAgentTrainingConfig(
+        **{
+            "model": "m",
+            "dataset": str(tmp_path / "export"),
+            "output_dir": str(tmp_path / "out"),
+            "num_generations": 4,
+            **fields,
+        }
+    )
 
 
 def test_stage_schedule_sets_gamma_and_beta_per_stage(tmp_path):
     example = load_config(REPO / "training/configs/mmedagent.yaml", MMedAgentTrainingConfig)
     example.output_dir = str(tmp_path / "out")
-    got = {n: (stage_config(example, n).to_trl().entropy_coef, stage_config(example, n).to_trl().beta)
-           for n in STAGES}
-    assert got == {"triage": (0.0, 1e-3), "easy": (1e-4, 1e-3), "medium": (5e-3, 4e-3), "hard": (3e-2, 1e-2),
-                   "attending": (5e-3, 4e-3)}
+    got = {n: (stage_config(example, n).to_trl().entropy_coef, stage_config(example, n).to_trl().beta) for n in STAGES}
+    assert got == {
+        "triage": (0.0, 1e-3),
+        "easy": (1e-4, 1e-3),
+        "medium": (5e-3, 4e-3),
+        "hard": (3e-2, 1e-2),
+        "attending": (5e-3, 4e-3),
+    }
     assert stage_config(example, "triage").max_completion_length == 128  # the example's triage override
     assert stage_config(example, "easy").dataset == str(Path(example.dataset) / "easy" / "dataset")
     assert stage_config(example, "hard").output_dir == str(tmp_path / "out" / "hard")
@@ -220,7 +282,9 @@ def test_stage_schedule_sets_gamma_and_beta_per_stage(tmp_path):
     # per stage, for every stage, or none at all
     tuned = config(tmp_path, beta=0.02, stage_overrides={"hard": {"entropy_coef": "1e-1", "beta": 0}})
     assert [(s.entropy_coef, s.beta) for s in (stage_config(tuned, "medium"), stage_config(tuned, "hard"))] == [
-        (5e-3, 0.02), (0.1, 0.0)]
+        (5e-3, 0.02),
+        (0.1, 0.0),
+    ]
     no_bonus = config(tmp_path, entropy_bonus=False)
     assert {stage_config(no_bonus, n).to_trl().entropy_coef for n in STAGES} == {0.0}
     with pytest.raises(ValueError, match="entropy_bonus: false"):
@@ -235,11 +299,14 @@ def test_stage_schedule_sets_gamma_and_beta_per_stage(tmp_path):
     assert names(config(tmp_path, reward="gated"), "easy") == {"correctness": 1.0, "format": 0.5}
     assert names(config(tmp_path, reward="gated"), "triage") == {"triage_correctness": 1.0, "format": 0.5}
 
-    for bad, match in (({"reward": "other"}, "paper, gated"), ({"rewards": {"format": 1}}, "per stage"),
-                       ({"trl_overrides": {"entropy_coef": 0.1}}, "may not set"),
-                       ({"stage_overrides": {"hard": {"model": "x"}}}, "may not set"),
-                       ({"stage_overrides": {"4": {}}}, "unknown stage"),
-                       ({"stage_overrides": {"triage": {"rewards": {"correctness": 1}}}}, "unknown reward")):
+    for bad, match in (
+        ({"reward": "other"}, "paper, gated"),
+        ({"rewards": {"format": 1}}, "per stage"),
+        ({"trl_overrides": {"entropy_coef": 0.1}}, "may not set"),
+        ({"stage_overrides": {"hard": {"model": "x"}}}, "may not set"),
+        ({"stage_overrides": {"4": {}}}, "unknown stage"),
+        ({"stage_overrides": {"triage": {"rewards": {"correctness": 1}}}}, "unknown reward"),
+    ):
         with pytest.raises(ValueError, match=match):
             stage_config(config(tmp_path, **bad), "hard" if "triage" not in str(bad) else "triage").to_trl()
 
@@ -250,8 +317,12 @@ def test_stage_lists_follow_the_curriculum_switch(tmp_path):
     assert parse_stages(curriculum, "hard,medium") == ["medium", "hard"]
     assert parse_stages(flat, None) == ["triage", "attending"]
     assert stage_config(flat, "attending").dataset == str(tmp_path / "out" / "attending" / "train_dataset")
-    for conf, stages, match in ((curriculum, "easy,hard", "consecutive"), (curriculum, "attending", "curriculum"),
-                                (flat, "easy", "curriculum: false"), (curriculum, "", "among")):
+    for conf, stages, match in (
+        (curriculum, "easy,hard", "consecutive"),
+        (curriculum, "attending", "curriculum"),
+        (flat, "easy", "curriculum: false"),
+        (curriculum, "", "among"),
+    ):
         with pytest.raises(ValueError, match=match):
             parse_stages(conf, stages)
     with pytest.raises(FileNotFoundError, match="export the runs first"):
@@ -263,8 +334,11 @@ def test_cli_train_dispatches_mmedagent(monkeypatch):
     from ermedrag import cli
 
     seen = {}
-    monkeypatch.setattr(ermedrag.training.mmedagent.train, "train_mmedagent",
-                        lambda config, stages: seen.update(config=config, stages=stages) or {})
+    monkeypatch.setattr(
+        ermedrag.training.mmedagent.train,
+        "train_mmedagent",
+        lambda config, stages: seen.update(config=config, stages=stages) or {},
+    )
     assert cli.main(["train", "mmedagent", "--config", "x.yaml", "--stages", "triage,easy"]) == 0
     assert seen == {"config": "x.yaml", "stages": "triage,easy"}
     assert cli.main(["train", "mmedagent", "--config", "x.yaml"]) == 0 and seen["stages"] is None
@@ -279,9 +353,20 @@ def _one_thread(one_torch_thread):
 
 
 def tiny_config(model: str, dataset: Path, output_dir: Path, **fields) -> MMedAgentTrainingConfig:
-    base = {"model": model, "dataset": str(dataset), "output_dir": str(output_dir), "learning_rate": 1e-3,
-            "max_steps": 1, "lora_r": 8, "lora_alpha": 16, "logging_steps": 1, "save_steps": 1000,
-            "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 12}
+    base = {
+        "model": model,
+        "dataset": str(dataset),
+        "output_dir": str(output_dir),
+        "learning_rate": 1e-3,
+        "max_steps": 1,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "logging_steps": 1,
+        "save_steps": 1000,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 12,
+    }
     return MMedAgentTrainingConfig(**{**base, **fields})
 
 
@@ -293,9 +378,14 @@ def batch(tokenizer, prompt: str, completions: list[str]) -> dict[str, torch.Ten
     width = max(map(len, encoded))
     completion_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in encoded])
     completion_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in encoded])
-    return {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
-            "completion_mask": completion_mask, "advantages": torch.tensor([1.0, -1.0]),
-            "num_items_in_batch": completion_mask.sum()}
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([1.0, -1.0]),
+        "num_items_in_batch": completion_mask.sum(),
+    }
 
 
 def mean_entropy(model, inputs) -> float:
@@ -304,7 +394,7 @@ def mean_entropy(model, inputs) -> float:
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, inputs["prompt_ids"].size(1) - 1:-1]
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, inputs["prompt_ids"].size(1) - 1 : -1]
     logp = torch.log_softmax(logits.float(), dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     keep = inputs["completion_mask"].float()
@@ -316,12 +406,18 @@ def loss_and_grads(staged: MMedAgentTrainingConfig, stage: str) -> tuple[float, 
 
     trainer, _ = build_grpo_trainer(staged, stage_rewards(staged, stage))
     trainer.model.eval()  # no dropout, no accumulation scaling: the loss is a pure function of the batch
-    inputs = batch(trainer.processing_class, "<|im_start|>user\nWhich drug first?<|im_end|>\n<|im_start|>assistant\n",
-                   ["<think>Metformin lowers glucose.</think><answer>A</answer>", "<think>Insulin.</think><answer>B"])
+    inputs = batch(
+        trainer.processing_class,
+        "<|im_start|>user\nWhich drug first?<|im_end|>\n<|im_start|>assistant\n",
+        ["<think>Metformin lowers glucose.</think><answer>A</answer>", "<think>Insulin.</think><answer>B"],
+    )
     with torch.no_grad():  # the reference (β > 0): the start model, i.e. this policy before any step
         inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1))
+            trainer.model,
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+            inputs["completion_ids"].size(1),
+        )
     loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -370,8 +466,9 @@ def test_four_stages_chain_end_to_end(recorded, tiny_model, tmp_path):
         record = json.loads((out / name / "mmedagent_stage.json").read_text())
         assert record["entropy_coef"] == gamma and record["beta"] == STAGES[name].beta
         AutoModelForCausalLM.from_pretrained(out / name / "merged")
-    assert [r for r in map(json.loads, (out / "hard" / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r][0]["entropy_coef"] == 3e-2  # TRL applied the stage's γ
+    assert [r for r in map(json.loads, (out / "hard" / "metrics.jsonl").read_text().splitlines()) if "loss" in r][0][
+        "entropy_coef"
+    ] == 3e-2  # TRL applied the stage's γ
 
     rerun = train_mmedagent(conf, stages=["hard"])
     assert rerun["stages"]["hard"]["start_model"] == str(out / "medium" / "merged")

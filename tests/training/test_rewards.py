@@ -27,9 +27,17 @@ from ermedrag.training.rewards.text import completion_text, content_tokens
 from ermedrag.training.rewards import REWARDS, RESPONDENT_REWARDS, resolve_rewards
 
 OPTIONS = {"A": "Vitamin C", "B": "Vitamin D", "C": "Vitamin B12"}
-TRIPLETS = [{"condition": "vitamin D deficiency in children", "relation": "causes",
-             "conclusion": "rickets with bowed legs", "snippet_id": "kb-7"}]
-GOOD = "<think>Bowed legs and poor mineralisation mean rickets, caused by vitamin D deficiency.</think><answer>B</answer>"
+TRIPLETS = [
+    {
+        "condition": "vitamin D deficiency in children",
+        "relation": "causes",
+        "conclusion": "rickets with bowed legs",
+        "snippet_id": "kb-7",
+    }
+]
+GOOD = (
+    "<think>Bowed legs and poor mineralisation mean rickets, caused by vitamin D deficiency.</think><answer>B</answer>"
+)
 
 
 def cols(n: int = 1, gold: str = "B", options: dict | None = OPTIONS, triplets: list | None = None) -> dict:
@@ -50,8 +58,11 @@ def score(fn, completion: str, **columns) -> float:
 def test_completion_text_reads_strings_and_the_last_assistant_message():
     assert completion_text("plain") == "plain"
     assert completion_text([{"role": "assistant", "content": "x"}]) == "x"
-    turns = [{"role": "assistant", "content": "first"}, {"role": "tool", "content": "doc"},
-             {"role": "assistant", "content": [{"type": "text", "text": "sec"}, {"type": "text", "text": "ond"}]}]
+    turns = [
+        {"role": "assistant", "content": "first"},
+        {"role": "tool", "content": "doc"},
+        {"role": "assistant", "content": [{"type": "text", "text": "sec"}, {"type": "text", "text": "ond"}]},
+    ]
     assert completion_text(turns) == "second"
     assert completion_text(None) == "" and completion_text([]) == "" and completion_text(42) == ""
     assert completion_text([{"role": "assistant"}]) == ""
@@ -76,10 +87,17 @@ def test_gold_given_as_option_text_is_mapped_to_its_key():
 def test_answer_only_in_the_prompt_scores_zero():
     """The respondent prompt carries an example answer (`<answer>B</answer>` here): it must never count as the
     model's."""
-    example = next(e for e in (example_turns(f"Question {i}", {"A": "x", "B": "y", "C": "z"}) for i in range(50))
-                   if "<answer>B</answer>" in e[1])
-    prompt = [{"role": "system", "content": "..."}, {"role": "user", "content": example[0]},
-              {"role": "assistant", "content": example[1]}, {"role": "user", "content": "Question: ..."}]
+    example = next(
+        e
+        for e in (example_turns(f"Question {i}", {"A": "x", "B": "y", "C": "z"}) for i in range(50))
+        if "<answer>B</answer>" in e[1]
+    )
+    prompt = [
+        {"role": "system", "content": "..."},
+        {"role": "user", "content": example[0]},
+        {"role": "assistant", "content": example[1]},
+        {"role": "user", "content": "Question: ..."},
+    ]
     completion = [{"role": "assistant", "content": "<think>It is probably vitamin D.</think>"}]
     for fn in (correctness_reward, format_reward, evidence_use_reward):
         assert fn(prompts=[prompt], completions=[completion], **cols(triplets=TRIPLETS)) == [0.0]
@@ -126,26 +144,35 @@ def test_format_well_formed_scores_one():
     assert score(format_reward, "  <THINK>\n</THINK>\n<Answer> B </Answer>\n") == 1.0  # empty reasoning is allowed
 
 
-@pytest.mark.parametrize("completion", [
-    "<think>a</think><answer>B</answer><answer>B</answer>",  # two answers
-    "<think>a</think><answer>B</answer> because vitamin D.",  # text after the answer
-    "<answer>B</answer>",  # no reasoning block
-    "<answer>B</answer><think>a</think>",  # wrong order
-    "<think>a</think><think>b</think><answer>B</answer>",  # two reasoning blocks
-    "Sure. <think>a</think><answer>B</answer>",  # text before
-    "<think>a</think> so: <answer>B</answer>",  # text between
-    "<think>a</think><answer>B",  # unclosed (stopped at the stop string)
-    "<think>a</think>Final answer: B",  # lenient form
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "<think>a</think><answer>B</answer><answer>B</answer>",  # two answers
+        "<think>a</think><answer>B</answer> because vitamin D.",  # text after the answer
+        "<answer>B</answer>",  # no reasoning block
+        "<answer>B</answer><think>a</think>",  # wrong order
+        "<think>a</think><think>b</think><answer>B</answer>",  # two reasoning blocks
+        "Sure. <think>a</think><answer>B</answer>",  # text before
+        "<think>a</think> so: <answer>B</answer>",  # text between
+        "<think>a</think><answer>B",  # unclosed (stopped at the stop string)
+        "<think>a</think>Final answer: B",  # lenient form
+    ],
+)
 def test_format_off_scores_zero_even_when_an_answer_parses(completion):
     assert parse_answer(completion)["ok"]
     assert score(format_reward, completion) == 0.0
 
 
-@pytest.mark.parametrize("completion", [
-    "", "   ", "<think>no answer at all</think>", "<think>a</think><answer>  </answer>",
-    "<think>a</think><answer>Z</answer>junk",
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "",
+        "   ",
+        "<think>no answer at all</think>",
+        "<think>a</think><answer>  </answer>",
+        "<think>a</think><answer>Z</answer>junk",
+    ],
+)
 def test_format_without_a_readable_answer_scores_zero(completion):
     assert score(format_reward, completion) == 0.0
 
@@ -213,10 +240,20 @@ def test_evidence_use_on_free_text_answers():
 # numbered 1.. in the prompt.
 YES_NO_QUESTION = "Does metformin use lower the risk of lactic acidosis in patients with renal impairment?"
 YES_NO_TRIPLETS = [
-    {"condition": "sepsis", "relation": "treated with", "conclusion": "broad-spectrum antibiotics",
-     "snippet_id": "pubmed-9@0-80", "distractor": True},
-    {"condition": "metformin in patients with reduced eGFR", "relation": "associated with",
-     "conclusion": "higher incidence of lactic acidosis", "snippet_id": "pubmed-1@0-120", "distractor": False},
+    {
+        "condition": "sepsis",
+        "relation": "treated with",
+        "conclusion": "broad-spectrum antibiotics",
+        "snippet_id": "pubmed-9@0-80",
+        "distractor": True,
+    },
+    {
+        "condition": "metformin in patients with reduced eGFR",
+        "relation": "associated with",
+        "conclusion": "higher incidence of lactic acidosis",
+        "snippet_id": "pubmed-1@0-120",
+        "distractor": False,
+    },
 ]
 
 
@@ -246,10 +283,12 @@ def test_evidence_use_ignores_distractors_and_restated_questions():
 
 def test_evidence_use_refuses_a_reply_that_names_a_distractor_beside_the_evidence():
     # copying a worked example's "Evidence 1" must not pay when 1 is a distractor (benches citation_example)
-    for completion in ("<think>Evidence 1 and evidence 2 say so.</think><answer>no</answer>",
-                       "<think>[1] is unrelated; [2] reports the opposite.</think><answer>no</answer>",
-                       "<think>pubmed-9@0-80 and evidence 2 agree.</think><answer>no</answer>",
-                       "<think>Reduced eGFR showed a higher incidence (Evidence 1).</think><answer>no</answer>"):
+    for completion in (
+        "<think>Evidence 1 and evidence 2 say so.</think><answer>no</answer>",
+        "<think>[1] is unrelated; [2] reports the opposite.</think><answer>no</answer>",
+        "<think>pubmed-9@0-80 and evidence 2 agree.</think><answer>no</answer>",
+        "<think>Reduced eGFR showed a higher incidence (Evidence 1).</think><answer>no</answer>",
+    ):
         assert score(evidence_use_reward, completion, **yes_no_cols()) == 0.0, completion
     # naming only the relevant one still pays, with the distractor listed first or second
     says = "<think>Evidence {} says the incidence is higher.</think><answer>no</answer>"
@@ -262,10 +301,20 @@ def test_evidence_use_refuses_a_reply_that_names_a_distractor_beside_the_evidenc
 def test_evidence_use_refuses_a_name_that_does_not_agree_with_what_the_reasoning_says():
     # GRPO with a worked example citing "Evidence 1" taught the model to write "Evidence 1 says" before whatever
     # it restated: a name pays only beside the named triplet's own words
-    relevant_first = yes_no_cols(triplets=[[
-        {"condition": "metformin in chronic kidney disease", "relation": "associated with",
-         "conclusion": "stable bicarbonate levels", "snippet_id": "pubmed-3@0-90", "distractor": False},
-        *reversed(YES_NO_TRIPLETS)]])
+    relevant_first = yes_no_cols(
+        triplets=[
+            [
+                {
+                    "condition": "metformin in chronic kidney disease",
+                    "relation": "associated with",
+                    "conclusion": "stable bicarbonate levels",
+                    "snippet_id": "pubmed-3@0-90",
+                    "distractor": False,
+                },
+                *reversed(YES_NO_TRIPLETS),
+            ]
+        ]
+    )
     mislabelled = "<think>Evidence 1 says reduced eGFR showed a higher incidence.</think><answer>no</answer>"
     assert score(evidence_use_reward, mislabelled, **relevant_first) == 0.0  # line 2's words under line 1's name
     assert score(evidence_use_reward, mislabelled.replace("Evidence 1", "Evidence 2"), **relevant_first) == 1.0
@@ -307,17 +356,29 @@ def respondent_funcs() -> list:
 
 def test_the_registry_resolves_named_weights():
     rewards = resolve_rewards(None, RESPONDENT_REWARDS)
-    assert [r.func.__name__ for r in rewards] == ["well_formed_correctness_reward", "format_reward", "length_penalty",
-                                                  "evidence_use_reward"]
+    assert [r.func.__name__ for r in rewards] == [
+        "well_formed_correctness_reward",
+        "format_reward",
+        "length_penalty",
+        "evidence_use_reward",
+    ]
     assert [r.name for r in rewards] == ["correctness", "format", "length", "evidence"]
     assert [r.weight for r in rewards] == [1.0, 0.5, 0.2, 0.2] == list(RESPONDENT_REWARDS.values())
     # given weights update the defaults: 0 drops a reward, a new name adds one
     rewards = resolve_rewards({"format": 0.0, "evidence": 1.0, "search_format": 0.1}, RESPONDENT_REWARDS)
-    assert {r.name: r.weight for r in rewards} == {"correctness": 1.0, "length": 0.2, "evidence": 1.0,
-                                                   "search_format": 0.1}
+    assert {r.name: r.weight for r in rewards} == {
+        "correctness": 1.0,
+        "length": 0.2,
+        "evidence": 1.0,
+        "search_format": 0.1,
+    }
     # settings reach the rewards that have a field of that name, and no other
-    length, correctness = [r.func for r in resolve_rewards(None, {"length": 1.0, "correctness": 1.0},
-                                                            settings={"max_chars": 300, "max_think_chars": 5})]
+    length, correctness = [
+        r.func
+        for r in resolve_rewards(
+            None, {"length": 1.0, "correctness": 1.0}, settings={"max_chars": 300, "max_think_chars": 5}
+        )
+    ]
     assert length(["x" * 300]) == [-1.0] and length.__name__ == "length_penalty"
     assert correctness is well_formed_correctness_reward
     with pytest.raises(ValueError, match=r"unknown reward\(s\) \['corectness'\]; known: \[.*'correctness'"):
@@ -346,16 +407,24 @@ def test_called_exactly_as_grpo_trainer_calls_them():
     dataset), completion_ids=, every other dataset column, trainer_state=, log_extra=, log_metric=."""
     from transformers import TrainerState
 
-    prompt = [{"role": "system", "content": "You are a careful physician."},
-              {"role": "user", "content": EXAMPLE[0]}, {"role": "assistant", "content": EXAMPLE[1]},
-              {"role": "user", "content": "Evidence: ...\nQuestion: ...\nOptions: ..."}]
+    prompt = [
+        {"role": "system", "content": "You are a careful physician."},
+        {"role": "user", "content": EXAMPLE[0]},
+        {"role": "assistant", "content": EXAMPLE[1]},
+        {"role": "user", "content": "Evidence: ...\nQuestion: ...\nOptions: ..."},
+    ]
     texts = [GOOD, "<think>hmm</think>", "<think>scurvy</think><answer>A</answer> trailing", "x" * 2000]
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     n = len(texts)
     reward_kwargs = {
-        "gold": ["B"] * n, "options": [OPTIONS] * n, "triplets": [TRIPLETS] * n,
-        "question": ["A toddler with bowed legs ..."] * n, "run_id": ["r1"] * n,
-        "trainer_state": TrainerState(), "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None,
+        "gold": ["B"] * n,
+        "options": [OPTIONS] * n,
+        "triplets": [TRIPLETS] * n,
+        "question": ["A toddler with bowed legs ..."] * n,
+        "run_id": ["r1"] * n,
+        "trainer_state": TrainerState(),
+        "log_extra": lambda *a, **k: None,
+        "log_metric": lambda *a, **k: None,
     }
     funcs = respondent_funcs()
     table = {}
@@ -403,8 +472,10 @@ def test_trl_reward_calculation_code_path():
 
 # --- extractor reward ----------------------------------------------------------------------------------
 
-SNIPPET = ("Rickets in children is caused by vitamin D deficiency, which impairs bone mineralisation; sunlight "
-           "exposure and dietary supplements prevent it. Severe cases present with bowed legs and delayed growth.")
+SNIPPET = (
+    "Rickets in children is caused by vitamin D deficiency, which impairs bone mineralisation; sunlight "
+    "exposure and dietary supplements prevent it. Severe cases present with bowed legs and delayed growth."
+)
 QUESTION = "Which vitamin deficiency causes rickets?"
 
 
@@ -413,10 +484,12 @@ def triplets_json(*rows: tuple[str, str, str]) -> str:
 
 
 def test_faithful_triplet_beats_hallucinated_one():
-    faithful = extractor_reward(triplets_json(("vitamin D deficiency in children", "causes", "rickets")),
-                                SNIPPET, question=QUESTION)
-    invented = extractor_reward(triplets_json(("vitamin C deficiency in adults", "causes", "scurvy and anaemia")),
-                                SNIPPET, question=QUESTION)
+    faithful = extractor_reward(
+        triplets_json(("vitamin D deficiency in children", "causes", "rickets")), SNIPPET, question=QUESTION
+    )
+    invented = extractor_reward(
+        triplets_json(("vitamin C deficiency in adults", "causes", "scurvy and anaemia")), SNIPPET, question=QUESTION
+    )
     assert isinstance(faithful, ExtractorReward)
     assert faithful.structure == invented.structure == 1.0
     assert faithful.faithfulness == 1.0
@@ -447,8 +520,10 @@ def test_empty_list_is_right_on_an_irrelevant_snippet_only():
     # No claims, so faithfulness/conciseness do not count: a right `[]` scores like a faithful triplet.
     assert irrelevant.total == 1.0 and relevant.total == pytest.approx(0.3)
     faithful_but_off_topic = extractor_reward(
-        triplets_json(("hand washing", "reduces", "hospital infections")), "Hand washing reduces hospital infections.",
-        question=QUESTION)
+        triplets_json(("hand washing", "reduces", "hospital infections")),
+        "Hand washing reduces hospital infections.",
+        question=QUESTION,
+    )
     assert irrelevant.total >= faithful_but_off_topic.total
 
 
@@ -519,23 +594,66 @@ def test_content_tokens_stem_and_drop_stop_words():
 
 # --- robustness: no reward raises on arbitrary model output --------------------------------------------
 
-FRAGMENTS = ["<think>", "</think>", "<answer>", "</answer>", "<ANSWER>", "[", "]", "{", "}", '"condition": "',
-             '"conclusion": "', '"relation": "', '", ', "|", "\n", "A", "B", "yes", "vitamin D", "Answer: ",
-             "\\", '"', "(", ")", " "]
+FRAGMENTS = [
+    "<think>",
+    "</think>",
+    "<answer>",
+    "</answer>",
+    "<ANSWER>",
+    "[",
+    "]",
+    "{",
+    "}",
+    '"condition": "',
+    '"conclusion": "',
+    '"relation": "',
+    '", ',
+    "|",
+    "\n",
+    "A",
+    "B",
+    "yes",
+    "vitamin D",
+    "Answer: ",
+    "\\",
+    '"',
+    "(",
+    ")",
+    " ",
+]
 model_text = st.one_of(
     st.text(max_size=400),
     st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=12)), max_size=60).map("".join),
 )
-option_dicts = st.one_of(st.none(), st.just(OPTIONS), st.dictionaries(st.text(max_size=3), st.one_of(st.none(), st.text(max_size=20)), max_size=5))
-triplet_lists = st.one_of(st.none(), st.just(TRIPLETS), st.lists(st.dictionaries(
-    st.sampled_from(["condition", "relation", "conclusion", "snippet_id", "other"]),
-    st.one_of(st.none(), st.text(max_size=30), st.integers())), max_size=3))
+option_dicts = st.one_of(
+    st.none(),
+    st.just(OPTIONS),
+    st.dictionaries(st.text(max_size=3), st.one_of(st.none(), st.text(max_size=20)), max_size=5),
+)
+triplet_lists = st.one_of(
+    st.none(),
+    st.just(TRIPLETS),
+    st.lists(
+        st.dictionaries(
+            st.sampled_from(["condition", "relation", "conclusion", "snippet_id", "other"]),
+            st.one_of(st.none(), st.text(max_size=30), st.integers()),
+        ),
+        max_size=3,
+    ),
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=model_text, gold=st.one_of(st.none(), st.text(max_size=20), st.sampled_from(["B", "yes"])),
-       options=option_dicts, triplets=triplet_lists, snippet=st.text(max_size=300), question=st.text(max_size=80),
-       usefulness=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)), as_messages=st.booleans())
+@given(
+    text=model_text,
+    gold=st.one_of(st.none(), st.text(max_size=20), st.sampled_from(["B", "yes"])),
+    options=option_dicts,
+    triplets=triplet_lists,
+    snippet=st.text(max_size=300),
+    question=st.text(max_size=80),
+    usefulness=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
+    as_messages=st.booleans(),
+)
 def test_no_reward_raises_on_random_text(text, gold, options, triplets, snippet, question, usefulness, as_messages):
     completion = [{"role": "assistant", "content": text}] if as_messages else text
     columns = {"gold": [gold], "options": [options], "triplets": [triplets]}
@@ -553,11 +671,16 @@ def test_the_reward_code_fingerprint_follows_the_code_and_not_its_docs():
     from ermedrag.training.rewards import code_sha256, reward_code_sha256
 
     rule = 'def reward(text):\n    """Pays a cited line."""\n    return 0.2 if "Evidence" in text else 0.0\n'
-    documented = ('"""Rewards."""\n# why: the reasoning must cite\ndef reward(text):\n    """Pays a cited line,'
-                  ' restated."""\n\n    return 0.2 if "Evidence" in text else 0.0  # a bare label\n')
+    documented = (
+        '"""Rewards."""\n# why: the reasoning must cite\ndef reward(text):\n    """Pays a cited line,'
+        ' restated."""\n\n    return 0.2 if "Evidence" in text else 0.0  # a bare label\n'
+    )
     assert code_sha256([rule]) == code_sha256([documented])  # docstrings, comments and layout are not the rule
-    for changed in (rule.replace("0.2", "0.3"), rule.replace('"Evidence"', '"evidence"'),
-                    rule.replace("text)", "text, question)")):
+    for changed in (
+        rule.replace("0.2", "0.3"),
+        rule.replace('"Evidence"', '"evidence"'),
+        rule.replace("text)", "text, question)"),
+    ):
         assert code_sha256([changed]) != code_sha256([rule]), changed
     assert code_sha256([rule, rule]) != code_sha256([rule])  # every module counts
     assert reward_code_sha256() == reward_code_sha256() and len(reward_code_sha256()) == 64
@@ -569,7 +692,11 @@ def test_the_reward_code_includes_the_parsers_the_rewards_read_replies_with():
     modules = reward_modules()
     assert set(REWARD_MODULES) <= set(modules)
     # the parsers behind correctness, triplet structure, searches and triage are part of the rule
-    assert {"ermedrag.agents.respondent", "ermedrag.agents.extractor", "ermedrag.agents.reasoner",
-            "ermedrag.agents.triage"} <= set(modules)
+    assert {
+        "ermedrag.agents.respondent",
+        "ermedrag.agents.extractor",
+        "ermedrag.agents.reasoner",
+        "ermedrag.agents.triage",
+    } <= set(modules)
     # the trainers, configs and package __init__ files (a version bump) are not
     assert not {"ermedrag", "ermedrag.agents", "ermedrag.training.trainers", "ermedrag.training.config"} & set(modules)

@@ -155,8 +155,9 @@ def small(cls, model: str, dataset: str, output_dir: Path, **overrides):
 
 
 def test_dpo_lora_run_logs_saves_and_plots(tiny_model, dpo_dataset, tmp_path):
-    config = small(DPOTrainingConfig, tiny_model, dpo_dataset, tmp_path / "dpo", per_device_train_batch_size=2,
-                   max_length=128)
+    config = small(
+        DPOTrainingConfig, tiny_model, dpo_dataset, tmp_path / "dpo", per_device_train_batch_size=2, max_length=128
+    )
     summary = train_dpo(config)
 
     assert summary["steps"] == 3 and summary["adapter"] is True
@@ -178,8 +179,16 @@ def test_dpo_full_finetune_builds_reference_from_path(tiny_model, dpo_dataset, t
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = small(DPOTrainingConfig, tiny_model, dpo_dataset, tmp_path / "dpo_full", use_lora=False,
-                   per_device_train_batch_size=2, max_steps=2, max_length=128)
+    config = small(
+        DPOTrainingConfig,
+        tiny_model,
+        dpo_dataset,
+        tmp_path / "dpo_full",
+        use_lora=False,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        max_length=128,
+    )
     summary = train_dpo(config)
 
     assert summary["steps"] == 2 and summary["adapter"] is False
@@ -196,8 +205,16 @@ def test_dpo_full_finetune_builds_reference_from_path(tiny_model, dpo_dataset, t
 
 def test_grpo_lora_logs_every_reward_component(tiny_model, grpo_dataset, tmp_path):
     SEEN_COLUMNS.clear()
-    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo", per_device_train_batch_size=4,
-                   num_generations=4, max_completion_length=16, rewards={"length_score": 0.5})
+    config = small(
+        GRPOTrainingConfig,
+        tiny_model,
+        grpo_dataset,
+        tmp_path / "grpo",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+        rewards={"length_score": 0.5},
+    )
     summary = train_grpo(config, [has_answer_tag, length_score])
 
     assert summary["steps"] == 3
@@ -206,8 +223,15 @@ def test_grpo_lora_logs_every_reward_component(tiny_model, grpo_dataset, tmp_pat
     records = step_records(read_metrics(config.output_dir))
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
-        for key in ("loss", "reward", "rewards/has_answer_tag/mean", "rewards/length_score/mean",
-                    "rewards/length_score/std", "entropy", "completions/mean_length"):
+        for key in (
+            "loss",
+            "reward",
+            "rewards/has_answer_tag/mean",
+            "rewards/length_score/mean",
+            "rewards/length_score/std",
+            "entropy",
+            "completions/mean_length",
+        ):
             assert key in record and math.isfinite(record[key]), key
         # the total is the weighted sum of the components (TRL's default aggregation)
         expected = record["rewards/has_answer_tag/mean"] + 0.5 * record["rewards/length_score/mean"]
@@ -235,8 +259,10 @@ def signal_only_for_b(completions, gold, **kwargs) -> list[float]:
 def one_prompt_per_gold(path: Path, golds: str) -> str:
     from datasets import Dataset
 
-    rows = [{"prompt": [{"role": "user", "content": f"Case {i}: answer with <answer>letter</answer>."}], "gold": g}
-            for i, g in enumerate(golds)]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Case {i}: answer with <answer>letter</answer>."}], "gold": g}
+        for i, g in enumerate(golds)
+    ]
     Dataset.from_list(rows).save_to_disk(str(path))
     return str(path)
 
@@ -244,9 +270,17 @@ def one_prompt_per_gold(path: Path, golds: str) -> str:
 def test_dynamic_sampling_trains_on_batches_with_a_signal(tiny_model, tmp_path):
     """A step whose group got equal rewards is replaced by fresh prompts until one has a signal; the logged figures
     are the kept batch's, and `resampled_batches` says how many were set aside."""
-    config = small(GRPOTrainingConfig, tiny_model, one_prompt_per_gold(tmp_path / "ab", "AB"), tmp_path / "ab-out",
-                   per_device_train_batch_size=4, num_generations=4, max_completion_length=8, stop_strings=[],
-                   resample_zero_variance_batches=10)
+    config = small(
+        GRPOTrainingConfig,
+        tiny_model,
+        one_prompt_per_gold(tmp_path / "ab", "AB"),
+        tmp_path / "ab-out",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        stop_strings=[],
+        resample_zero_variance_batches=10,
+    )
     summary = train_grpo(config, [signal_only_for_b])
     records = step_records(read_metrics(config.output_dir))
     assert summary["steps"] == 3 and [r["step"] for r in records] == [1, 2, 3]
@@ -257,9 +291,14 @@ def test_dynamic_sampling_trains_on_batches_with_a_signal(tiny_model, tmp_path):
     assert_adapter_trained(config.output_dir)
 
     # with no prompt that can give a signal, each step draws its attempts and trains on the last batch
-    config = dataclasses.replace(config, dataset=one_prompt_per_gold(tmp_path / "aa", "AA"),
-                                 output_dir=str(tmp_path / "aa-out"), resample_zero_variance_batches=2,
-                                 per_device_train_batch_size=8, num_generations=8)
+    config = dataclasses.replace(
+        config,
+        dataset=one_prompt_per_gold(tmp_path / "aa", "AA"),
+        output_dir=str(tmp_path / "aa-out"),
+        resample_zero_variance_batches=2,
+        per_device_train_batch_size=8,
+        num_generations=8,
+    )
     summary = train_grpo(config, [signal_only_for_b])
     records = step_records(read_metrics(config.output_dir))
     assert [(r["frac_reward_zero_std"], r["resampled_batches"]) for r in records] == [(1.0, 2.0)] * 3
@@ -289,8 +328,17 @@ def interrupted_at_step(step: int, reward=length_score):
 def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grpo_dataset, tmp_path):
     import torch
 
-    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_resume", max_steps=4,
-                   save_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=16)
+    config = small(
+        GRPOTrainingConfig,
+        tiny_model,
+        grpo_dataset,
+        tmp_path / "grpo_resume",
+        max_steps=4,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+    )
     with pytest.raises(Interrupted):
         train_grpo(config, [has_answer_tag, interrupted_at_step(4)])
     output_dir = Path(config.output_dir)
@@ -332,8 +380,9 @@ def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grp
     recorded = [json.loads(f.read_text()) for f in output_dir.glob(f"checkpoint-*/{SETTINGS_FILE}")]
     assert recorded and all("resample_zero_variance_batches" not in settings for settings in recorded)
     with pytest.raises(ValueError, match=r"checkpoint-4: resample_zero_variance_batches differ"):
-        train_grpo(dataclasses.replace(config, resume=True, resample_zero_variance_batches=2),
-                   [has_answer_tag, length_score])
+        train_grpo(
+            dataclasses.replace(config, resume=True, resample_zero_variance_batches=2), [has_answer_tag, length_score]
+        )
     # and to the reward code they were trained under (a reward's rule is code, not a setting)
     for settings_file in output_dir.glob(f"checkpoint-*/{SETTINGS_FILE}"):  # the complete checkpoints
         settings = json.loads(settings_file.read_text())
@@ -343,36 +392,70 @@ def test_grpo_resume_continues_from_the_last_complete_checkpoint(tiny_model, grp
         train_grpo(dataclasses.replace(config, resume=True), [has_answer_tag, length_score])
 
 
-def test_a_new_run_in_a_folder_resumes_its_own_checkpoints_not_the_earlier_runs(tiny_model, grpo_dataset, tmp_path,
-                                                                                 monkeypatch):
+def test_a_new_run_in_a_folder_resumes_its_own_checkpoints_not_the_earlier_runs(
+    tiny_model, grpo_dataset, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)  # a relative output_dir, created by the first run, names the same folder after
-    first = small(GRPOTrainingConfig, tiny_model, grpo_dataset, Path("runs") / "grpo", max_steps=4, save_steps=2,
-                  per_device_train_batch_size=4, num_generations=4, max_completion_length=16, resume=True)
+    first = small(
+        GRPOTrainingConfig,
+        tiny_model,
+        grpo_dataset,
+        Path("runs") / "grpo",
+        max_steps=4,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+        resume=True,
+    )
     train_grpo(first, [has_answer_tag])  # leaves checkpoint-2 and checkpoint-4
     second = dataclasses.replace(first, learning_rate=5e-4, resume=False)
     with pytest.raises(Interrupted):  # from the beginning in the same folder, killed at step 3
         train_grpo(second, [has_answer_tag, interrupted_at_step(3)])
     aside = list((tmp_path / "runs" / "grpo").glob("earlier-run-*"))  # the first run's, moved, not overwritten
-    assert len(aside) == 1 and sorted(d.name for d in aside[0].iterdir()) == ["checkpoint-2", "checkpoint-4",
-                                                                              METRICS_FILE]
+    assert len(aside) == 1 and sorted(d.name for d in aside[0].iterdir()) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        METRICS_FILE,
+    ]
     assert [r["step"] for r in step_records(read_metrics(aside[0]))] == [1, 2, 3, 4]  # its curves go with them
     summary = train_grpo(dataclasses.replace(second, resume=True), [has_answer_tag, length_score])
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 4  # its own checkpoint, not the first run's
 
 
 def test_resume_is_refused_where_it_could_not_go_on_exactly(tiny_model, grpo_dataset, tmp_path):
-    base = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo", max_steps=2, resume=True,
-                 per_device_train_batch_size=4, num_generations=4, max_completion_length=16)
-    for overrides, message in (({"trl_overrides": {"num_iterations": 2}}, "num_iterations 1"),
-                               ({"save_total_limit": 1}, "save_total_limit of 2 or more")):
+    base = small(
+        GRPOTrainingConfig,
+        tiny_model,
+        grpo_dataset,
+        tmp_path / "grpo",
+        max_steps=2,
+        resume=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+    )
+    for overrides, message in (
+        ({"trl_overrides": {"num_iterations": 2}}, "num_iterations 1"),
+        ({"save_total_limit": 1}, "save_total_limit of 2 or more"),
+    ):
         with pytest.raises(ValueError, match=message):  # before any step is trained
             train_grpo(dataclasses.replace(base, **overrides), [has_answer_tag])
         assert not (tmp_path / "grpo" / METRICS_FILE).exists()
 
 
 def test_resume_without_a_checkpoint_starts_from_the_beginning(tiny_model, grpo_dataset, tmp_path):
-    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_fresh", max_steps=2, resume=True,
-                   per_device_train_batch_size=4, num_generations=4, max_completion_length=16)
+    config = small(
+        GRPOTrainingConfig,
+        tiny_model,
+        grpo_dataset,
+        tmp_path / "grpo_fresh",
+        max_steps=2,
+        resume=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+    )
     summary = train_grpo(config, [has_answer_tag])
     assert summary["resumed_from_step"] is None and summary["steps"] == 2
     assert [r["step"] for r in step_records(read_metrics(config.output_dir))] == [1, 2]
@@ -381,19 +464,34 @@ def test_resume_without_a_checkpoint_starts_from_the_beginning(tiny_model, grpo_
 def test_zero_variance_steps_counts_steps_whose_groups_all_had_equal_rewards():
     from ermedrag.training.metrics import zero_variance_steps
 
-    records = [{"step": 1, "frac_reward_zero_std": 1.0}, {"step": 2, "frac_reward_zero_std": 0.5},
-               {"step": 3, "frac_reward_zero_std": 1.0}, {"step": 4, "frac_reward_zero_std": float("nan")},
-               {"step": 5, "loss": 0.1}]
-    assert zero_variance_steps(records) == {"logged_steps": 3, "steps_without_signal": 2, "share": 0.6667,
-                                            "mean_frac_reward_zero_std": 0.8333}
+    records = [
+        {"step": 1, "frac_reward_zero_std": 1.0},
+        {"step": 2, "frac_reward_zero_std": 0.5},
+        {"step": 3, "frac_reward_zero_std": 1.0},
+        {"step": 4, "frac_reward_zero_std": float("nan")},
+        {"step": 5, "loss": 0.1},
+    ]
+    assert zero_variance_steps(records) == {
+        "logged_steps": 3,
+        "steps_without_signal": 2,
+        "share": 0.6667,
+        "mean_frac_reward_zero_std": 0.8333,
+    }
     assert zero_variance_steps([{"step": 1, "loss": 0.2}]) is None  # DPO logs no such figure
     # dynamic sampling: step 1 found a signal on its second draw, step 2 on its first, step 3 found none in 2 more
-    resampled = [{"step": 1, "frac_reward_zero_std": 0.0, "resampled_batches": 1},
-                 {"step": 2, "frac_reward_zero_std": 0.0, "resampled_batches": 0},
-                 {"step": 3, "frac_reward_zero_std": 1.0, "resampled_batches": 2}]
-    assert zero_variance_steps(resampled) == {"logged_steps": 3, "steps_without_signal": 1, "share": 0.3333,
-                                              "mean_frac_reward_zero_std": 0.3333, "steps_resampled": 2,
-                                              "mean_resampled_batches": 1.0}
+    resampled = [
+        {"step": 1, "frac_reward_zero_std": 0.0, "resampled_batches": 1},
+        {"step": 2, "frac_reward_zero_std": 0.0, "resampled_batches": 0},
+        {"step": 3, "frac_reward_zero_std": 1.0, "resampled_batches": 2},
+    ]
+    assert zero_variance_steps(resampled) == {
+        "logged_steps": 3,
+        "steps_without_signal": 1,
+        "share": 0.3333,
+        "mean_frac_reward_zero_std": 0.3333,
+        "steps_resampled": 2,
+        "mean_resampled_batches": 1.0,
+    }
 
 
 def test_silent_groups_are_those_whose_advantages_are_all_equal_not_all_zero():
@@ -413,8 +511,16 @@ def test_grpo_rollouts_end_at_the_stop_string(tiny_model, grpo_dataset, tmp_path
     """As the app's respondent stops at </answer>; "e" stands in for it because a random tiny model writes it
     within a few tokens, and nothing may follow the token that completed it."""
     SEEN_COMPLETIONS.clear()
-    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo", per_device_train_batch_size=4,
-                   num_generations=4, max_completion_length=32, stop_strings=["e"])
+    config = small(
+        GRPOTrainingConfig,
+        tiny_model,
+        grpo_dataset,
+        tmp_path / "grpo",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=32,
+        stop_strings=["e"],
+    )
     assert train_grpo(config, [records_completions])["steps"] == 3
     stopped = [text for text in SEEN_COMPLETIONS if "e" in text]
     assert len(SEEN_COMPLETIONS) == 12 and stopped
@@ -426,8 +532,18 @@ def test_grpo_rollouts_end_at_the_stop_string(tiny_model, grpo_dataset, tmp_path
 def test_grpo_full_finetune_with_kl_uses_reference_model(tiny_model, grpo_dataset, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_kl", use_lora=False, beta=0.04,
-                   per_device_train_batch_size=4, num_generations=4, max_completion_length=16, max_steps=2)
+    config = small(
+        GRPOTrainingConfig,
+        tiny_model,
+        grpo_dataset,
+        tmp_path / "grpo_kl",
+        use_lora=False,
+        beta=0.04,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=2,
+    )
     summary = train_grpo(config, [length_score])
 
     assert summary["steps"] == 2 and summary["adapter"] is False
@@ -443,8 +559,16 @@ def test_grpo_full_finetune_with_kl_uses_reference_model(tiny_model, grpo_datase
 def test_grpo_with_project_rewards(tiny_model, grpo_dataset, tmp_path):
     from ermedrag.training.rewards import RESPONDENT_REWARDS
 
-    config = small(GRPOTrainingConfig, tiny_model, grpo_dataset, tmp_path / "grpo_project",
-                   per_device_train_batch_size=4, num_generations=4, max_completion_length=16, max_steps=2)
+    config = small(
+        GRPOTrainingConfig,
+        tiny_model,
+        grpo_dataset,
+        tmp_path / "grpo_project",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=2,
+    )
     summary = train_grpo(config)  # rewards unset: the respondent's, from the registry
     assert summary["reward_weights"] == RESPONDENT_REWARDS
 
@@ -456,8 +580,9 @@ def test_grpo_with_project_rewards(tiny_model, grpo_dataset, tmp_path):
 
 
 def test_reward_names_are_checked_before_training(tmp_path):
-    config = GRPOTrainingConfig(model="unused", dataset=str(tmp_path), output_dir=str(tmp_path / "out"),
-                                rewards={"has_answer": 1.0})
+    config = GRPOTrainingConfig(
+        model="unused", dataset=str(tmp_path), output_dir=str(tmp_path / "out"), rewards={"has_answer": 1.0}
+    )
     with pytest.raises(ValueError, match=r"unknown reward\(s\) \['has_answer'\]; known: \['has_answer_tag'\]"):
         train_grpo(config, [has_answer_tag])
     config.rewards = {"corectness": 1.0}
@@ -468,11 +593,15 @@ def test_reward_names_are_checked_before_training(tmp_path):
 def test_positional_reward_weights_are_refused_with_a_pointer_to_named_ones(tmp_path):
     path = tmp_path / "grpo.yaml"
     path.write_text("model: m\ndataset: d\noutput_dir: o\nreward_weights: [1.0, 0.5]\n")
-    with pytest.raises(ValueError, match=r"reward_weights is no longer a key: weight rewards by name with "
-                                         r"rewards: \{name: weight\}"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward_weights is no longer a key: weight rewards by name with "
+        r"rewards: \{name: weight\}",
+    ):
         load_config(path, GRPOTrainingConfig)
-    config = GRPOTrainingConfig(model="m", dataset="d", output_dir=str(tmp_path), num_generations=4,
-                                trl_overrides={"reward_weights": [1.0]})
+    config = GRPOTrainingConfig(
+        model="m", dataset="d", output_dir=str(tmp_path), num_generations=4, trl_overrides={"reward_weights": [1.0]}
+    )
     with pytest.raises(ValueError, match="rewards: {name: weight}"):
         config.to_trl()
 
@@ -493,17 +622,20 @@ def test_load_config_reports_unknown_keys_and_missing_file(tmp_path):
     assert config.learning_rate == 1e-5 and config.beta == 0.0
 
 
-@pytest.mark.parametrize("line, message", [
-    ("stop_strings: </answer>", r"stop_strings: expected a list of strings \(one string is \['</answer>'\]\)"),
-    ("stop_strings: [a, 1]", "stop_strings: expected a list of strings, got"),
-    ("max_steps: 2.5", "max_steps: expected a whole number, got 2.5"),
-    ("max_steps: true", "max_steps: expected a whole number, got True"),
-    ("learning_rate: [1]", r"learning_rate: expected a number, got \[1\]"),
-    ("rewards: 3", "rewards: expected a mapping"),
-    ("model: 270", "model: expected text, got 270"),
-    ("1: x", r"keys must be field names, got \[1\]"),
-    ("model: [m", "not valid YAML: while parsing a flow sequence"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("stop_strings: </answer>", r"stop_strings: expected a list of strings \(one string is \['</answer>'\]\)"),
+        ("stop_strings: [a, 1]", "stop_strings: expected a list of strings, got"),
+        ("max_steps: 2.5", "max_steps: expected a whole number, got 2.5"),
+        ("max_steps: true", "max_steps: expected a whole number, got True"),
+        ("learning_rate: [1]", r"learning_rate: expected a number, got \[1\]"),
+        ("rewards: 3", "rewards: expected a mapping"),
+        ("model: 270", "model: expected text, got 270"),
+        ("1: x", r"keys must be field names, got \[1\]"),
+        ("model: [m", "not valid YAML: while parsing a flow sequence"),
+    ],
+)
 def test_a_config_value_of_the_wrong_kind_is_an_error_naming_its_field(tmp_path, line, message):
     """Never a value that fails later: a string for a list would be taken letter by letter as stop strings."""
     path = tmp_path / "grpo.yaml"
@@ -539,12 +671,18 @@ def test_example_configs_load_and_map_to_trl(tmp_path):
 
 
 def test_trl_checks_and_overrides(tmp_path):
-    config = GRPOTrainingConfig(model="m", dataset="d", output_dir=str(tmp_path), per_device_train_batch_size=6,
-                                num_generations=4)
+    config = GRPOTrainingConfig(
+        model="m", dataset="d", output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=4
+    )
     with pytest.raises(ValueError, match="divisible by num_generations"):
         config.to_trl()
-    config = GRPOTrainingConfig(model="m", dataset="d", output_dir=str(tmp_path), num_generations=4,
-                                trl_overrides={"use_adaptive_entropy": True, "entropy_target": 0.3})
+    config = GRPOTrainingConfig(
+        model="m",
+        dataset="d",
+        output_dir=str(tmp_path),
+        num_generations=4,
+        trl_overrides={"use_adaptive_entropy": True, "entropy_target": 0.3},
+    )
     args = config.to_trl()
     assert args.use_adaptive_entropy is True and args.entropy_target == 0.3
     config.trl_overrides = {"no_such_option": 1}

@@ -21,8 +21,6 @@ from typing import Any, Callable, Iterable, Iterator
 from ermedrag.tools import settings
 
 
-
-
 @dataclass(frozen=True)
 class Question:
     id: str
@@ -63,43 +61,70 @@ def _letters(n: int) -> list[str]:
 
 def _medqa_upstream() -> Iterator[dict[str, Any]]:
     for i, row in enumerate(_hub("GBaker/MedQA-USMLE-4-options", None, "test")):
-        yield {"id": f"medqa-test-{i:04d}", "question": row["question"], "options": row["options"],
-               "answer": row["answer_idx"], "meta": row.get("meta_info", "")}
+        yield {
+            "id": f"medqa-test-{i:04d}",
+            "question": row["question"],
+            "options": row["options"],
+            "answer": row["answer_idx"],
+            "meta": row.get("meta_info", ""),
+        }
 
 
 def _medmcqa_upstream() -> Iterator[dict[str, Any]]:
     for row in _hub("openlifescienceai/medmcqa", None, "validation"):
-        yield {"id": f"medmcqa-{row['id']}", "question": row["question"],
-               "options": dict(zip("ABCD", (row["opa"], row["opb"], row["opc"], row["opd"]))),
-               "answer": "ABCD"[int(row["cop"])], "subject": row.get("subject_name", "")}
+        yield {
+            "id": f"medmcqa-{row['id']}",
+            "question": row["question"],
+            "options": dict(zip("ABCD", (row["opa"], row["opb"], row["opc"], row["opd"]))),
+            "answer": "ABCD"[int(row["cop"])],
+            "subject": row.get("subject_name", ""),
+        }
 
 
 def _pubmedqa_upstream() -> Iterator[dict[str, Any]]:
     labels = {"yes": "A", "no": "B", "maybe": "C"}
     for row in _hub("qiaojin/PubMedQA", "pqa_labeled", "train"):
-        yield {"id": f"pubmedqa-{row['pubid']}", "question": row["question"],
-               "options": {"A": "yes", "B": "no", "C": "maybe"}, "answer": labels.get(row["final_decision"], ""),
-               "contexts": list(row["context"]["contexts"])}
+        yield {
+            "id": f"pubmedqa-{row['pubid']}",
+            "question": row["question"],
+            "options": {"A": "yes", "B": "no", "C": "maybe"},
+            "answer": labels.get(row["final_decision"], ""),
+            "contexts": list(row["context"]["contexts"]),
+        }
 
 
-MMLU_MED_SUBJECTS = ("anatomy", "clinical_knowledge", "college_biology", "college_medicine", "medical_genetics",
-                     "professional_medicine")
+MMLU_MED_SUBJECTS = (
+    "anatomy",
+    "clinical_knowledge",
+    "college_biology",
+    "college_medicine",
+    "medical_genetics",
+    "professional_medicine",
+)
 
 
 def _mmlu_med_upstream() -> Iterator[dict[str, Any]]:
     for subject in MMLU_MED_SUBJECTS:
         for i, row in enumerate(_hub("cais/mmlu", subject, "test")):
-            yield {"id": f"mmlu-{subject}-{i:03d}", "question": row["question"],
-                   "options": dict(zip(_letters(len(row["choices"])), row["choices"])),
-                   "answer": "ABCD"[int(row["answer"])], "subject": subject}
+            yield {
+                "id": f"mmlu-{subject}-{i:03d}",
+                "question": row["question"],
+                "options": dict(zip(_letters(len(row["choices"])), row["choices"])),
+                "answer": "ABCD"[int(row["answer"])],
+                "subject": subject,
+            }
 
 
 def _mmlu_pro_upstream() -> Iterator[dict[str, Any]]:
     for row in _hub("TIGER-Lab/MMLU-Pro", None, "test"):
         if row["category"] in ("health", "biology"):
-            yield {"id": f"mmlupro-{row['question_id']}", "question": row["question"],
-                   "options": dict(zip(_letters(len(row["options"])), row["options"])), "answer": row["answer"],
-                   "subject": row["category"]}
+            yield {
+                "id": f"mmlupro-{row['question_id']}",
+                "question": row["question"],
+                "options": dict(zip(_letters(len(row["options"])), row["options"])),
+                "answer": row["answer"],
+                "subject": row["category"],
+            }
 
 
 def _gpqa_upstream() -> Iterator[dict[str, Any]]:
@@ -114,14 +139,24 @@ def gpqa_row(row: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     order = list(range(4))
     random.Random(f"{seed}:{row['Record ID']}").shuffle(order)
     options = {letter: choices[i].strip() for letter, i in zip("ABCD", order)}
-    return {"id": f"gpqa-{row['Record ID']}", "question": row["Question"], "options": options,
-            "answer": "ABCD"[order.index(0)], "subject": row.get("Subdomain", "")}
+    return {
+        "id": f"gpqa-{row['Record ID']}",
+        "question": row["Question"],
+        "options": options,
+        "answer": "ABCD"[order.index(0)],
+        "subject": row.get("Subdomain", ""),
+    }
 
 
 def _medxpertqa_upstream() -> Iterator[dict[str, Any]]:
     for row in _hub("TsinghuaC3I/MedXpertQA", "Text", "test"):
-        yield {"id": row["id"], "question": row["question"], "options": row["options"], "answer": row["label"],
-               "subject": row.get("medical_task", "")}
+        yield {
+            "id": row["id"],
+            "question": row["question"],
+            "options": row["options"],
+            "answer": row["label"],
+            "subject": row.get("medical_task", ""),
+        }
 
 
 MIRAGE_URL = "https://raw.githubusercontent.com/Teddy-XiongGZ/MIRAGE/main/benchmark.json"
@@ -140,16 +175,19 @@ def mirage_rows(benchmark_json: dict[str, Any], name: str) -> Iterator[dict[str,
         yield {"id": f"{name}-{qid}", "question": row["question"], "options": row["options"], "answer": row["answer"]}
 
 
-BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
-    Benchmark("medqa", ("medqa_us_test.jsonl",), _medqa_upstream),
-    Benchmark("medmcqa", ("medmcqa_dev.jsonl",), _medmcqa_upstream),
-    Benchmark("pubmedqa", ("pubmedqa_test.jsonl",), _pubmedqa_upstream),
-    Benchmark("mmlu_med", ("mmlu_med_test.jsonl",), _mmlu_med_upstream),
-    Benchmark("mmlu_pro", ("mmlu_pro_health.jsonl", "mmlu_pro_biology.jsonl"), _mmlu_pro_upstream),
-    Benchmark("gpqa", ("gpqa_biology.zip",), _gpqa_upstream),
-    Benchmark("medxpertqa", ("medxpertqa_text_test.jsonl",), _medxpertqa_upstream),
-    Benchmark("bioasq", ("bioasq_yesno.jsonl",), _bioasq_upstream),
-]}
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in [
+        Benchmark("medqa", ("medqa_us_test.jsonl",), _medqa_upstream),
+        Benchmark("medmcqa", ("medmcqa_dev.jsonl",), _medmcqa_upstream),
+        Benchmark("pubmedqa", ("pubmedqa_test.jsonl",), _pubmedqa_upstream),
+        Benchmark("mmlu_med", ("mmlu_med_test.jsonl",), _mmlu_med_upstream),
+        Benchmark("mmlu_pro", ("mmlu_pro_health.jsonl", "mmlu_pro_biology.jsonl"), _mmlu_pro_upstream),
+        Benchmark("gpqa", ("gpqa_biology.zip",), _gpqa_upstream),
+        Benchmark("medxpertqa", ("medxpertqa_text_test.jsonl",), _medxpertqa_upstream),
+        Benchmark("bioasq", ("bioasq_yesno.jsonl",), _bioasq_upstream),
+    ]
+}
 
 
 DATA_FOLDER_HINT = "the data root holding benchmarks/ or that benchmarks folder itself"
@@ -193,8 +231,9 @@ def load_benchmark(
     return _select([normalise(row, name) for row in rows], limit, seed, bad_rows)
 
 
-def load_questions_file(path: str | os.PathLike[str], *, limit: int | None = None, seed: int = 0,
-                        bad_rows: list[BadRow] | None = None) -> list[Question]:
+def load_questions_file(
+    path: str | os.PathLike[str], *, limit: int | None = None, seed: int = 0, bad_rows: list[BadRow] | None = None
+) -> list[Question]:
     """Questions from any JSONL file in the shared schema (the benchmark is named after the file)."""
     path = Path(path)
     if not path.exists():
@@ -203,8 +242,9 @@ def load_questions_file(path: str | os.PathLike[str], *, limit: int | None = Non
     return _select([normalise(row, name) for row in _jsonl_rows(path)], limit, seed, bad_rows)
 
 
-def _select(parsed: list[Question | BadRow], limit: int | None, seed: int,
-            bad_rows: list[BadRow] | None) -> list[Question]:
+def _select(
+    parsed: list[Question | BadRow], limit: int | None, seed: int, bad_rows: list[BadRow] | None
+) -> list[Question]:
     questions = [q for q in parsed if isinstance(q, Question)]
     if bad_rows is not None:
         bad_rows.extend(q for q in parsed if isinstance(q, BadRow))
@@ -217,8 +257,9 @@ def _local_rows(bench: Benchmark, data_dir: Path) -> Iterator[dict[str, Any]]:
     for file_name in bench.local_files:
         path = data_dir / file_name
         if not path.exists():
-            raise FileNotFoundError(f"{bench.name}: no {file_name} in {data_dir} (--data and ERMEDRAG_SHARED_DATA "
-                                    f"take {DATA_FOLDER_HINT})")
+            raise FileNotFoundError(
+                f"{bench.name}: no {file_name} in {data_dir} (--data and ERMEDRAG_SHARED_DATA take {DATA_FOLDER_HINT})"
+            )
         if path.suffix == ".zip":
             yield from _zip_rows(path)
         else:
@@ -241,8 +282,14 @@ def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _json_kind(value: Any) -> str:
-    kinds = {list: "a JSON array", str: "a JSON string", bool: "a JSON boolean", int: "a JSON number",
-             float: "a JSON number", type(None): "JSON null"}
+    kinds = {
+        list: "a JSON array",
+        str: "a JSON string",
+        bool: "a JSON boolean",
+        int: "a JSON number",
+        float: "a JSON number",
+        type(None): "JSON null",
+    }
     return kinds.get(type(value), type(value).__name__)
 
 
@@ -268,12 +315,21 @@ def normalise(row: dict[str, Any], benchmark: str) -> Question | BadRow:
     keys = [str(k).strip().upper() for k in options]
     # The graphs' canonical option keys (graphs.state.validate_question): one letter A-Z, case-insensitive.
     if any(len(k) != 1 or k not in string.ascii_uppercase for k in keys) or len(set(keys)) != len(keys):
-        return BadRow(benchmark, qid, f"option keys {list(options)[:8]} must be distinct letters A-Z (case-insensitive)")
+        return BadRow(
+            benchmark, qid, f"option keys {list(options)[:8]} must be distinct letters A-Z (case-insensitive)"
+        )
     options = {str(k).strip().upper(): str(v) for k, v in sorted(options.items(), key=lambda kv: str(kv[0]))}
     if str(answer).strip().upper() not in options:
         return BadRow(benchmark, qid, f"answer {answer!r} is not among the options {list(options)}")
     contexts = row.get("contexts") or ()
     meta = {k: v for k, v in row.items() if k not in ("id", "question", "options", "answer", "contexts", "subject")}
-    return Question(id=qid, question=question.strip(), options=options, answer=str(answer).strip().upper(),
-                    benchmark=benchmark, subject=str(row.get("subject", "") or ""),
-                    contexts=tuple(str(c) for c in contexts), meta=meta)
+    return Question(
+        id=qid,
+        question=question.strip(),
+        options=options,
+        answer=str(answer).strip().upper(),
+        benchmark=benchmark,
+        subject=str(row.get("subject", "") or ""),
+        contexts=tuple(str(c) for c in contexts),
+        meta=meta,
+    )

@@ -81,7 +81,9 @@ def pubmedqa_passages(corpus: str) -> dict[str, tuple[str, ...]]:
     if path.is_dir():
         path = path / PUBMEDQA_CORPUS
     if not path.is_file():
-        raise FileNotFoundError(f"PubMedQA corpus not found: {path} (pass the corpora folder holding {PUBMEDQA_CORPUS})")
+        raise FileNotFoundError(
+            f"PubMedQA corpus not found: {path} (pass the corpora folder holding {PUBMEDQA_CORPUS})"
+        )
     by_pmid: dict[str, list[str]] = defaultdict(list)
     with gzip.open(path, "rt", encoding="utf-8") as handle:
         for line in handle:
@@ -128,14 +130,16 @@ def gold_evidence(
         if path is None or not path.is_file():
             raise FileNotFoundError(
                 f"BioASQ gold evidence needs the qrels file (retrieval/bioasq_qrels.jsonl): pass qrels_path "
-                f"or set ERMEDRAG_SHARED_DATA (looked for {path})")
+                f"or set ERMEDRAG_SHARED_DATA (looked for {path})"
+            )
         gold = load_qrels(str(path)).get(str(question_id))
         return GoldEvidence(ids=frozenset(gold)) if gold else None
     return None
 
 
-def question_gold_evidence(question: Any, qrels: str | os.PathLike[str] | None = None,
-                           corpus_dir: str | os.PathLike[str] | None = None) -> list[str]:
+def question_gold_evidence(
+    question: Any, qrels: str | os.PathLike[str] | None = None, corpus_dir: str | os.PathLike[str] | None = None
+) -> list[str]:
     """Gold evidence doc ids of a `tools.benchmarks.Question`: PubMedQA → its own abstract's passages
     (`pubmed-<pmid>-<i>`, the concrete ids of `corpus_dir` when given, else one per context), BioASQ → the
     qrels' snippet ids; other benchmarks → []."""

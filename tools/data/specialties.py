@@ -37,19 +37,54 @@ MEDMCQA_SUBJECT_SPECIALTY: dict[str, str | None] = {
     "Orthopaedics": "Surgeon",
     "Ophthalmology": "Ophthalmologist",
     "Skin": "Dermatologist",
-    **dict.fromkeys(("Anaesthesia", "Anatomy", "Biochemistry", "Dental", "ENT", "Forensic Medicine",
-                     "Gynaecology & Obstetrics", "Medicine", "Microbiology", "Pediatrics", "Pharmacology",
-                     "Physiology", "Psychiatry", "Social & Preventive Medicine", "Unknown")),
+    **dict.fromkeys(
+        (
+            "Anaesthesia",
+            "Anatomy",
+            "Biochemistry",
+            "Dental",
+            "ENT",
+            "Forensic Medicine",
+            "Gynaecology & Obstetrics",
+            "Medicine",
+            "Microbiology",
+            "Pediatrics",
+            "Pharmacology",
+            "Physiology",
+            "Psychiatry",
+            "Social & Preventive Medicine",
+            "Unknown",
+        )
+    ),
 }
 MEDXPERTQA_BODY_SYSTEM_SPECIALTY: dict[str, str | None] = {
     "Endocrine": "Endocrinologist",
     "Integumentary": "Dermatologist",
-    **dict.fromkeys(("Cardiovascular", "Digestive", "Lymphatic", "Muscular", "Nervous", "Reproductive",
-                     "Respiratory", "Skeletal", "Urinary", "Other / NA")),
+    **dict.fromkeys(
+        (
+            "Cardiovascular",
+            "Digestive",
+            "Lymphatic",
+            "Muscular",
+            "Nervous",
+            "Reproductive",
+            "Respiratory",
+            "Skeletal",
+            "Urinary",
+            "Other / NA",
+        )
+    ),
 }
 MMLU_SUBJECT_SPECIALTY: dict[str, str | None] = dict.fromkeys(
-    ("anatomy", "clinical_knowledge", "college_biology", "college_medicine", "medical_genetics",
-     "professional_medicine"))
+    (
+        "anatomy",
+        "clinical_knowledge",
+        "college_biology",
+        "college_medicine",
+        "medical_genetics",
+        "professional_medicine",
+    )
+)
 
 # benchmark family → (where its label is: "subject" or a meta key, its table)
 LABEL_TABLES: dict[str, tuple[str, dict[str, str | None]]] = {
@@ -71,8 +106,7 @@ def benchmark_family(benchmark: str, source: str = "") -> str | None:
     """Which table labels a question: by its benchmark name ('medmcqa', or a file stem like 'medmcqa_dev') or,
     failing that, the `source` field of the shared files ('MedMCQA', 'MedXpertQA-Text', 'MMLU-Med')."""
     name, src = fold_label(benchmark).replace("-", "_"), fold_label(source).replace("-", "_")
-    for family, prefixes in (("medmcqa", ("medmcqa",)), ("medxpertqa", ("medxpertqa",)),
-                             ("mmlu_med", ("mmlu_med",))):
+    for family, prefixes in (("medmcqa", ("medmcqa",)), ("medxpertqa", ("medxpertqa",)), ("mmlu_med", ("mmlu_med",))):
         if name.startswith(prefixes) or src.startswith(prefixes):
             return family
     return None
@@ -93,8 +127,9 @@ def gold_specialty_for(question: Any) -> str | None:
     """The specialty the question's benchmark metadata names (module docstring's table), or None: no table
     for its benchmark, a value the table maps to None, or a value the table does not know (never guessed).
     `question`: a `tools.benchmarks.Question` or a dict with `benchmark`, `subject`, `meta`."""
-    family = benchmark_family(str(question_field(question, "benchmark") or ""),
-                              str(question_field(question, "source") or ""))
+    family = benchmark_family(
+        str(question_field(question, "benchmark") or ""), str(question_field(question, "source") or "")
+    )
     if family is None:
         return None
     where, _ = LABEL_TABLES[family]

@@ -40,10 +40,25 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field
 
 from ermedrag.agents.base import CHAT_ROLES, block_image_url
-from ermedrag.tools.model_server.policy import (MAX_RETRY_BACKOFF_S, ModelServerError, ServerPolicy,  # noqa: F401
-                                                HTTPStatus, check_sampling, classify_failure, is_retryable,
-                                                server_error_message)
-from ermedrag.tools.model_server.replies import (MAX_BODY_BYTES, EventDecoder, ReplyAssembler, ReplyShapeError, ServerReply, check_stops, error_detail, parse_completion_body)
+from ermedrag.tools.model_server.policy import (
+    ModelServerError,
+    ServerPolicy,
+    HTTPStatus,
+    check_sampling,
+    classify_failure,
+    is_retryable,
+    server_error_message,
+)
+from ermedrag.tools.model_server.replies import (
+    MAX_BODY_BYTES,
+    EventDecoder,
+    ReplyAssembler,
+    ReplyShapeError,
+    ServerReply,
+    check_stops,
+    error_detail,
+    parse_completion_body,
+)
 
 T = TypeVar("T")
 
@@ -92,19 +107,36 @@ def refused_fields(status: int, detail: str, body: dict[str, Any]) -> set[str]:
     return neutral if named in NEUTRAL_SAMPLING else {named}
 
 
-def request_body(model: str, messages: Sequence[BaseMessage], *, stops: Sequence[str], max_tokens: int,
-                 temperature: float, top_p: float, seed: int | None, logprobs: bool,
-                 traits: ServerTraits) -> dict[str, Any]:
+def request_body(
+    model: str,
+    messages: Sequence[BaseMessage],
+    *,
+    stops: Sequence[str],
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+    logprobs: bool,
+    traits: ServerTraits,
+) -> dict[str, Any]:
     """The JSON a server gets for one call (see the module's docstring for why each field is there)."""
-    body: dict[str, Any] = {"model": model, "messages": openai_messages(messages), "stream": True,
-                            "temperature": temperature, "top_p": top_p}
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": openai_messages(messages),
+        "stream": True,
+        "temperature": temperature,
+        "top_p": top_p,
+    }
     for name in ("max_tokens", "max_completion_tokens"):
         if name not in traits.refused:
             body[name] = max_tokens
     if "stream_options" not in traits.refused:
         body["stream_options"] = {"include_usage": True}
-    body |= {name: value for name, value in NEUTRAL_SAMPLING.items()
-             if name not in traits.refused and not (traits.vllm and name == "repeat_penalty")}  # llama.cpp's name
+    body |= {
+        name: value
+        for name, value in NEUTRAL_SAMPLING.items()
+        if name not in traits.refused and not (traits.vllm and name == "repeat_penalty")
+    }  # llama.cpp's name
     if seed is not None:
         body["seed"] = seed
     if logprobs:
@@ -141,8 +173,10 @@ def openai_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
                 elif isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
                     blocks.append({"type": "text", "text": block["text"]})
                 else:
-                    raise ValueError(f"a message content block of type {type(block).__name__} "
-                                     f"{str(block)[:60]!r} cannot be sent to a chat server (text and image_url only)")
+                    raise ValueError(
+                        f"a message content block of type {type(block).__name__} "
+                        f"{str(block)[:60]!r} cannot be sent to a chat server (text and image_url only)"
+                    )
             content = blocks
         converted.append({"role": role, "content": content})
     return converted
@@ -166,8 +200,9 @@ class BackgroundLoop:
         import httpx
 
         if self._client is None:
-            self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
-                                             follow_redirects=False)
+            self._client = httpx.AsyncClient(
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64), follow_redirects=False
+            )
         return self._client
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
@@ -206,8 +241,9 @@ class BackgroundLoop:
         finally:
             future.cancel()  # the consumer stopped early (or failed): stop the producer too
 
-    async def aiterate(self, produce: Callable[[Callable[[Any], None]], Coroutine[Any, Any, None]]
-                       ) -> AsyncIterator[Any]:
+    async def aiterate(
+        self, produce: Callable[[Callable[[Any], None]], Coroutine[Any, Any, None]]
+    ) -> AsyncIterator[Any]:
         here = asyncio.get_running_loop()
         items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -249,8 +285,15 @@ def background() -> BackgroundLoop:
         return _BACKGROUND
 
 
-async def read_reply(client: Any, url: str, headers: dict[str, str], body: dict[str, Any], assembler: ReplyAssembler,
-                     policy: ServerPolicy, emit: Callable[[str], None] | None = None) -> ServerReply:
+async def read_reply(
+    client: Any,
+    url: str,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    assembler: ReplyAssembler,
+    policy: ServerPolicy,
+    emit: Callable[[str], None] | None = None,
+) -> ServerReply:
     """One attempt: POST `body`, read the reply (streamed or whole) into `assembler`, all within the policy's
     deadline; text is passed to `emit` as it becomes safe to show. Raises what went wrong (classify_failure)."""
     import httpx
@@ -361,8 +404,14 @@ class ServerChatModel(BaseChatModel):
 
     # ------------------------------------------------------------------------------------------- a call
 
-    async def _call(self, messages: list[BaseMessage], stop: Sequence[str] | None, kwargs: dict[str, Any],
-                    emit: Callable[[Any], None] | None = None, stream: bool = False) -> ServerReply:
+    async def _call(
+        self,
+        messages: list[BaseMessage],
+        stop: Sequence[str] | None,
+        kwargs: dict[str, Any],
+        emit: Callable[[Any], None] | None = None,
+        stream: bool = False,
+    ) -> ServerReply:
         """The reply after at most max_retries retries; with `emit`, its text is passed on as it arrives and the
         finished reply last (`stream`: a retry only while no text was passed on)."""
         stops = check_stops(stop)
@@ -370,8 +419,17 @@ class ServerChatModel(BaseChatModel):
         check_sampling(temperature=self.temperature, top_p=self.top_p, max_new_tokens=max_tokens)
         self._check_images(messages)
         if max_tokens == 0:  # nothing to generate: no request (servers refuse a limit of 0)
-            reply = ServerReply("", "length", None, None, {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0},
-                                True, None, None, None)
+            reply = ServerReply(
+                "",
+                "length",
+                None,
+                None,
+                {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0},
+                True,
+                None,
+                None,
+                None,
+            )
             if emit:
                 emit(reply)
             return reply
@@ -386,13 +444,28 @@ class ServerChatModel(BaseChatModel):
 
         attempt, renegotiations = 1, 0
         while True:
-            body = request_body(self.model_name, messages, stops=stops, max_tokens=max_tokens,
-                                temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                                logprobs=self.logprobs, traits=traits)
+            body = request_body(
+                self.model_name,
+                messages,
+                stops=stops,
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                seed=self.seed,
+                logprobs=self.logprobs,
+                traits=traits,
+            )
             assembler = ReplyAssembler(stops, max_tokens)
             try:
-                reply = await read_reply(background().client(), self.chat_url, self._headers(), body, assembler,
-                                         self.policy, show if emit else None)
+                reply = await read_reply(
+                    background().client(),
+                    self.chat_url,
+                    self._headers(),
+                    body,
+                    assembler,
+                    self.policy,
+                    show if emit else None,
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - every failure of an attempt is the server's (classified)
@@ -404,8 +477,13 @@ class ServerChatModel(BaseChatModel):
                 cause, detail = classify_failure(err)
                 if (stream and shown) or attempt > self.policy.max_retries or not is_retryable(cause):
                     url, model = self.base_url, self.spec or f"openai:{self.model_name}"
-                    raise ModelServerError(server_error_message(cause, detail, url, model, self.policy, attempt),
-                                           url, model, cause, attempt) from err
+                    raise ModelServerError(
+                        server_error_message(cause, detail, url, model, self.policy, attempt),
+                        url,
+                        model,
+                        cause,
+                        attempt,
+                    ) from err
                 await asyncio.sleep(self.policy.backoff_s(attempt - 1))
                 attempt += 1
                 continue
@@ -425,10 +503,16 @@ class ServerChatModel(BaseChatModel):
 
 
 def _metadata(reply: ServerReply, spec: str) -> dict[str, Any]:
-    return {"model_name": spec, "server_model": reply.model, "finish_reason": reply.finish_reason,
-            "stop_sequence": reply.stop_sequence, "cut_by_client": reply.cut_by_client,
-            "server_stop_reason": reply.server_stop_reason, "usage_counted": reply.usage_counted,
-            "logprobs": {"content": reply.logprobs} if reply.logprobs is not None else None}
+    return {
+        "model_name": spec,
+        "server_model": reply.model,
+        "finish_reason": reply.finish_reason,
+        "stop_sequence": reply.stop_sequence,
+        "cut_by_client": reply.cut_by_client,
+        "server_stop_reason": reply.server_stop_reason,
+        "usage_counted": reply.usage_counted,
+        "logprobs": {"content": reply.logprobs} if reply.logprobs is not None else None,
+    }
 
 
 def _result(reply: ServerReply, spec: str) -> ChatResult:
@@ -440,5 +524,6 @@ def _chunk(item: str | ServerReply, spec: str) -> ChatGenerationChunk:
     """A piece of text, or (last) the reply's usage and metadata with no text of its own."""
     if isinstance(item, str):
         return ChatGenerationChunk(message=AIMessageChunk(content=item))
-    return ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=item.usage,
-                                                      response_metadata=_metadata(item, spec)))
+    return ChatGenerationChunk(
+        message=AIMessageChunk(content="", usage_metadata=item.usage, response_metadata=_metadata(item, spec))
+    )

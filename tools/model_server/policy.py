@@ -38,13 +38,16 @@ class ServerPolicy:
     retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S
 
     def __post_init__(self) -> None:
-        for name, knob, value in (("request_timeout_s", "--timeout", self.timeout_s),
-                                  ("connect_timeout_s", "--connect-timeout", self.connect_timeout_s)):
+        for name, knob, value in (
+            ("request_timeout_s", "--timeout", self.timeout_s),
+            ("connect_timeout_s", "--connect-timeout", self.connect_timeout_s),
+        ):
             if not _number(value) or value <= 0:
                 raise ValueError(f"{name} ({knob}) must be a positive number of seconds, got {value!r}")
         if not isinstance(self.max_retries, int) or not 0 <= self.max_retries <= MAX_RETRIES_ALLOWED:
-            raise ValueError(f"max_retries (--retries) must be an integer from 0 to {MAX_RETRIES_ALLOWED}, "
-                             f"got {self.max_retries!r}")
+            raise ValueError(
+                f"max_retries (--retries) must be an integer from 0 to {MAX_RETRIES_ALLOWED}, got {self.max_retries!r}"
+            )
         if not _number(self.retry_backoff_s) or self.retry_backoff_s < 0:
             raise ValueError(f"retry_backoff_s must be a non-negative number of seconds, got {self.retry_backoff_s!r}")
 
@@ -115,8 +118,13 @@ def classify_failure(err: BaseException) -> tuple[str, str]:
     if isinstance(err, httpx.TimeoutException):
         return "timeout", ""
     if isinstance(err, httpx.ConnectError):
-        refused = any(isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED
-                      for e in _chain(err)) or "refused" in str(err).lower()
+        refused = (
+            any(
+                isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED
+                for e in _chain(err)
+            )
+            or "refused" in str(err).lower()
+        )
         return ("refused", "") if refused else ("unreachable", _one_line(str(err)))
     if isinstance(err, json.JSONDecodeError):
         return "malformed_json", _one_line(str(err))
@@ -155,15 +163,21 @@ def server_error_message(cause: str, detail: str, url: str, model: str, policy: 
     if cause == "unreachable":
         return f"{who} is unreachable ({tried}){detail}; check --base-url / OPENAI_BASE_URL"
     if cause == "connect_timeout":
-        return (f"{who} did not accept the connection within {policy.connect_timeout_s:g} s ({tried}); check "
-                f"--base-url, or raise --connect-timeout (ERMEDRAG_CONNECT_TIMEOUT_S)")
+        return (
+            f"{who} did not accept the connection within {policy.connect_timeout_s:g} s ({tried}); check "
+            f"--base-url, or raise --connect-timeout (ERMEDRAG_CONNECT_TIMEOUT_S)"
+        )
     if cause == "timeout":
-        return (f"{who} did not answer within {policy.timeout_s:g} s ({tried}); a slow server needs a longer "
-                f"--timeout (ERMEDRAG_REQUEST_TIMEOUT_S: the deadline of each attempt, from connecting to the last "
-                f"byte), a stuck one a restart")
+        return (
+            f"{who} did not answer within {policy.timeout_s:g} s ({tried}); a slow server needs a longer "
+            f"--timeout (ERMEDRAG_REQUEST_TIMEOUT_S: the deadline of each attempt, from connecting to the last "
+            f"byte), a stuck one a restart"
+        )
     if cause == "dropped":
-        return (f"{who} dropped the connection mid-response ({tried}){detail}; see the server's log (crashed? out "
-                f"of memory?), or raise {retries}")
+        return (
+            f"{who} dropped the connection mid-response ({tried}){detail}; see the server's log (crashed? out "
+            f"of memory?), or raise {retries}"
+        )
     if cause == "stream_error":
         return f"{who} reported an error mid-response ({tried}){detail}; see the server's log, or raise {retries}"
     if cause == "malformed_json":
@@ -176,8 +190,9 @@ def server_error_message(cause: str, detail: str, url: str, model: str, policy: 
     if status in (401, 403):
         return f"{who} refused the credentials with HTTP {status} ({tried}){detail}; set OPENAI_API_KEY"
     if status == 404:
-        return (f"{who} answered HTTP 404 ({tried}){detail}; check the model name (--model) and that --base-url "
-                f"ends in /v1")
+        return (
+            f"{who} answered HTTP 404 ({tried}){detail}; check the model name (--model) and that --base-url ends in /v1"
+        )
     if status == 429:
         return f"{who} is rate-limiting (HTTP 429, {tried}){detail}; lower --concurrency or raise {retries}"
     return f"{who} rejected the request with HTTP {status} ({tried}){detail}"
@@ -195,7 +210,11 @@ def check_sampling(*, temperature: Any, top_p: Any, max_new_tokens: Any) -> None
         raise ValueError(f"temperature must be a finite number from 0 to {MAX_TEMPERATURE:g}, got {temperature!r}")
     if not _number(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be a finite number above 0 and at most 1, got {top_p!r}")
-    if (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
-            or not 0 <= max_new_tokens <= MAX_NEW_TOKENS_ALLOWED):
-        raise ValueError(f"max_new_tokens must be an integer from 0 to {MAX_NEW_TOKENS_ALLOWED:,}, "
-                         f"got {max_new_tokens!r}")
+    if (
+        not isinstance(max_new_tokens, int)
+        or isinstance(max_new_tokens, bool)
+        or not 0 <= max_new_tokens <= MAX_NEW_TOKENS_ALLOWED
+    ):
+        raise ValueError(
+            f"max_new_tokens must be an integer from 0 to {MAX_NEW_TOKENS_ALLOWED:,}, got {max_new_tokens!r}"
+        )

@@ -199,8 +199,11 @@ class ReplyAssembler:
         choice = self._first_choice(body, allow_none=False)
         message = choice.get("message")
         if not isinstance(message, dict):
-            raise ReplyShapeError("choices[0] has no message object" if message is None else
-                                  f"choices[0].message is a {type(message).__name__}, not an object")
+            raise ReplyShapeError(
+                "choices[0] has no message object"
+                if message is None
+                else f"choices[0].message is a {type(message).__name__}, not an object"
+            )
         content = _optional_str(message.get("content"), "choices[0].message.content")
         if content is None:
             raise ReplyShapeError("choices[0].message.content is null: the reply has no text")
@@ -219,16 +222,22 @@ class ReplyAssembler:
         if isinstance(usage, dict):
             counts = {key: usage.get(key) for key in ("prompt_tokens", "completion_tokens")}
             if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
-                self.usage = {"input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
-                              "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
+                self.usage = {
+                    "input_tokens": counts["prompt_tokens"],
+                    "output_tokens": counts["completion_tokens"],
+                    "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"],
+                }
 
     def _first_choice(self, obj: dict[str, Any], allow_none: bool) -> dict[str, Any] | None:
         choices = obj.get("choices")
         if choices is None and allow_none and "usage" in obj:
             return None  # a usage-only chunk
         if not isinstance(choices, list):
-            raise ReplyShapeError("the reply has no choices list" if choices is None else
-                                  f"choices is a {type(choices).__name__}, not a list")
+            raise ReplyShapeError(
+                "the reply has no choices list"
+                if choices is None
+                else f"choices is a {type(choices).__name__}, not a list"
+            )
         if not choices:
             if allow_none:
                 return None  # the usage chunk of `stream_options.include_usage` has `choices: []`
@@ -276,7 +285,7 @@ class ReplyAssembler:
         kept = self.logprobs if self.logprobs is not None else []
         for entry in entries[: max(0, self.max_tokens + 1 - len(kept))]:
             if isinstance(entry, dict) and isinstance(entry.get("token"), str) and _finite(entry.get("logprob")):
-                kept.append({"token": entry["token"][:MAX_CHARS_PER_TOKEN * 4], "logprob": float(entry["logprob"])})
+                kept.append({"token": entry["token"][: MAX_CHARS_PER_TOKEN * 4], "logprob": float(entry["logprob"])})
         self.logprobs = kept
 
     # ------------------------------------------------------------------------------------------- output
@@ -289,30 +298,44 @@ class ReplyAssembler:
         if not self.done and self.finish_reason is None:
             # Even after [DONE]: llama-cpp-python's server ends a stream that way when another request interrupts
             # it (its default), and the reply is then cut, not finished.
-            raise ReplyCut("the stream ended before the reply did (no finish_reason)"
-                           + (" although the server said [DONE]" if stream_closed_cleanly else ""))
+            raise ReplyCut(
+                "the stream ended before the reply did (no finish_reason)"
+                + (" although the server said [DONE]" if stream_closed_cleanly else "")
+            )
         rest = self.scanner.flush() if self.scanner.matched is None else ""
         self.released.append(rest)
         stop_sequence = self.scanner.matched
         if stop_sequence is None and self.server_stop_reason in self.stops:
             stop_sequence = self.server_stop_reason  # vLLM cut it off and named it (without include_stop_str_in_output)
-        finish_reason = "stop" if stop_sequence else ("length" if self.cut_by_client == "length" else
-                                                      self.finish_reason or "stop")
+        finish_reason = (
+            "stop" if stop_sequence else ("length" if self.cut_by_client == "length" else self.finish_reason or "stop")
+        )
         counted = self.usage is None or self.done
         output_tokens = min(self.chunks, self.max_tokens)
         if self.logprobs:
             output_tokens = max(output_tokens, min(len(self.logprobs), self.max_tokens))
         if counted:
             input_tokens = self.usage["input_tokens"] if self.usage else 0
-            usage = {"input_tokens": input_tokens, "output_tokens": output_tokens,
-                     "total_tokens": input_tokens + output_tokens}
+            usage = {
+                "input_tokens": input_tokens,
+                "output_tokens": output_tokens,
+                "total_tokens": input_tokens + output_tokens,
+            }
         else:
             usage = dict(self.usage)  # type: ignore[arg-type]
         if self.logprobs is not None and stop_sequence is None:
             self.logprobs = self.logprobs[: self.max_tokens]
-        reply = ServerReply(text="".join(self.released), finish_reason=finish_reason, stop_sequence=stop_sequence,
-                            cut_by_client=self.cut_by_client, usage=usage, usage_counted=counted,
-                            logprobs=self.logprobs, server_stop_reason=self.server_stop_reason, model=self.model)
+        reply = ServerReply(
+            text="".join(self.released),
+            finish_reason=finish_reason,
+            stop_sequence=stop_sequence,
+            cut_by_client=self.cut_by_client,
+            usage=usage,
+            usage_counted=counted,
+            logprobs=self.logprobs,
+            server_stop_reason=self.server_stop_reason,
+            model=self.model,
+        )
         return reply, rest
 
 

@@ -46,18 +46,44 @@ from langchain_core.language_models.chat_models import BaseChatModel
 
 from ermedrag.tools import settings
 from ermedrag.tools.images import ImagesNotSupportedError
-from ermedrag.tools.model_server import (DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT_S,
-                                        DEFAULT_RETRY_BACKOFF_S, ServerChatModel, ServerPolicy, check_sampling)
-from ermedrag.tools.models.base import (DEFAULT_MODEL, IMAGE_FIX, OPENAI_VISION_ENV, PROVIDERS, ModelSpecError,
-                                        image_support_problem, model_name, openai_accepts_images, parse_model_spec,
-                                        require_image_support, scripted_options)
+from ermedrag.tools.model_server import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    DEFAULT_RETRY_BACKOFF_S,
+    ServerChatModel,
+    ServerPolicy,
+    check_sampling,
+)
+from ermedrag.tools.models.base import (
+    DEFAULT_MODEL,
+    IMAGE_FIX,
+    OPENAI_VISION_ENV,
+    PROVIDERS,
+    ModelSpecError,
+    image_support_problem,
+    model_name,
+    openai_accepts_images,
+    parse_model_spec,
+    require_image_support,
+    scripted_options,
+)
 from ermedrag.tools.models.hf import HFChatModel
 from ermedrag.tools.models.llamacpp import LlamaCppChatModel
 from ermedrag.tools.models.scripted import ScriptedChatModel
 from ermedrag.tools.models.vllm import VLLMChatModel
 
-__all__ = ["DEFAULT_MODEL", "PROVIDERS", "ImagesNotSupportedError", "ModelSpecError", "image_support_problem",
-           "load_chat_model", "model_name", "parse_model_spec", "require_image_support"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "PROVIDERS",
+    "ImagesNotSupportedError",
+    "ModelSpecError",
+    "image_support_problem",
+    "load_chat_model",
+    "model_name",
+    "parse_model_spec",
+    "require_image_support",
+]
 
 
 def load_chat_model(
@@ -89,37 +115,53 @@ def load_chat_model(
     if provider == "llamacpp":
         return LlamaCppChatModel(model_path=name, spec=spec, **sampling)
     if provider == "openai":
-        return _server_model(name, base_url, logprobs, ServerPolicy(timeout_s, connect_timeout_s, max_retries,
-                                                                    retry_backoff_s), sampling)
+        return _server_model(
+            name, base_url, logprobs, ServerPolicy(timeout_s, connect_timeout_s, max_retries, retry_backoff_s), sampling
+        )
     if provider == "vllm":
         return VLLMChatModel(model_path=name, spec=spec, **sampling)
     module_name, options = scripted_options(spec, name)  # e.g. scripted:ermedrag.testing.scripted?delay=0.5
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ModelSpecError(f"model {spec!r}: cannot import the scripted module {module_name!r} ({err}); it must be "
-                             "importable from here (e.g. run from the repository root with PYTHONPATH=.)") from None
+        raise ModelSpecError(
+            f"model {spec!r}: cannot import the scripted module {module_name!r} ({err}); it must be "
+            "importable from here (e.g. run from the repository root with PYTHONPATH=.)"
+        ) from None
     if not callable(getattr(module, "reply", None)):
         raise ModelSpecError(f"model {spec!r}: module {module_name!r} has no reply(messages) function")
     vision = options.get("vision", "1" if getattr(module, "ACCEPTS_IMAGES", False) else "0") == "1"
-    return ScriptedChatModel(reply=module.reply, delay_s=float(options.get("delay", delay_s)), spec=spec,
-                             accepts_images=vision)
+    return ScriptedChatModel(
+        reply=module.reply, delay_s=float(options.get("delay", delay_s)), spec=spec, accepts_images=vision
+    )
 
 
-def _server_model(name: str, base_url: str | None, logprobs: bool, policy: ServerPolicy,
-                  sampling: dict[str, Any]) -> BaseChatModel:
+def _server_model(
+    name: str, base_url: str | None, logprobs: bool, policy: ServerPolicy, sampling: dict[str, Any]
+) -> BaseChatModel:
     """`openai:NAME` at `base_url` (else OPENAI_BASE_URL), with the key from OPENAI_API_KEY (local servers take any)."""
     base_url = base_url or settings.read("OPENAI_BASE_URL")
     if not base_url:
         raise ModelSpecError(
-            f"openai:{name} needs a server: pass base_url (e.g. http://127.0.0.1:8000/v1) or set OPENAI_BASE_URL")
+            f"openai:{name} needs a server: pass base_url (e.g. http://127.0.0.1:8000/v1) or set OPENAI_BASE_URL"
+        )
     if not base_url.lower().startswith(("http://", "https://")):
         raise ModelSpecError(f"openai:{name}: base URL {base_url!r} must start with http:// or https://")
-    refusal = None if openai_accepts_images() else (f"model openai:{name} cannot see images: it is declared "
-                                                    f"text-only ({OPENAI_VISION_ENV}=0); {IMAGE_FIX}")
-    return ServerChatModel(model_name=name, base_url=base_url, api_key=settings.read("OPENAI_API_KEY"),
-                           spec=f"openai:{name}", logprobs=logprobs, policy=policy, image_refusal=refusal,
-                           top_p=sampling["top_p"], temperature=sampling["temperature"],
-                           max_new_tokens=sampling["max_new_tokens"], seed=sampling["seed"])
-
-
+    refusal = (
+        None
+        if openai_accepts_images()
+        else (f"model openai:{name} cannot see images: it is declared text-only ({OPENAI_VISION_ENV}=0); {IMAGE_FIX}")
+    )
+    return ServerChatModel(
+        model_name=name,
+        base_url=base_url,
+        api_key=settings.read("OPENAI_API_KEY"),
+        spec=f"openai:{name}",
+        logprobs=logprobs,
+        policy=policy,
+        image_refusal=refusal,
+        top_p=sampling["top_p"],
+        temperature=sampling["temperature"],
+        max_new_tokens=sampling["max_new_tokens"],
+        seed=sampling["seed"],
+    )

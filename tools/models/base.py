@@ -41,8 +41,9 @@ def scripted_options(spec: str, name: str) -> tuple[str, dict[str, str]]:
     for pair in query.split("&")[: len(SCRIPTED_OPTIONS) + 1] if query else []:
         key, _, value = pair.partition("=")
         if key not in SCRIPTED_OPTIONS or (key == "vision" and value not in ("0", "1")):
-            raise ModelSpecError(f"scripted model {spec!r}: unknown option {pair!r}; use ?delay=SECONDS and/or "
-                                 "&vision=0|1")
+            raise ModelSpecError(
+                f"scripted model {spec!r}: unknown option {pair!r}; use ?delay=SECONDS and/or &vision=0|1"
+            )
         options[key] = value
     return module_name, options
 
@@ -51,8 +52,10 @@ def scripted_options(spec: str, name: str) -> tuple[str, dict[str, str]]:
 
 
 OPENAI_VISION_ENV = "ERMEDRAG_OPENAI_VISION"
-VLM_CHOICES = ("hf:<a vision-language model's folder or hub id, e.g. Qwen/Qwen2-VL-2B-Instruct>, or openai:<model> on "
-               "a server whose model takes images")
+VLM_CHOICES = (
+    "hf:<a vision-language model's folder or hub id, e.g. Qwen/Qwen2-VL-2B-Instruct>, or openai:<model> on "
+    "a server whose model takes images"
+)
 IMAGE_FIX = f"use a vision-language model ({VLM_CHOICES}), or send the question without images"
 
 
@@ -81,8 +84,10 @@ def image_support_problem(spec: str, images: Sequence[str] = ()) -> str | None:
     if provider == "llamacpp":
         return "the llamacpp: backend takes text only"
     if provider == "vllm":
-        return ("the in-process vllm: backend takes text only (serve the model with `vllm serve` and use "
-                f"openai:{name} with --base-url)")
+        return (
+            "the in-process vllm: backend takes text only (serve the model with `vllm serve` and use "
+            f"openai:{name} with --base-url)"
+        )
     if provider == "openai":
         return None if openai_accepts_images() else f"it is declared text-only ({OPENAI_VISION_ENV}=0)"
     if provider == "scripted":
@@ -95,8 +100,10 @@ def image_support_problem(spec: str, images: Sequence[str] = ()) -> str | None:
         return "it is a text-only model (its config has no vision tower)"
     urls = [ref for ref in images if is_url(ref)]
     if urls:
-        return (f"the hf backend reads image files and data URIs, never URLs ({urls[0][:80]!r}): download the image "
-                "and give its path")
+        return (
+            f"the hf backend reads image files and data URIs, never URLs ({urls[0][:80]!r}): download the image "
+            "and give its path"
+        )
     return None
 
 
@@ -107,8 +114,11 @@ def require_image_support(spec: str, images: Sequence[str], who: str = "", setti
         return
     problem = image_support_problem(spec, images)
     if problem:
-        fix = (f"set {setting} to a vision-language model ({VLM_CHOICES}), or send the question without images"
-               if setting else IMAGE_FIX)
+        fix = (
+            f"set {setting} to a vision-language model ({VLM_CHOICES}), or send the question without images"
+            if setting
+            else IMAGE_FIX
+        )
         raise ImagesNotSupportedError(f"{who}model {spec} cannot see images: {problem}; {fix}")
 
 
@@ -132,5 +142,3 @@ def cut_at_stop(text: str, stop: list[str] | None) -> tuple[str, str | None]:
         return text, None
     index, matched = min(hits)
     return text[:index], matched
-
-

@@ -29,8 +29,15 @@ from ermedrag.tools import settings
 from ermedrag.tools.images import as_pil, images_in
 from ermedrag.tools.machine import checkpoint_dtype, inference_dtype
 from ermedrag.tools.models.base import continuation, cut_at_stop, hf_accepts_images, require_image_support
-from ermedrag.tools.models.hf_batching import (BatchingGenerator, GenerationParams, Generated, StepStatistics,
-                                               generation_kwargs, trimmed_completion)
+from ermedrag.tools.models.hf_batching import (
+    BatchingGenerator,
+    GenerationParams,
+    Generated,
+    StepStatistics,
+    generation_kwargs,
+    trimmed_completion,
+)
+
 
 def _model_label(model_path: str) -> str:
     """How the user named the model: `offline:NAME` for the packaged model's converted folder, else `hf:PATH`."""
@@ -121,8 +128,12 @@ def _prepare_loading(kind: str, model_path: str, device: str, stored_dtype: str 
     label = _model_label(model_path)
     where = f" ({model_path})" if label != f"hf:{model_path}" else ""
     threads_used = torch.get_num_threads()
-    print(f"loading {kind} {label}{where} on {device} ({str(dtype).removeprefix('torch.')}, "
-          f"{threads_used} torch thread{'s' if threads_used != 1 else ''}) …", file=sys.stderr, flush=True)
+    print(
+        f"loading {kind} {label}{where} on {device} ({str(dtype).removeprefix('torch.')}, "
+        f"{threads_used} torch thread{'s' if threads_used != 1 else ''}) …",
+        file=sys.stderr,
+        flush=True,
+    )
     return_large_blocks_to_the_os()
     return dtype
 
@@ -137,8 +148,13 @@ def _give_pad_token(tokenizer: Any) -> None:
 def hf_generator(model_path: str, device: str = "cpu") -> BatchingGenerator:
     """The one batching generator per loaded model; concurrent callers share its batches."""
     tokenizer, model = load_hf_model(model_path, device)
-    return BatchingGenerator(tokenizer, model, device, max_batch=settings.read("ERMEDRAG_HF_MAX_BATCH"),
-                             share_prefix=settings.read("ERMEDRAG_HF_SHARE_PREFIX"))
+    return BatchingGenerator(
+        tokenizer,
+        model,
+        device,
+        max_batch=settings.read("ERMEDRAG_HF_MAX_BATCH"),
+        share_prefix=settings.read("ERMEDRAG_HF_SHARE_PREFIX"),
+    )
 
 
 @shared_resource(maxsize=2)
@@ -170,8 +186,9 @@ class VisionGenerator:
         self.tokenizer = processor.tokenizer
         self._lock = threading.Lock()
 
-    def generate(self, conversation: list[dict[str, Any]], flags: dict[str, bool], params: GenerationParams
-                 ) -> tuple[Generated, dict[str, Any]]:
+    def generate(
+        self, conversation: list[dict[str, Any]], flags: dict[str, bool], params: GenerationParams
+    ) -> tuple[Generated, dict[str, Any]]:
         """The completion of `conversation` (processor chat-template format: content lists of text and image
         entries) and what the model was given (prompt tokens, image count, pixel_values shape, image tokens)."""
         import torch
@@ -179,8 +196,9 @@ class VisionGenerator:
         submitted = time.perf_counter()
         with self._lock:
             started = time.perf_counter()
-            inputs = self.processor.apply_chat_template(conversation, tokenize=True, return_dict=True,
-                                                        return_tensors="pt", **flags)
+            inputs = self.processor.apply_chat_template(
+                conversation, tokenize=True, return_dict=True, return_tensors="pt", **flags
+            )
             inputs = inputs.to(self.device, dtype=self.model.dtype)  # casts only the floating tensors (pixels)
             stats = StepStatistics()
             gen = generation_kwargs(params, stats, self.tokenizer, self.tokenizer.pad_token_id)
@@ -190,8 +208,9 @@ class VisionGenerator:
             new = sequences[:, width:]
             chosen, entropy = stats.finish(new)
             finished = time.perf_counter()
-        generated = trimmed_completion(new[0].tolist(), chosen[0], entropy[0], self.tokenizer,
-                                       self.model.generation_config.eos_token_id)
+        generated = trimmed_completion(
+            new[0].tolist(), chosen[0], entropy[0], self.tokenizer, self.model.generation_config.eos_token_id
+        )
         generated.queue_s, generated.compute_s = started - submitted, finished - started
         return generated, self._seen(inputs, conversation)
 
@@ -202,19 +221,27 @@ class VisionGenerator:
             image_token = getattr(self.model.config, "image_token_index", None)
         ids = inputs["input_ids"]
         pixels = inputs.get("pixel_values")
-        return {"prompt_tokens": int(ids.shape[1]),
-                "images": sum(1 for m in conversation for c in m["content"] if c["type"] == "image"),
-                "pixel_values_shape": list(pixels.shape) if pixels is not None else None,
-                "image_tokens": int((ids == image_token).sum()) if image_token is not None else None}
+        return {
+            "prompt_tokens": int(ids.shape[1]),
+            "images": sum(1 for m in conversation for c in m["content"] if c["type"] == "image"),
+            "pixel_values_shape": list(pixels.shape) if pixels is not None else None,
+            "image_tokens": int((ids == image_token).sum()) if image_token is not None else None,
+        }
 
 
 def _processor_conversation(messages: list[BaseMessage]) -> list[dict[str, Any]]:
     """Messages in a processor's chat-template format: each turn a list of image entries (as pixels: the
     reference read here) then its text."""
-    return [{"role": chat["role"],
-             "content": [*({"type": "image", "image": as_pil(ref)} for ref in message_images(message)),
-                         {"type": "text", "text": chat["content"]}]}
-            for message, chat in zip(messages, to_chat(messages))]
+    return [
+        {
+            "role": chat["role"],
+            "content": [
+                *({"type": "image", "image": as_pil(ref)} for ref in message_images(message)),
+                {"type": "text", "text": chat["content"]},
+            ],
+        }
+        for message, chat in zip(messages, to_chat(messages))
+    ]
 
 
 class HFChatModel(BaseChatModel):
@@ -252,7 +279,8 @@ class HFChatModel(BaseChatModel):
             return self._result(out, seen["prompt_tokens"], generator_v.tokenizer, stop, {"vision_inputs": seen})
         generator = self._text_generator()
         prompt_ids = generator.tokenizer.apply_chat_template(
-            to_chat(messages), tokenize=True, return_dict=False, **continuation(messages))
+            to_chat(messages), tokenize=True, return_dict=False, **continuation(messages)
+        )
         out = generator.generate(list(prompt_ids), params)
         return self._result(out, len(prompt_ids), generator.tokenizer, stop, {})
 
@@ -275,8 +303,9 @@ class HFChatModel(BaseChatModel):
         except Exception:  # noqa: BLE001 - see the docstring
             return False
 
-    def _result(self, out: Generated, n_prompt: int, tokenizer: Any, stop: list[str] | None,
-                extra: dict[str, Any]) -> ChatResult:
+    def _result(
+        self, out: Generated, n_prompt: int, tokenizer: Any, stop: list[str] | None, extra: dict[str, Any]
+    ) -> ChatResult:
         text, matched_stop = cut_at_stop(tokenizer.decode(out.token_ids, skip_special_tokens=True), stop)
         n_new = len(out.token_ids)
         metadata = {
@@ -293,5 +322,3 @@ class HFChatModel(BaseChatModel):
         usage = {"input_tokens": n_prompt, "output_tokens": n_new, "total_tokens": n_prompt + n_new}
         message = AIMessage(content=text, usage_metadata=usage, response_metadata=metadata)
         return ChatResult(generations=[ChatGeneration(message=message)])
-
-

@@ -60,8 +60,9 @@ class Request:
     future: Future = field(default_factory=Future)
 
 
-def apportion_compute(prefill_s: float, decode_s: float, prompt_tokens: Sequence[int],
-                      new_tokens: Sequence[int]) -> list[float]:
+def apportion_compute(
+    prefill_s: float, decode_s: float, prompt_tokens: Sequence[int], new_tokens: Sequence[int]
+) -> list[float]:
     """Each request's share of a batch's compute time; the shares add up to prefill_s + decode_s.
 
     The prompt pass is shared by prompt length and the decoding steps by generated tokens: a request that
@@ -118,7 +119,7 @@ class StepStatistics:
         steps = new_ids.shape[1]
         if self._current is not None and len(self.chosen) < steps:
             at = len(self.chosen)
-            self.chosen.append(self._current.gather(1, new_ids[:, at:at + 1]).squeeze(1))
+            self.chosen.append(self._current.gather(1, new_ids[:, at : at + 1]).squeeze(1))
         self._current = None
         if steps == 0 or not self.chosen:
             return [[] for _ in range(new_ids.shape[0])], [[] for _ in range(new_ids.shape[0])]
@@ -133,9 +134,13 @@ def generation_kwargs(params: Any, stats: StepStatistics, tokenizer: Any, pad_to
     import torch
     from transformers import LogitsProcessorList
 
-    gen: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
-                               logits_processor=LogitsProcessorList([stats]), return_dict_in_generate=False,
-                               pad_token_id=pad_token_id)
+    gen: dict[str, Any] = dict(
+        max_new_tokens=params.max_new_tokens,
+        do_sample=params.temperature > 0,
+        logits_processor=LogitsProcessorList([stats]),
+        return_dict_in_generate=False,
+        pad_token_id=pad_token_id,
+    )
     if params.temperature > 0:
         gen.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
     if params.stop:
@@ -174,8 +179,15 @@ def padded_rows(prompts: Sequence[Sequence[int]], shared: int, pad: int) -> tupl
 class BatchingGenerator:
     """Serialises access to one model; each `generate` call may share a batch with concurrent calls."""
 
-    def __init__(self, tokenizer: Any, model: Any, device: str, max_batch: int = 8, gather_s: float = 0.03,
-                 share_prefix: bool = True):
+    def __init__(
+        self,
+        tokenizer: Any,
+        model: Any,
+        device: str,
+        max_batch: int = 8,
+        gather_s: float = 0.03,
+        share_prefix: bool = True,
+    ):
         self.tokenizer, self.model, self.device = tokenizer, model, device
         self.max_batch, self.gather_s, self.share_prefix = max_batch, gather_s, share_prefix
         self._pending: list[Request] = []
@@ -235,25 +247,34 @@ class BatchingGenerator:
         with torch.inference_mode():
             if shared:  # one prompt pass for what every row starts with, its cache copied to every row
                 # Only the cache is wanted: logits_to_keep=1 spares a [prefix, vocabulary] product (262k for Gemma).
-                cache = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device),
-                                   use_cache=True, logits_to_keep=1).cache
+                cache = self.model(
+                    input_ids=torch.tensor([prompts[0][:shared]], device=self.device), use_cache=True, logits_to_keep=1
+                ).cache
                 cache.batch_repeat_interleave(len(batch))
                 gen["cache"] = cache
-            sequences = self.model.generate(input_ids=torch.tensor(rows_ids, device=self.device),
-                                            attention_mask=torch.tensor(rows_mask, device=self.device), **gen)
+            sequences = self.model.generate(
+                input_ids=torch.tensor(rows_ids, device=self.device),
+                attention_mask=torch.tensor(rows_mask, device=self.device),
+                **gen,
+            )
             new = sequences[:, width:]
             chosen, entropy = stats.finish(new)
         rows = [self._row(new[b].tolist(), chosen[b], entropy[b]) for b in range(len(batch))]
         return self._timed(batch, rows, started, stats.first_step_at)
 
-    def _timed(self, batch: list[Request], rows: list[Generated], started: float,
-               prefill_end: float | None) -> list[Generated]:
+    def _timed(
+        self, batch: list[Request], rows: list[Generated], started: float, prefill_end: float | None
+    ) -> list[Generated]:
         """The batch's rows with each request's queue wait and compute share (`apportion_compute`)."""
         finished = time.perf_counter()
         prefill_end = prefill_end or finished
         self.batch_sizes.append(len(batch))
-        shares = apportion_compute(prefill_end - started, finished - prefill_end,
-                                   [len(r.prompt_ids) for r in batch], [len(row.token_ids) for row in rows])
+        shares = apportion_compute(
+            prefill_end - started,
+            finished - prefill_end,
+            [len(r.prompt_ids) for r in batch],
+            [len(row.token_ids) for row in rows],
+        )
         for request, row, share in zip(batch, rows, shares):
             row.queue_s, row.compute_s, row.batch_size = started - request.submitted_at, share, len(batch)
         return rows
@@ -262,8 +283,9 @@ class BatchingGenerator:
         return trimmed_completion(ids, logprobs, entropies, self.tokenizer, self.model.generation_config.eos_token_id)
 
 
-def trimmed_completion(ids: list[int], logprobs: list[float], entropies: list[float], tokenizer: Any,
-                       eos_token_id: int | list[int] | None) -> Generated:
+def trimmed_completion(
+    ids: list[int], logprobs: list[float], entropies: list[float], tokenizer: Any, eos_token_id: int | list[int] | None
+) -> Generated:
     """One row of `generate`'s new tokens as a completion: up to and including its first end-of-sequence token,
     else without the padding a row that stopped early (stop string, budget) got from the longer rows of its
     batch; each kept token with its log-probability and the entropy of its step."""
@@ -276,7 +298,9 @@ def trimmed_completion(ids: list[int], logprobs: list[float], entropies: list[fl
             end -= 1
     return Generated(
         token_ids=ids[:end],
-        logprobs=[{"token": tokenizer.decode([t]), "logprob": lp, "entropy": h}
-                  for t, lp, h in zip(ids[:end], logprobs, entropies)],
+        logprobs=[
+            {"token": tokenizer.decode([t]), "logprob": lp, "entropy": h}
+            for t, lp, h in zip(ids[:end], logprobs, entropies)
+        ],
         hit_eos=hit_eos,
     )

@@ -43,8 +43,14 @@ import numpy as np
 from ermedrag.tools import settings
 from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.models.hf import HFChatModel
-from ermedrag.tools.models.hf_batching import (BatchingGenerator, GenerationParams, Generated, Request, shared_prefix_length,
-                                        trimmed_completion)
+from ermedrag.tools.models.hf_batching import (
+    BatchingGenerator,
+    GenerationParams,
+    Generated,
+    Request,
+    shared_prefix_length,
+    trimmed_completion,
+)
 
 THREADS_ENV = "ERMEDRAG_LLAMACPP_THREADS"
 CONTEXT_ENV = "ERMEDRAG_LLAMACPP_CTX"
@@ -52,8 +58,10 @@ DEFAULT_CONTEXT_TOKENS = settings.default(CONTEXT_ENV)  # shared by the sequence
 MAX_BATCH_ENV = "ERMEDRAG_LLAMACPP_MAX_BATCH"
 PREFILL_CHUNK = 256  # tokens per llama.cpp pass while reading prompts (its compute buffer grows with it)
 TOP_P_CANDIDATES = 2048  # nucleus sampling sorts only the likeliest tokens, unless they hold less than top_p
-INSTALL_HINT = ("make llamacpp (builds llama-cpp-python from source for this CPU: a C++ compiler and cmake; a plain "
-                "pip install 'ermedrag[llamacpp]' may build llama.cpp's AMX kernels, which crashed on AMX Xeons)")
+INSTALL_HINT = (
+    "make llamacpp (builds llama-cpp-python from source for this CPU: a C++ compiler and cmake; a plain "
+    "pip install 'ermedrag[llamacpp]' may build llama.cpp's AMX kernels, which crashed on AMX Xeons)"
+)
 
 
 class ContextTooSmallError(ValueError):
@@ -81,8 +89,11 @@ def choose_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.r
     probabilities /= probabilities.sum()
     if top_p >= 1.0:
         return int(rng.choice(probabilities.size, p=probabilities))
-    order = np.argpartition(-probabilities, TOP_P_CANDIDATES)[:TOP_P_CANDIDATES] \
-        if probabilities.size > TOP_P_CANDIDATES else np.arange(probabilities.size)
+    order = (
+        np.argpartition(-probabilities, TOP_P_CANDIDATES)[:TOP_P_CANDIDATES]
+        if probabilities.size > TOP_P_CANDIDATES
+        else np.arange(probabilities.size)
+    )
     if probabilities[order].sum() < top_p:  # a flat distribution: the nucleus reaches past the candidates
         order = np.arange(probabilities.size)
     order = order[np.argsort(-probabilities[order], kind="stable")]
@@ -121,8 +132,10 @@ class LlamaCppEngine:
             raise ValueError(f"llama.cpp could not load {gguf} (not a GGUF model it supports?)")
         if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
             llama_cpp.llama_model_free(model)
-            raise ValueError(f"{gguf} is a recurrent or hybrid model: the llamacpp: backend runs attention models only "
-                             "(serve it with llama.cpp's server and use openai: instead)")
+            raise ValueError(
+                f"{gguf} is a recurrent or hybrid model: the llamacpp: backend runs attention models only "
+                "(serve it with llama.cpp's server and use openai: instead)"
+            )
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_seq_max = context_tokens, max_batch
         params.n_batch = params.n_ubatch = PREFILL_CHUNK
@@ -150,19 +163,23 @@ class LlamaCppEngine:
         if logits and len(entries) > PREFILL_CHUNK:
             raise ValueError(f"logits for {len(entries)} entries at once: at most {PREFILL_CHUNK}")
         for start in range(0, len(entries), PREFILL_CHUNK):
-            chunk = entries[start:start + PREFILL_CHUNK]
+            chunk = entries[start : start + PREFILL_CHUNK]
             for i, (token, position, sequence) in enumerate(chunk):
                 self.batch.token[i], self.batch.pos[i] = token, position
                 self.batch.n_seq_id[i], self.batch.seq_id[i][0], self.batch.logits[i] = 1, sequence, logits
             self.batch.n_tokens = len(chunk)
             status = llama_cpp.llama_decode(self.context, self.batch)
             if status != 0:
-                raise RuntimeError(f"llama.cpp could not evaluate {len(chunk)} tokens (llama_decode returned {status}"
-                                   f"{': the KV cache is full' if status == 1 else ''})")
+                raise RuntimeError(
+                    f"llama.cpp could not evaluate {len(chunk)} tokens (llama_decode returned {status}"
+                    f"{': the KV cache is full' if status == 1 else ''})"
+                )
         if not logits:
             return []
-        return [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.context, i), shape=(self.n_vocab,))
-                for i in range(len(entries))]
+        return [
+            np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.context, i), shape=(self.n_vocab,))
+            for i in range(len(entries))
+        ]
 
     def keep(self, sequence: int, length: int) -> bool:
         """Drop `sequence`'s cache past its first `length` positions (all of it with 0); False if llama.cpp could
@@ -205,7 +222,8 @@ class LlamaCppGenerator(BatchingGenerator):
             if len(prompt) + params.max_new_tokens > self.engine.context_tokens:
                 raise ContextTooSmallError(
                     f"prompt of {len(prompt)} tokens + {params.max_new_tokens} new tokens exceeds the llama.cpp "
-                    f"context of {self.engine.context_tokens} tokens: set {CONTEXT_ENV} higher, or shorten the prompt")
+                    f"context of {self.engine.context_tokens} tokens: set {CONTEXT_ENV} higher, or shorten the prompt"
+                )
         return super().generate_many(prompts, params)
 
     def _generate_batch(self, batch: list[Request]) -> list[Generated]:
@@ -234,8 +252,9 @@ class LlamaCppGenerator(BatchingGenerator):
             used += need
         return groups
 
-    def _decode(self, prompts: list[list[int]], params: GenerationParams
-                ) -> tuple[list[tuple[list[int], list[float], list[float]]], float]:
+    def _decode(
+        self, prompts: list[list[int]], params: GenerationParams
+    ) -> tuple[list[tuple[list[int], list[float], list[float]]], float]:
         """Each prompt's new tokens with their log-probabilities and entropies, and when the prompts were read.
 
         Sequence 0 keeps what it shares with the previous batch's first prompt; the prefix every prompt shares is
@@ -255,8 +274,13 @@ class LlamaCppGenerator(BatchingGenerator):
         engine.evaluate([(prompts[0][position], position, 0) for position in range(kept, shared)])
         for sequence in range(1, len(prompts)):
             engine.share(0, sequence)
-        engine.evaluate([(prompt[position], position, sequence) for sequence, prompt in enumerate(prompts)
-                         for position in range(shared, len(prompt) - 1)])
+        engine.evaluate(
+            [
+                (prompt[position], position, sequence)
+                for sequence, prompt in enumerate(prompts)
+                for position in range(shared, len(prompt) - 1)
+            ]
+        )
         self._cached = prompts[0][:-1]
         rng = np.random.default_rng(params.seed)
         longest_stop = max((len(s.encode()) for s in params.stop), default=0)  # bytes: a token holds at least one
@@ -274,8 +298,11 @@ class LlamaCppGenerator(BatchingGenerator):
                 ids.append(token)
                 logprobs.append(float(logits[token]) - log_normaliser)
                 entropies.append(entropy)
-                done = (token in self.eos_ids or len(ids) >= params.max_new_tokens
-                        or self._stopped(ids, params.stop, longest_stop))
+                done = (
+                    token in self.eos_ids
+                    or len(ids) >= params.max_new_tokens
+                    or self._stopped(ids, params.stop, longest_stop)
+                )
                 if not done:
                     next_steps.append((token, position + 1, sequence))
             if steps[0][2] == 0:  # sequence 0 took its step: its cache holds that token
@@ -289,7 +316,7 @@ class LlamaCppGenerator(BatchingGenerator):
         at its first stop string afterwards."""
         if not stop:
             return False
-        tail = self.tokenizer.decode(ids[-(longest_stop + 4):], skip_special_tokens=True)
+        tail = self.tokenizer.decode(ids[-(longest_stop + 4) :], skip_special_tokens=True)
         return any(s and s in tail for s in stop)
 
 
@@ -321,8 +348,12 @@ def llamacpp_generator(name: str) -> LlamaCppGenerator:
     threads = cpu_threads()
     context = settings.read(CONTEXT_ENV)
     max_batch = settings.read(MAX_BATCH_ENV)
-    print(f"loading model llamacpp:{name} ({gguf}) on cpu ({threads} llama.cpp threads, context {context}, "
-          f"batches of {max_batch}) …", file=sys.stderr, flush=True)
+    print(
+        f"loading model llamacpp:{name} ({gguf}) on cpu ({threads} llama.cpp threads, context {context}, "
+        f"batches of {max_batch}) …",
+        file=sys.stderr,
+        flush=True,
+    )
     engine = LlamaCppEngine(gguf, threads, context, max_batch)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **tokenizer_kwargs)
     return LlamaCppGenerator(engine, tokenizer, end_of_generation_ids(engine, tokenizer_source, tokenizer_kwargs))

@@ -16,6 +16,7 @@ from pydantic import ConfigDict, PrivateAttr
 from ermedrag.tools.images import ImagesNotSupportedError, images_in
 from ermedrag.tools.models.base import IMAGE_FIX, cut_at_stop
 
+
 class ScriptedChatModel(BaseChatModel):
     """Replies with `reply(messages)` after `delay_s`. For graph-wiring tests only, never for results."""
 
@@ -33,17 +34,25 @@ class ScriptedChatModel(BaseChatModel):
 
     def _result(self, messages: list[BaseMessage], stop: list[str] | None) -> ChatResult:
         if images_in(messages) and not self.accepts_images:
-            raise ImagesNotSupportedError(f"model {self.spec} cannot see images: it is a scripted model that does "
-                                          f"not declare vision (add ?vision=1); {IMAGE_FIX}")
+            raise ImagesNotSupportedError(
+                f"model {self.spec} cannot see images: it is a scripted model that does "
+                f"not declare vision (add ?vision=1); {IMAGE_FIX}"
+            )
         with self._lock:
             self.calls += 1
         text, matched = cut_at_stop(self.reply(messages), stop)
         prompt_words = sum(len(m.text.split()) for m in messages)
-        usage = {"input_tokens": prompt_words, "output_tokens": len(text.split()),
-                 "total_tokens": prompt_words + len(text.split())}
+        usage = {
+            "input_tokens": prompt_words,
+            "output_tokens": len(text.split()),
+            "total_tokens": prompt_words + len(text.split()),
+        }
         metadata = {"model_name": self.spec, "finish_reason": "stop", "stop_sequence": matched}
-        return ChatResult(generations=[ChatGeneration(message=AIMessage(content=text, usage_metadata=usage,
-                                                                        response_metadata=metadata))])
+        return ChatResult(
+            generations=[
+                ChatGeneration(message=AIMessage(content=text, usage_metadata=usage, response_metadata=metadata))
+            ]
+        )
 
     def _generate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
         time.sleep(self.delay_s)

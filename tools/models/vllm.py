@@ -14,6 +14,7 @@ from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.images import images_in
 from ermedrag.tools.models.base import continuation, require_image_support
 
+
 class VLLMChatModel(BaseChatModel):
     """In-process vLLM (GPU). The engine is built once per model path and shared."""
 
@@ -42,8 +43,9 @@ class VLLMChatModel(BaseChatModel):
             stop=list(stop) if stop else None,
             logprobs=0,
         )
-        output = _vllm_engine(self.model_path).chat(to_chat(messages), params, use_tqdm=False,
-                                                    **continuation(messages))[0]
+        output = _vllm_engine(self.model_path).chat(
+            to_chat(messages), params, use_tqdm=False, **continuation(messages)
+        )[0]
         choice = output.outputs[0]
         usage = {
             "input_tokens": len(output.prompt_token_ids),
@@ -69,5 +71,3 @@ def _vllm_engine(model_path: str) -> Any:
     from vllm import LLM
 
     return LLM(model=model_path)
-
-

@@ -163,8 +163,10 @@ def _open_failure(path: Path, err: BaseException) -> TraceStoreError:
         advice = "check that the file and its folder are writable and not locked, or"
     else:  # DatabaseError: "file is not a database"
         advice = "it is not a trace store (SQLite); move it away or"
-    return TraceStoreError(f"cannot open the trace store {path} ({cause}); {advice} point ERMEDRAG_TRACE_DB "
-                           "(or --trace-db / trace_db) at another file")
+    return TraceStoreError(
+        f"cannot open the trace store {path} ({cause}); {advice} point ERMEDRAG_TRACE_DB "
+        "(or --trace-db / trace_db) at another file"
+    )
 
 
 class TraceStore:
@@ -192,8 +194,17 @@ class TraceStore:
         db.executescript(SCHEMA)
         # Stores written by older versions: events before they kept their inputs or split queue from compute
         # time (old rows read None there), runs before they could fail.
-        _add_missing_columns(db, "events", (("inputs", "TEXT"), ("queue_s", "REAL"), ("compute_s", "REAL"),
-                                           ("finish_reason", "TEXT"), ("stop_sequence", "TEXT")))
+        _add_missing_columns(
+            db,
+            "events",
+            (
+                ("inputs", "TEXT"),
+                ("queue_s", "REAL"),
+                ("compute_s", "REAL"),
+                ("finish_reason", "TEXT"),
+                ("stop_sequence", "TEXT"),
+            ),
+        )
         _add_missing_columns(db, "runs", (("error", "TEXT"), ("failed_at", "REAL")))
 
     def _connect(self) -> sqlite3.Connection:
@@ -242,17 +253,20 @@ class TraceStore:
         db.execute("BEGIN IMMEDIATE")  # seq = rows so far: count and insert in one transaction
         try:
             (row["seq"],) = db.execute(f"SELECT COUNT(*) FROM {table} WHERE run_id = ?", (row["run_id"],)).fetchone()
-            db.execute(f"INSERT INTO {table} ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
-                       tuple(row.values()))
+            db.execute(
+                f"INSERT INTO {table} ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", tuple(row.values())
+            )
         except BaseException:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
 
     def runs(self, limit: int | None = None) -> list[dict[str, Any]]:
-        query = ("SELECT r.*, (SELECT COUNT(*) FROM events e WHERE e.run_id = r.run_id) AS n_events, "
-                 "(SELECT COUNT(*) FROM retrievals t WHERE t.run_id = r.run_id) AS n_retrievals "
-                 "FROM runs r ORDER BY created_at DESC")
+        query = (
+            "SELECT r.*, (SELECT COUNT(*) FROM events e WHERE e.run_id = r.run_id) AS n_events, "
+            "(SELECT COUNT(*) FROM retrievals t WHERE t.run_id = r.run_id) AS n_retrievals "
+            "FROM runs r ORDER BY created_at DESC"
+        )
         db = self._connect()
         rows = db.execute(query + (" LIMIT ?" if limit else ""), (limit,) if limit else ()).fetchall()
         return [_with_status(_decode(row)) for row in rows]

@@ -43,8 +43,9 @@ def bm25_tokenize(texts: Sequence[str], as_strings: bool = False) -> Any:
     """English stop words removed, Snowball-stemmed; ids+vocab for indexing, or token strings."""
     import bm25s
 
-    return bm25s.tokenize(list(texts), stopwords="en", stemmer=snowball_stemmer(), show_progress=False,
-                          return_ids=not as_strings)
+    return bm25s.tokenize(
+        list(texts), stopwords="en", stemmer=snowball_stemmer(), show_progress=False, return_ids=not as_strings
+    )
 
 
 def bm25_text(title: str, text: str) -> str:
@@ -76,8 +77,9 @@ def write_segment(folder: Path, ids: Sequence[str], texts: Sequence[str]) -> Non
     term_of = np.fromiter(chain.from_iterable(tokenized.ids), dtype=np.int32, count=int(lengths.sum()))
     chunk_of = np.repeat(np.arange(len(ids), dtype=np.int32), lengths)
     del tokenized
-    _write_postings(folder, ids, vocabulary, term_of, chunk_of, np.ones(len(term_of), dtype=np.float32),
-                    lengths.astype(np.float32))
+    _write_postings(
+        folder, ids, vocabulary, term_of, chunk_of, np.ones(len(term_of), dtype=np.float32), lengths.astype(np.float32)
+    )
 
 
 def merge_segments(folder: Path, segments: Sequence[Segment]) -> None:
@@ -87,18 +89,33 @@ def merge_segments(folder: Path, segments: Sequence[Segment]) -> None:
     offset = 0
     for segment in segments:
         local_terms = sorted(segment.terms, key=segment.terms.get)
-        mapping = np.fromiter((vocabulary.setdefault(t, len(vocabulary)) for t in local_terms), dtype=np.int32,
-                              count=len(local_terms))
+        mapping = np.fromiter(
+            (vocabulary.setdefault(t, len(vocabulary)) for t in local_terms), dtype=np.int32, count=len(local_terms)
+        )
         term_of.append(np.repeat(mapping, np.diff(np.asarray(segment.indptr))))
         chunk_of.append(np.asarray(segment.chunks, dtype=np.int32) + np.int32(offset))
         tf.append(np.asarray(segment.tf))
         offset += segment.size
-    _write_postings(folder, [cid for s in segments for cid in s.ids], list(vocabulary), np.concatenate(term_of),
-                    np.concatenate(chunk_of), np.concatenate(tf), np.concatenate([s.lengths for s in segments]))
+    _write_postings(
+        folder,
+        [cid for s in segments for cid in s.ids],
+        list(vocabulary),
+        np.concatenate(term_of),
+        np.concatenate(chunk_of),
+        np.concatenate(tf),
+        np.concatenate([s.lengths for s in segments]),
+    )
 
 
-def _write_postings(folder: Path, ids: Sequence[str], vocabulary: list[str], term_of: np.ndarray,
-                    chunk_of: np.ndarray, counts: np.ndarray, lengths: np.ndarray) -> None:
+def _write_postings(
+    folder: Path,
+    ids: Sequence[str],
+    vocabulary: list[str],
+    term_of: np.ndarray,
+    chunk_of: np.ndarray,
+    counts: np.ndarray,
+    lengths: np.ndarray,
+) -> None:
     """Postings by term from one (term, chunk, count) triple per occurrence, chunks ascending: a stable sort by
     term keeps each term's chunks in order, and equal neighbours (same term, same chunk) add up."""
     order = np.argsort(term_of, kind="stable")
@@ -126,8 +143,14 @@ def load_segment(folder: Path) -> Segment:
     """Open a segment; FileNotFoundError when a file is missing (a build removed it meanwhile)."""
     terms = json.loads((folder / "terms.json").read_text())
     arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
-    return Segment(ids=segment_ids(folder), terms={t: i for i, t in enumerate(terms)}, indptr=arrays["indptr"],
-                   chunks=arrays["chunks"], tf=arrays["tf"], lengths=np.array(arrays["lengths"]))
+    return Segment(
+        ids=segment_ids(folder),
+        terms={t: i for i, t in enumerate(terms)},
+        indptr=arrays["indptr"],
+        chunks=arrays["chunks"],
+        tf=arrays["tf"],
+        lengths=np.array(arrays["lengths"]),
+    )
 
 
 def segments_to_merge(sizes: Sequence[int]) -> int:
@@ -153,7 +176,7 @@ class SegmentedBM25:
         # Each chunk's length normalisation k1(1 - b + b·len/avglen), once per opening, as a view per segment. It
         # stays float64, like bm25s's, so that every score rounds to the same float32 as one bm25s index.
         norms = k1 * ((1 - b) + b * lengths.astype(np.float64) / mean_length)
-        self.norms = [norms[start:start + s.size] for start, s in zip(self.offsets, self.segments)]
+        self.norms = [norms[start : start + s.size] for start, s in zip(self.offsets, self.segments)]
 
     def __contains__(self, term: str) -> bool:
         return any(term in s.terms for s in self.segments)
@@ -162,8 +185,11 @@ class SegmentedBM25:
         """Σ w_t · BM25(t, chunk) for every chunk in commit order, read from each term's postings only."""
         scores = np.zeros(self.num_chunks, dtype=np.float32)
         for term, weight in term_weights.items():
-            spans = [(i, int(s.indptr[t]), int(s.indptr[t + 1]))
-                     for i, s in enumerate(self.segments) if (t := s.terms.get(term)) is not None]
+            spans = [
+                (i, int(s.indptr[t]), int(s.indptr[t + 1]))
+                for i, s in enumerate(self.segments)
+                if (t := s.terms.get(term)) is not None
+            ]
             df = sum(end - start for _, start, end in spans)
             if not df:
                 continue
@@ -173,7 +199,7 @@ class SegmentedBM25:
                 segment, offset = self.segments[i], self.offsets[i]
                 chunks, tf = segment.chunks[start:end], segment.tf[start:end].astype(np.float64)
                 posting_scores = (idf * (tf / (self.norms[i][chunks] + tf))).astype(np.float32)
-                view = scores[offset:offset + segment.size]
+                view = scores[offset : offset + segment.size]
                 view[chunks] += np.float32(weight) * posting_scores  # a chunk appears once per term
         return scores
 

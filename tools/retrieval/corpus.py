@@ -88,14 +88,14 @@ class Corpus:
         return "; ".join(parts)
 
 
-def read_documents(paths: Iterable[str | Path], on_duplicate_id: str = "rename",
-                   encoding: str | None = None) -> list[Document]:
+def read_documents(
+    paths: Iterable[str | Path], on_duplicate_id: str = "rename", encoding: str | None = None
+) -> list[Document]:
     """The documents of `read_corpus` (for callers that do not report what was renamed or left out)."""
     return read_corpus(paths, on_duplicate_id, encoding).documents
 
 
-def read_corpus(paths: Iterable[str | Path], on_duplicate_id: str = "rename",
-                encoding: str | None = None) -> Corpus:
+def read_corpus(paths: Iterable[str | Path], on_duplicate_id: str = "rename", encoding: str | None = None) -> Corpus:
     """All documents of all `paths`, validated; raises CorpusError on the first bad record or file.
 
     Real corpora reuse ids for different passages (MedQuAD does, 4k times): by default a repeated id with
@@ -118,8 +118,9 @@ def read_corpus(paths: Iterable[str | Path], on_duplicate_id: str = "rename",
                 documents.append(kept)
         if not read:
             raise CorpusError(f"{path}: no documents in it")
-    return Corpus(documents, ids.renamed, ids.dropped, counts["empty_files"], counts["ignored_files"],
-                  tuple(ids.examples))
+    return Corpus(
+        documents, ids.renamed, ids.dropped, counts["empty_files"], counts["ignored_files"], tuple(ids.examples)
+    )
 
 
 class _IdAssigner:
@@ -236,21 +237,28 @@ def _undecodable(file: Path, data: bytes, encoding: str, err: UnicodeDecodeError
     sample = data[:BINARY_SAMPLE].decode("latin-1")  # any bytes: C0 and C1 control bytes show as controls
     controls = len(CONTROL_CHARS.findall(sample))
     if controls > MAX_CONTROL_SHARE * len(sample):
-        return (f"{file}: looks like a binary file, not text ({controls / len(sample):.0%} control bytes); only "
-                "text files are indexed")
-    return (f"{file}: not valid {_encoding_hint(encoding)} (byte 0x{data[err.start]:02x} at offset {err.start}); "
-            "if you know its encoding, pass it: --encoding latin-1 (encoding='latin-1'), cp1252, ...")
+        return (
+            f"{file}: looks like a binary file, not text ({controls / len(sample):.0%} control bytes); only "
+            "text files are indexed"
+        )
+    return (
+        f"{file}: not valid {_encoding_hint(encoding)} (byte 0x{data[err.start]:02x} at offset {err.start}); "
+        "if you know its encoding, pass it: --encoding latin-1 (encoding='latin-1'), cp1252, ..."
+    )
 
 
 def _refuse_binary(file: Path, text: str) -> None:
     nul = text.find("\x00")
     if nul >= 0:
-        raise CorpusError(f"{file}: looks like a binary file, not text (NUL character at offset {nul}); "
-                          "only text files are indexed")
+        raise CorpusError(
+            f"{file}: looks like a binary file, not text (NUL character at offset {nul}); only text files are indexed"
+        )
     controls = len(CONTROL_CHARS.findall(text)) if text else 0
     if controls > MAX_CONTROL_SHARE * len(text):
-        raise CorpusError(f"{file}: looks like a binary file, not text ({controls / len(text):.0%} control "
-                          "characters); only text files are indexed")
+        raise CorpusError(
+            f"{file}: looks like a binary file, not text ({controls / len(text):.0%} control "
+            "characters); only text files are indexed"
+        )
 
 
 def _read_jsonl(file: Path, encoding: str) -> Iterator[Document]:
@@ -281,8 +289,10 @@ def _decoded_lines(file: Path, encoding: str) -> Iterator[tuple[int, str]]:
                 line_no = 0
     except UnicodeDecodeError as err:
         where = line_no if ascii_newlines else line_no + 1
-        raise CorpusError(f"{file}:{where}: not valid {_encoding_hint(encoding)} ({err.reason}); if you know its "
-                          "encoding, pass it: --encoding latin-1 (encoding='latin-1'), cp1252, ...") from None
+        raise CorpusError(
+            f"{file}:{where}: not valid {_encoding_hint(encoding)} ({err.reason}); if you know its "
+            "encoding, pass it: --encoding latin-1 (encoding='latin-1'), cp1252, ..."
+        ) from None
 
 
 def _json_line(line: str, file: Path, line_no: int) -> dict[str, Any]:
@@ -302,10 +312,19 @@ def _record_to_document(record: dict[str, Any], where: str) -> Document:
     doc_id = record.get("id", record.get("_id"))
     if doc_id is None or str(doc_id).strip() == "":
         raise CorpusError(f"{where}: missing 'id'")
-    meta = {k: v for k, v in record.items() if k not in ("id", "_id", "text", "contents", "title", "source")
-            and isinstance(v, (str, int, float, bool))}
-    return Document(id=str(doc_id), text=text, title=str(record.get("title") or ""),
-                    source=str(record.get("source") or where.rsplit(":", 1)[0]), meta=meta, origin=where)
+    meta = {
+        k: v
+        for k, v in record.items()
+        if k not in ("id", "_id", "text", "contents", "title", "source") and isinstance(v, (str, int, float, bool))
+    }
+    return Document(
+        id=str(doc_id),
+        text=text,
+        title=str(record.get("title") or ""),
+        source=str(record.get("source") or where.rsplit(":", 1)[0]),
+        meta=meta,
+        origin=where,
+    )
 
 
 def _read_hf_dataset(name: str) -> Iterator[Document]:
@@ -341,8 +360,15 @@ def iter_chunks(documents: Iterable[Document], chunk_size: int = 256, chunk_over
             start = _locate(doc, piece, previous_start, previous_end)
             end = start + len(piece)
             previous_start, previous_end = start, end
-            yield Chunk(id=f"{doc.id}#{start}-{end}", doc_id=doc.id, text=piece, title=doc.title,
-                        source=doc.source, start=start, end=end)
+            yield Chunk(
+                id=f"{doc.id}#{start}-{end}",
+                doc_id=doc.id,
+                text=piece,
+                title=doc.title,
+                source=doc.source,
+                start=start,
+                end=end,
+            )
 
 
 def sections(text: str, limit: int = SPLIT_PIECE_CHARS) -> Iterator[str]:
@@ -352,8 +378,14 @@ def sections(text: str, limit: int = SPLIT_PIECE_CHARS) -> Iterator[str]:
     start = 0
     while len(text) - start > limit:
         low, high = start + limit // 2, start + limit
-        cut = next((found + len(separator) for separator in ("\n\n", "\n", " ")
-                    if (found := text.rfind(separator, low, high - len(separator) + 1)) >= 0), high)
+        cut = next(
+            (
+                found + len(separator)
+                for separator in ("\n\n", "\n", " ")
+                if (found := text.rfind(separator, low, high - len(separator) + 1)) >= 0
+            ),
+            high,
+        )
         yield text[start:cut]
         start = cut
     yield text[start:]
@@ -372,8 +404,10 @@ def _locate(doc: Document, piece: str, previous_start: int, previous_end: int) -
     if start < 0:
         start = doc.text.find(piece, previous_start + 1)
     if start < 0:
-        raise CorpusError(f"{doc.origin or doc.id}: the chunker returned text that is not in the document "
-                          f"(after offset {previous_start}); please report this")
+        raise CorpusError(
+            f"{doc.origin or doc.id}: the chunker returned text that is not in the document "
+            f"(after offset {previous_start}); please report this"
+        )
     return start
 
 

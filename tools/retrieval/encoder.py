@@ -44,8 +44,9 @@ def encode(texts: Sequence[str], encoder: str = DEFAULT_ENCODER, batch_size: int
     model = load_encoder(encoder)
     if not len(texts):
         return np.zeros((0, model.get_sentence_embedding_dimension() or 0), dtype=np.float32)
-    vectors = model.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
-                           show_progress_bar=False).astype(np.float32)
+    vectors = model.encode(list(texts), batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False).astype(
+        np.float32
+    )
     # Normalised in float32: a bfloat16 encoder's own normalisation leaves norms off by up to 0.2%.
     return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
@@ -89,7 +90,7 @@ def token_windows(tokenizer: Any, text: str, max_tokens: int) -> list[str]:
     count = math.ceil((len(offsets) - QUERY_WINDOW_OVERLAP) / (max_tokens - QUERY_WINDOW_OVERLAP))
     size = math.ceil((len(offsets) + (count - 1) * QUERY_WINDOW_OVERLAP) / count)
     starts = [round(i * (len(offsets) - size) / (count - 1)) for i in range(count)]
-    return [text[offsets[start][0]:offsets[start + size - 1][1]] for start in starts]
+    return [text[offsets[start][0] : offsets[start + size - 1][1]] for start in starts]
 
 
 @register_embedding_function

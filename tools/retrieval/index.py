@@ -45,15 +45,28 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ermedrag.tools.retrieval.bm25 import (SegmentedBM25, SingleBM25s, bm25_text)
+from ermedrag.tools.retrieval.bm25 import SegmentedBM25, SingleBM25s, bm25_text
 from ermedrag.tools.retrieval.corpus import Chunk, CorpusError, Document, chunk_documents
 from ermedrag.tools.cache import shared_resource
-from ermedrag.tools.retrieval.encoder import (DEFAULT_ENCODER, SentenceTransformerEmbedding, encode,  # noqa: F401
-                                              encode_queries, load_encoder)
-from ermedrag.tools.retrieval.index_files import (ADD_BATCH, BM25_PARAMS, COLLECTION, PAGE, PAUSE_ENV,  # noqa: F401
-                                                  IndexUnavailable, bm25_texts, chunk_texts, commit_bm25,
-                                                  committed_ids, pause_point, read_committed,
-                                                  read_manifest, remove_leftovers, writer_lock)
+from ermedrag.tools.retrieval.encoder import (
+    DEFAULT_ENCODER,
+    SentenceTransformerEmbedding,
+    encode,
+)
+from ermedrag.tools.retrieval.index_files import (
+    ADD_BATCH,
+    COLLECTION,
+    PAGE,
+    IndexUnavailable,
+    bm25_texts,
+    commit_bm25,
+    committed_ids,
+    pause_point,
+    read_committed,
+    read_manifest,
+    remove_leftovers,
+    writer_lock,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +107,15 @@ class Index:
 
 
 def _chunk(chunk_id: str, text: str, meta: dict[str, Any]) -> Chunk:
-    return Chunk(id=chunk_id, doc_id=str(meta["doc_id"]), text=text, title=str(meta.get("title", "")),
-                 source=str(meta.get("source", "")), start=int(meta["start"]), end=int(meta["end"]))
+    return Chunk(
+        id=chunk_id,
+        doc_id=str(meta["doc_id"]),
+        text=text,
+        title=str(meta.get("title", "")),
+        source=str(meta.get("source", "")),
+        start=int(meta["start"]),
+        end=int(meta["end"]),
+    )
 
 
 def _client(directory: Path, chroma_url: str | None) -> Any:
@@ -108,9 +128,11 @@ def _client(directory: Path, chroma_url: str | None) -> Any:
         try:  # the client asks the server who we are at once: a server that is not there fails here
             return chromadb.HttpClient(host=host, port=port, ssl=ssl, settings=settings)
         except Exception as err:  # chromadb turns httpx's ConnectError into a ValueError without the URL
-            raise IndexUnavailable(f"cannot reach the Chroma server at {chroma_url} ({type(err).__name__}: {err}); "
-                                   f"start it, or point --chroma-url / ERMEDRAG_CHROMA_URL at a running one "
-                                   f"(leave it empty to use the embedded store in {directory})") from err
+            raise IndexUnavailable(
+                f"cannot reach the Chroma server at {chroma_url} ({type(err).__name__}: {err}); "
+                f"start it, or point --chroma-url / ERMEDRAG_CHROMA_URL at a running one "
+                f"(leave it empty to use the embedded store in {directory})"
+            ) from err
     return chromadb.PersistentClient(path=str(directory / "chroma"), settings=settings)
 
 
@@ -122,8 +144,9 @@ def _chroma_address(chroma_url: str) -> tuple[str, int, bool]:
     except ValueError:  # a port that is not a number in 0-65535
         port = -1
     if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
-        raise IndexUnavailable(f"Chroma server URL {chroma_url!r} is not http(s)://host[:port]; "
-                               "fix --chroma-url / ERMEDRAG_CHROMA_URL")
+        raise IndexUnavailable(
+            f"Chroma server URL {chroma_url!r} is not http(s)://host[:port]; fix --chroma-url / ERMEDRAG_CHROMA_URL"
+        )
     ssl = parts.scheme == "https"
     return parts.hostname, port or (443 if ssl else 8000), ssl
 
@@ -140,10 +163,13 @@ def open_index(directory: str | os.PathLike[str], chroma_url: str | None = None)
 
     try:
         collection = _client(directory, chroma_url).get_collection(
-            COLLECTION, embedding_function=SentenceTransformerEmbedding(manifest["encoder"]))
+            COLLECTION, embedding_function=SentenceTransformerEmbedding(manifest["encoder"])
+        )
     except NotFoundError as err:
-        raise IndexUnavailable(f"{directory}: manifest.json is there but its Chroma collection is missing; "
-                               f"rebuild it with `ermedrag index PATH --index-dir {directory}`") from err
+        raise IndexUnavailable(
+            f"{directory}: manifest.json is there but its Chroma collection is missing; "
+            f"rebuild it with `ermedrag index PATH --index-dir {directory}`"
+        ) from err
     if committed is not None and collection.count() != len(committed):
         _repair_on_open(directory, collection, manifest, committed)
     return Index(directory, manifest["encoder"], collection, bm25, committed or [])
@@ -153,16 +179,19 @@ def _repair_on_open(directory: Path, collection: Any, manifest: dict[str, Any], 
     """Delete uncommitted chunks (an interrupted build's) unless a build is running; refuse lost ones."""
     with writer_lock(directory, wait=False) as held:
         if not held or read_manifest(directory) != manifest:  # a build is running, or committed since we read
-            log.info("%s: a build is adding chunks to the vector store; this reader uses the last commit",
-                     directory)
+            log.info("%s: a build is adding chunks to the vector store; this reader uses the last commit", directory)
             return
         state = _reconcile(collection, committed, wanted={})
         if state.missing:
             raise IndexUnavailable(_missing_message(directory, state, len(committed)))
         if state.removed:
-            log.warning("%s: removed %d chunks an interrupted build had added to the vector store without "
-                        "committing them; the index is its last committed state (%d chunks)",
-                        directory, state.removed, len(committed))
+            log.warning(
+                "%s: removed %d chunks an interrupted build had added to the vector store without "
+                "committing them; the index is its last committed state (%d chunks)",
+                directory,
+                state.removed,
+                len(committed),
+            )
 
 
 @shared_resource(maxsize=4)
@@ -190,7 +219,7 @@ def _reconcile(collection: Any, committed: list[str], wanted: dict[str, str]) ->
     changed = _changed_texts(collection, [cid for cid in extra if cid in wanted], wanted)
     stale = [cid for cid in extra if cid not in wanted or cid in changed]
     for start in range(0, len(stale), PAGE):
-        collection.delete(ids=stale[start:start + PAGE])
+        collection.delete(ids=stale[start : start + PAGE])
         pause_point("repairing")
     stored_set = set(stored)
     missing = [cid for cid in committed if cid not in stored_set]
@@ -202,7 +231,7 @@ def _changed_texts(collection: Any, ids: list[str], wanted: dict[str, str]) -> s
     document changed since)."""
     changed: set[str] = set()
     for start in range(0, len(ids), PAGE):
-        got = collection.get(ids=ids[start:start + PAGE], include=["documents", "metadatas"])
+        got = collection.get(ids=ids[start : start + PAGE], include=["documents", "metadatas"])
         changed.update(cid for cid, text in zip(got["ids"], bm25_texts(got)) if text != wanted[cid])
     return changed
 
@@ -215,9 +244,11 @@ def _all_ids(collection: Any) -> list[str]:
 
 
 def _missing_message(directory: Path, state: Reconciled, committed: int) -> str:
-    return (f"{directory}: the vector store lacks {len(state.missing)} of the {committed} committed chunks "
-            f"(e.g. {state.missing[0]!r}); index the same files again (`ermedrag index PATH --index-dir {directory}` "
-            "re-adds the chunks of the documents it is given) or build a new --index-dir")
+    return (
+        f"{directory}: the vector store lacks {len(state.missing)} of the {committed} committed chunks "
+        f"(e.g. {state.missing[0]!r}); index the same files again (`ermedrag index PATH --index-dir {directory}` "
+        "re-adds the chunks of the documents it is given) or build a new --index-dir"
+    )
 
 
 # --- building --------------------------------------------------------------------------------------------
@@ -251,8 +282,10 @@ def build_index(
         _check_settings(directory, manifest, encoder, chunk_size, chunk_overlap)
         remove_leftovers(directory, manifest)
         collection = _client(directory, chroma_url).get_or_create_collection(
-            COLLECTION, embedding_function=SentenceTransformerEmbedding(encoder),
-            configuration={"hnsw": {"space": "cosine"}})
+            COLLECTION,
+            embedding_function=SentenceTransformerEmbedding(encoder),
+            configuration={"hnsw": {"space": "cosine"}},
+        )
         committed = committed_ids(directory, manifest)
         texts = {c.id: bm25_text(c.title, c.text) for c in chunks}
         state = _reconcile_for_build(directory, collection, committed, texts)
@@ -263,23 +296,45 @@ def build_index(
         # segment), for every chunk in the collection, as rebuild_bm25 repairs it. A new index starts with none.
         known = set(committed or [])
         added = None if committed is None else {cid: text for cid, text in texts.items() if cid not in known}
-        total = commit_bm25(directory, collection, {
-            **manifest, "encoder": encoder, "chunk_size": chunk_size, "chunk_overlap": chunk_overlap,
-            **({} if manifest else {"bm25_segments": []})}, added)
+        total = commit_bm25(
+            directory,
+            collection,
+            {
+                **manifest,
+                "encoder": encoder,
+                "chunk_size": chunk_size,
+                "chunk_overlap": chunk_overlap,
+                **({} if manifest else {"bm25_segments": []}),
+            },
+            added,
+        )
         bm25_s = time.perf_counter() - t0
     cached_index.cache_clear()
-    return {"chunks_seen": len(chunks), "chunks_added": len(new), "chunks_resumed": len(state.resumed),
-            "chunks_total": total, "uncommitted_removed": state.removed, "embed_seconds": embed_s,
-            "bm25_seconds": bm25_s, "seconds": time.perf_counter() - started}
+    return {
+        "chunks_seen": len(chunks),
+        "chunks_added": len(new),
+        "chunks_resumed": len(state.resumed),
+        "chunks_total": total,
+        "uncommitted_removed": state.removed,
+        "embed_seconds": embed_s,
+        "bm25_seconds": bm25_s,
+        "seconds": time.perf_counter() - started,
+    }
 
 
-def _check_settings(directory: Path, manifest: dict[str, Any], encoder: str, chunk_size: int,
-                    chunk_overlap: int) -> None:
+def _check_settings(
+    directory: Path, manifest: dict[str, Any], encoder: str, chunk_size: int, chunk_overlap: int
+) -> None:
     if manifest and (manifest["encoder"], manifest["chunk_size"], manifest["chunk_overlap"]) != (
-            encoder, chunk_size, chunk_overlap):
-        raise IndexUnavailable(f"{directory} was built with encoder={manifest['encoder']}, chunk_size="
-                               f"{manifest['chunk_size']}, chunk_overlap={manifest['chunk_overlap']}; "
-                               "use the same settings or a new --index-dir")
+        encoder,
+        chunk_size,
+        chunk_overlap,
+    ):
+        raise IndexUnavailable(
+            f"{directory} was built with encoder={manifest['encoder']}, chunk_size="
+            f"{manifest['chunk_size']}, chunk_overlap={manifest['chunk_overlap']}; "
+            "use the same settings or a new --index-dir"
+        )
 
 
 def _unique_chunks(chunks: list[Chunk]) -> list[Chunk]:
@@ -288,13 +343,16 @@ def _unique_chunks(chunks: list[Chunk]) -> list[Chunk]:
     for chunk in chunks:
         earlier = unique.setdefault(chunk.id, chunk)
         if earlier.text != chunk.text:
-            raise CorpusError(f"document id {chunk.doc_id!r} is given twice with different text; give each "
-                              "document its own id (read_documents renames repeats id~2, id~3, ...)")
+            raise CorpusError(
+                f"document id {chunk.doc_id!r} is given twice with different text; give each "
+                "document its own id (read_documents renames repeats id~2, id~3, ...)"
+            )
     return list(unique.values())
 
 
-def _reconcile_for_build(directory: Path, collection: Any, committed: list[str] | None,
-                         wanted: dict[str, str]) -> Reconciled:
+def _reconcile_for_build(
+    directory: Path, collection: Any, committed: list[str] | None, wanted: dict[str, str]
+) -> Reconciled:
     """Before adding: delete chunks an interrupted build left that this one does not want (`wanted`: id -> BM25
     text; it keeps the others, saving their embedding), and refuse when committed chunks are lost and not
     re-added now."""
@@ -305,27 +363,29 @@ def _reconcile_for_build(directory: Path, collection: Any, committed: list[str] 
     if lost:
         raise IndexUnavailable(_missing_message(directory, Reconciled(state.removed, [], lost), len(committed)))
     if state.removed:
-        log.warning("%s: removed %d chunks an interrupted build had added without committing them",
-                    directory, state.removed)
+        log.warning(
+            "%s: removed %d chunks an interrupted build had added without committing them", directory, state.removed
+        )
     return state
 
 
 def _unknown(collection: Any, chunks: list[Chunk]) -> list[Chunk]:
     known: set[str] = set()
     for start in range(0, len(chunks), PAGE):
-        known.update(collection.get(ids=[c.id for c in chunks[start:start + PAGE]], include=[])["ids"])
+        known.update(collection.get(ids=[c.id for c in chunks[start : start + PAGE]], include=[])["ids"])
     return [c for c in chunks if c.id not in known]
 
 
-def _add_chunks(collection: Any, new: list[Chunk], encoder: str, precomputed: dict[str, np.ndarray] | None,
-                progress: bool) -> float:
+def _add_chunks(
+    collection: Any, new: list[Chunk], encoder: str, precomputed: dict[str, np.ndarray] | None, progress: bool
+) -> float:
     """Embed and add `new` in batches (uncommitted until the manifest names them); returns embedding seconds."""
     from tqdm.auto import tqdm
 
     embed_s = 0.0
     bar = tqdm(total=len(new), desc="embedding chunks", unit="chunk", disable=not progress)
     for start in range(0, len(new), ADD_BATCH):
-        batch = new[start:start + ADD_BATCH]
+        batch = new[start : start + ADD_BATCH]
         t0 = time.perf_counter()
         vectors = _vectors(batch, encoder, precomputed)
         embed_s += time.perf_counter() - t0
@@ -333,8 +393,10 @@ def _add_chunks(collection: Any, new: list[Chunk], encoder: str, precomputed: di
             ids=[c.id for c in batch],
             embeddings=vectors,
             documents=[c.text for c in batch],
-            metadatas=[{"doc_id": c.doc_id, "title": c.title, "source": c.source, "start": c.start, "end": c.end}
-                       for c in batch],
+            metadatas=[
+                {"doc_id": c.doc_id, "title": c.title, "source": c.source, "start": c.start, "end": c.end}
+                for c in batch
+            ],
         )
         bar.update(len(batch))
         pause_point("vectors_added")
@@ -364,5 +426,3 @@ def rebuild_bm25(directory: str | os.PathLike[str], chroma_url: str | None = Non
         total = commit_bm25(directory, collection, manifest, added=None)
     cached_index.cache_clear()
     return total
-
-

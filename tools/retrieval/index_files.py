@@ -19,8 +19,16 @@ from typing import Any, Callable, Iterator
 
 
 from ermedrag.tools import settings
-from ermedrag.tools.retrieval.bm25 import (SegmentedBM25, SingleBM25s, bm25_text, load_segment, merge_segments, segment_ids,
-                                 segments_to_merge, write_segment)
+from ermedrag.tools.retrieval.bm25 import (
+    SegmentedBM25,
+    SingleBM25s,
+    bm25_text,
+    load_segment,
+    merge_segments,
+    segment_ids,
+    segments_to_merge,
+    write_segment,
+)
 
 COLLECTION = "chunks"
 ADD_BATCH = 512
@@ -44,7 +52,6 @@ log = logging.getLogger(__name__)
 
 class IndexUnavailable(RuntimeError):
     """An index that is missing or unusable; the message says which directory and why."""
-
 
 
 # --- the manifest and the committed BM25 generation --------------------------------------------------------
@@ -75,11 +82,15 @@ def _segments(manifest: dict[str, Any]) -> dict[str, int] | None:
     try:
         segments = {str(entry["name"]): int(entry["chunks"]) for entry in listed}
     except (TypeError, KeyError, ValueError) as err:
-        raise IndexUnavailable(f"manifest.json: bm25_segments is not a list of {{name, chunks}} ({err!r}); "
-                               "build a new index (`ermedrag index PATH --index-dir NEW_DIR`)") from err
+        raise IndexUnavailable(
+            f"manifest.json: bm25_segments is not a list of {{name, chunks}} ({err!r}); "
+            "build a new index (`ermedrag index PATH --index-dir NEW_DIR`)"
+        ) from err
     if bad := [name for name in segments if not SEGMENT_NAME.fullmatch(name)]:  # names become paths under bm25/
-        raise IndexUnavailable(f"manifest.json: {bad[0]!r} is not a BM25 segment name (s + 6 digits); "
-                               "build a new index (`ermedrag index PATH --index-dir NEW_DIR`)")
+        raise IndexUnavailable(
+            f"manifest.json: {bad[0]!r} is not a BM25 segment name (s + 6 digits); "
+            "build a new index (`ermedrag index PATH --index-dir NEW_DIR`)"
+        )
     return segments
 
 
@@ -117,21 +128,27 @@ def committed_ids(directory: Path, manifest: dict[str, Any], strict: bool = Fals
         return None
 
 
-def _load_bm25(directory: Path, manifest: dict[str, Any]) -> tuple[SegmentedBM25 | SingleBM25s | None,
-                                                                   list[str] | None]:
+def _load_bm25(
+    directory: Path, manifest: dict[str, Any]
+) -> tuple[SegmentedBM25 | SingleBM25s | None, list[str] | None]:
     """The committed BM25 and its ids (None: an old index without BM25 ids; see `committed_ids`).
     Memory-mapped: a query reads only its terms' postings, so serving needs pages for what queries touch. A
     later build writes new segments; an open mapping of a removed one stays valid until it is closed."""
     names = _segment_names(manifest)
     segments = [load_segment(directory / BM25_DIR / name) for name in names or []]
-    ids = [cid for s in segments for cid in s.ids] if names is not None else committed_ids(directory, manifest,
-                                                                                            strict=True)
+    ids = (
+        [cid for s in segments for cid in s.ids]
+        if names is not None
+        else committed_ids(directory, manifest, strict=True)
+    )
     if not ids:
         return None, ids
     if manifest.get("chunks", len(ids)) != len(ids) and (names is not None or manifest.get("bm25_generation")):
-        raise IndexUnavailable(f"{directory}: manifest.json commits {manifest['chunks']} chunks but its BM25 "
-                               f"segments list {len(ids)}; it was changed by hand: build a new index "
-                               "(`ermedrag index PATH --index-dir NEW_DIR`)")
+        raise IndexUnavailable(
+            f"{directory}: manifest.json commits {manifest['chunks']} chunks but its BM25 "
+            f"segments list {len(ids)}; it was changed by hand: build a new index "
+            "(`ermedrag index PATH --index-dir NEW_DIR`)"
+        )
     if names is not None:  # raw term frequencies: scored with today's BM25_PARAMS, whatever they were at build
         return SegmentedBM25(segments, **BM25_PARAMS), ids
     import bm25s
@@ -144,18 +161,21 @@ def read_committed(directory: Path) -> tuple[dict[str, Any], Any | None, list[st
     for attempt in range(OPEN_ATTEMPTS):
         manifest = read_manifest(directory)
         if not manifest:
-            raise IndexUnavailable(f"no index at {directory} (build one with `ermedrag index PATH --index-dir "
-                                   f"{directory}`)")
+            raise IndexUnavailable(
+                f"no index at {directory} (build one with `ermedrag index PATH --index-dir {directory}`)"
+            )
         try:
             bm25, ids = _load_bm25(directory, manifest)
             return manifest, bm25, ids
         except FileNotFoundError as err:
             if read_manifest(directory) == manifest or attempt == OPEN_ATTEMPTS - 1:
                 named = _segment_names(manifest) or manifest.get("bm25_generation")
-                raise IndexUnavailable(f"{directory}: manifest.json names BM25 {named!r}, which is missing "
-                                       f"({err.filename}); "
-                                       f"index the same files again (`ermedrag index PATH --index-dir {directory}`) "
-                                       "or run ermedrag.tools.retrieval.index.rebuild_bm25 on it") from err
+                raise IndexUnavailable(
+                    f"{directory}: manifest.json names BM25 {named!r}, which is missing "
+                    f"({err.filename}); "
+                    f"index the same files again (`ermedrag index PATH --index-dir {directory}`) "
+                    "or run ermedrag.tools.retrieval.index.rebuild_bm25 on it"
+                ) from err
     raise AssertionError("unreachable")
 
 
@@ -195,8 +215,12 @@ def commit_bm25(directory: Path, collection: Any, manifest: dict[str, Any], adde
     del texts
     segments = _merge_newest(directory, segments)
     committed = {key: value for key, value in manifest.items() if key != "bm25_generation"}
-    committed.update(chunks=sum(segments.values()), bm25=BM25_PARAMS, updated_at=time.time(),
-                     bm25_segments=[{"name": name, "chunks": count} for name, count in segments.items()])
+    committed.update(
+        chunks=sum(segments.values()),
+        bm25=BM25_PARAMS,
+        updated_at=time.time(),
+        bm25_segments=[{"name": name, "chunks": count} for name, count in segments.items()],
+    )
     _write_manifest(directory, committed)
     remove_leftovers(directory, committed)
     return committed["chunks"]

@@ -93,8 +93,10 @@ class RetrievalConfig:
             raise ValueError(f"fine_policy must be 'per_chunk' or 'global', not {self.fine_policy!r}")
         if not 0.0 <= self.bm25_weight <= 1.0:
             raise ValueError(f"bm25_weight must be in [0, 1], not {self.bm25_weight}")
-        if min(self.fetch_k, self.rrf_k, self.rerank_k, self.window_max_chars, self.windows_per_chunk) < 1 or min(
-                self.feedback_chunks, self.expansion_terms, self.window_neighbours) < 0:
+        if (
+            min(self.fetch_k, self.rrf_k, self.rerank_k, self.window_max_chars, self.windows_per_chunk) < 1
+            or min(self.feedback_chunks, self.expansion_terms, self.window_neighbours) < 0
+        ):
             raise ValueError(f"counts must be positive: {self}")
 
 
@@ -125,13 +127,15 @@ def bm25_weighted_search(index: Index, term_weights: dict[str, float], k: int) -
 
 def dense_search(index: Index, query: str, k: int, query_vector: np.ndarray | None = None) -> list[ChunkHit]:
     vector = encode_queries([query], index.encoder)[0] if query_vector is None else query_vector
-    got = index.collection.query(query_embeddings=[vector.tolist()], n_results=min(k, max(index.committed_chunks, 1)),
-                                 include=["distances"])
+    got = index.collection.query(
+        query_embeddings=[vector.tolist()], n_results=min(k, max(index.committed_chunks, 1)), include=["distances"]
+    )
     return [ChunkHit(cid, 1.0 - float(dist)) for cid, dist in zip(got["ids"][0], got["distances"][0])]
 
 
-def rrf_fuse(rankings: dict[str, list[ChunkHit]], k: int, rrf_k: int = 60,
-             weights: dict[str, float] | None = None) -> list[ChunkHit]:
+def rrf_fuse(
+    rankings: dict[str, list[ChunkHit]], k: int, rrf_k: int = 60, weights: dict[str, float] | None = None
+) -> list[ChunkHit]:
     """Reciprocal-rank fusion: score = Σ w / (rrf_k + rank)."""
     scores: dict[str, float] = {}
     ranks: dict[str, dict[str, int]] = {}
@@ -175,8 +179,9 @@ def fuse(bm25_hits: list[ChunkHit], dense_hits: list[ChunkHit], k: int, config: 
     return score_fuse(rankings, k, {"bm25": config.bm25_weight, "dense": 1.0 - config.bm25_weight})
 
 
-def feedback_query(index: Index, terms: list[str], vector: np.ndarray, feedback: Sequence[str],
-                   config: RetrievalConfig) -> tuple[dict[str, float], np.ndarray]:
+def feedback_query(
+    index: Index, terms: list[str], vector: np.ndarray, feedback: Sequence[str], config: RetrievalConfig
+) -> tuple[dict[str, float], np.ndarray]:
     """Pseudo-relevance feedback: the question's terms plus the feedback chunks' most frequent other terms
     (length-normalised frequency), and the query vector moved towards the chunks' mean vector."""
     got = index.collection.get(ids=list(feedback), include=["documents", "metadatas", "embeddings"])
@@ -187,7 +192,7 @@ def feedback_query(index: Index, terms: list[str], vector: np.ndarray, feedback:
         for term in tokens:
             if term not in weights and term in index.bm25:
                 mass[term] = mass.get(term, 0.0) + 1.0 / len(tokens)
-    added = sorted(mass, key=mass.get, reverse=True)[:config.expansion_terms]
+    added = sorted(mass, key=mass.get, reverse=True)[: config.expansion_terms]
     total = sum(mass[t] for t in added) or 1.0
     for term in added:
         weights[term] = config.expansion_weight * max(len(terms), 1) * mass[term] / total
@@ -197,8 +202,9 @@ def feedback_query(index: Index, terms: list[str], vector: np.ndarray, feedback:
     return weights, vector
 
 
-def coarse_hybrid(index: Index, query: str, k: int, config: RetrievalConfig = DEFAULT_CONFIG,
-                  query_vector: np.ndarray | None = None) -> list[ChunkHit]:
+def coarse_hybrid(
+    index: Index, query: str, k: int, config: RetrievalConfig = DEFAULT_CONFIG, query_vector: np.ndarray | None = None
+) -> list[ChunkHit]:
     """BM25 + dense over chunks, fused; then (by default) one round of pseudo-relevance feedback, fused
     again; then an optional cross-encoder over the top `rerank_k`."""
     fetch_k = max(config.fetch_k, 2 * k)
@@ -206,10 +212,11 @@ def coarse_hybrid(index: Index, query: str, k: int, config: RetrievalConfig = DE
     terms = query_terms(index.bm25, query) if index.bm25 is not None else []
     hits = fuse(bm25_search(index, query, fetch_k), dense_search(index, query, fetch_k, vector), fetch_k, config)
     if config.feedback_chunks and hits and index.bm25 is not None:
-        feedback = [h.chunk_id for h in hits[:config.feedback_chunks]]
+        feedback = [h.chunk_id for h in hits[: config.feedback_chunks]]
         weights, vector = feedback_query(index, terms, vector, feedback, config)
-        hits = fuse(bm25_weighted_search(index, weights, fetch_k), dense_search(index, query, fetch_k, vector),
-                    fetch_k, config)
+        hits = fuse(
+            bm25_weighted_search(index, weights, fetch_k), dense_search(index, query, fetch_k, vector), fetch_k, config
+        )
     if config.reranker:
         hits = cross_encoder_rerank(index, query, hits, config.reranker, config.rerank_k)
     return hits[:k]
@@ -230,11 +237,13 @@ def cross_encoder_rerank(index: Index, query: str, hits: list[ChunkHit], model: 
     head = [h for h in head if h.chunk_id in chunks]
     if not head:
         return hits
-    scores = load_cross_encoder(model).predict([(query, chunks[h.chunk_id].text) for h in head],
-                                               show_progress_bar=False)
+    scores = load_cross_encoder(model).predict(
+        [(query, chunks[h.chunk_id].text) for h in head], show_progress_bar=False
+    )
     order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
-    reranked = [ChunkHit(head[i].chunk_id, float(scores[i]), {**head[i].ranks, "reranker": r})
-                for r, i in enumerate(order, 1)]
+    reranked = [
+        ChunkHit(head[i].chunk_id, float(scores[i]), {**head[i].ranks, "reranker": r}) for r, i in enumerate(order, 1)
+    ]
     return reranked + hits[top:]
 
 
@@ -242,7 +251,7 @@ def _spans_between(separator: str, text: str) -> list[tuple[int, int]]:
     """(start, end) spans of the non-blank pieces of `text` between matches of `separator`."""
     spans, start = [], 0
     for match in re.finditer(separator, text):
-        if text[start:match.start()].strip():
+        if text[start : match.start()].strip():
             spans.append((start, match.start()))
         start = match.end()
     if text[start:].strip():
@@ -260,8 +269,9 @@ def paragraphs(text: str) -> list[tuple[int, int]]:
     return _spans_between(r"\n\s*\n", text)
 
 
-def sentence_windows(text: str, window: int = DEFAULT_CONFIG.window_neighbours,
-                     max_chars: int = DEFAULT_CONFIG.window_max_chars) -> list[tuple[int, int]]:
+def sentence_windows(
+    text: str, window: int = DEFAULT_CONFIG.window_neighbours, max_chars: int = DEFAULT_CONFIG.window_max_chars
+) -> list[tuple[int, int]]:
     """Each sentence with up to `window` neighbours on either side from the same paragraph (a blank line
     ends one: evidence rarely runs across it), capped at `max_chars`."""
     out = []
@@ -273,8 +283,9 @@ def sentence_windows(text: str, window: int = DEFAULT_CONFIG.window_neighbours,
     return out or [(0, min(len(text), max_chars))]
 
 
-def fine_sentence_windows(index: Index, query: str, hits: Sequence[ChunkHit], k: int,
-                          config: RetrievalConfig = DEFAULT_CONFIG) -> list[Snippet]:
+def fine_sentence_windows(
+    index: Index, query: str, hits: Sequence[ChunkHit], k: int, config: RetrievalConfig = DEFAULT_CONFIG
+) -> list[Snippet]:
     """Sentence windows of the coarse chunks as snippets (the config's `fine_*`, `window_*` and per-chunk fields).
 
     `per_chunk` (default): chunks in coarse order; from each, its best window and up to
@@ -289,8 +300,11 @@ def fine_sentence_windows(index: Index, query: str, hits: Sequence[ChunkHit], k:
     chunks = index.chunks([h.chunk_id for h in hits])
     coarse_rank = {h.chunk_id: rank for rank, h in enumerate(hits, 1) if h.chunk_id in chunks}
     coarse_score = {h.chunk_id: h.score for h in hits}
-    candidates = [(cid, s, e) for cid in coarse_rank
-                  for s, e in sentence_windows(chunks[cid].text, config.window_neighbours, config.window_max_chars)]
+    candidates = [
+        (cid, s, e)
+        for cid in coarse_rank
+        for s, e in sentence_windows(chunks[cid].text, config.window_neighbours, config.window_max_chars)
+    ]
     if not candidates:
         return []
     texts = [chunks[cid].text[s:e] for cid, s, e in candidates]
@@ -304,10 +318,10 @@ def fine_sentence_windows(index: Index, query: str, hits: Sequence[ChunkHit], k:
         best: dict[str, float] = {}
         for i in best_first:
             best.setdefault(candidates[i][0], fine[i])
-        firsts = {i for n, i in enumerate(best_first)
-                  if n == 0 or candidates[i][0] != candidates[best_first[n - 1]][0]}
-        head = firsts | {i for i in best_first
-                         if fine[i] > 0 and fine[i] >= config.min_relative_score * best[candidates[i][0]]}
+        firsts = {i for n, i in enumerate(best_first) if n == 0 or candidates[i][0] != candidates[best_first[n - 1]][0]}
+        head = firsts | {
+            i for i in best_first if fine[i] > 0 and fine[i] >= config.min_relative_score * best[candidates[i][0]]
+        }
         order = [i for i in best_first if i in head] + [i for i in np.argsort(-total) if i not in head]
     else:
         order = list(np.argsort(-total))
@@ -322,12 +336,24 @@ def fine_sentence_windows(index: Index, query: str, hits: Sequence[ChunkHit], k:
         taken.setdefault(cid, []).append((s, e))
         chunk = chunks[cid]
         start, end = chunk.start + s, chunk.start + e
-        snippets.append(Snippet(
-            id=f"{chunk.doc_id}@{start}-{end}", text=texts[i].strip(), chunk_id=cid, doc_id=chunk.doc_id,
-            title=chunk.title, source=chunk.source, start=start, end=end,
-            score=float(coarse_score[cid] if policy == "per_chunk" else total[i]),
-            scores={"fine": float(fine[i]), "coarse": float(coarse_score[cid]), "coarse_rank": float(coarse_rank[cid])},
-        ))
+        snippets.append(
+            Snippet(
+                id=f"{chunk.doc_id}@{start}-{end}",
+                text=texts[i].strip(),
+                chunk_id=cid,
+                doc_id=chunk.doc_id,
+                title=chunk.title,
+                source=chunk.source,
+                start=start,
+                end=end,
+                score=float(coarse_score[cid] if policy == "per_chunk" else total[i]),
+                scores={
+                    "fine": float(fine[i]),
+                    "coarse": float(coarse_score[cid]),
+                    "coarse_rank": float(coarse_rank[cid]),
+                },
+            )
+        )
         if len(snippets) == k:
             break
     return snippets
@@ -352,8 +378,12 @@ def _lexical_scores(query: str, texts: list[str], k1: float = 1.2, b: float = 0.
             df[term] = df.get(term, 0) + 1
     n, avg_len = len(windows), max(sum(map(len, windows)) / max(len(windows), 1), 1.0)
     idf = {t: math.log(1 + (n - d + 0.5) / (d + 0.5)) for t, d in df.items()}
-    scores = np.array([sum(idf[t] * c * (k1 + 1) / (c + k1 * (1 - b + b * len(w) / avg_len)) for t, c in found.items())
-                       for w, found in zip(windows, counts)])
+    scores = np.array(
+        [
+            sum(idf[t] * c * (k1 + 1) / (c + k1 * (1 - b + b * len(w) / avg_len)) for t, c in found.items())
+            for w, found in zip(windows, counts)
+        ]
+    )
     return scores / max(float(scores.max(initial=0.0)), 1e-9)
 
 
@@ -386,8 +416,9 @@ def coarse_k_for(k: int, coarse_k: int = COARSE_K) -> int:
     return max(coarse_k, k) if coarse_k > 0 else 0
 
 
-def search(index: Index, query: str, *, k: int = SEARCH_K, coarse_k: int = COARSE_K,
-           config: RetrievalConfig = DEFAULT_CONFIG) -> list[dict[str, Any]]:
+def search(
+    index: Index, query: str, *, k: int = SEARCH_K, coarse_k: int = COARSE_K, config: RetrievalConfig = DEFAULT_CONFIG
+) -> list[dict[str, Any]]:
     """One search of Med-R³'s reason ↔ search loop as its training rollout runs it: the top `k` snippets (as
     dicts) of `coarse_k_for` coarse chunks. The graph's search node runs this same retrieval through the
     graphs' recording wrapper, so graph and rollout see the same documents."""

@@ -46,8 +46,15 @@ from typing import Any
 from transformers import StoppingCriteria
 
 from ermedrag.agents import reasoner
-from ermedrag.agents.reasoner import (ANSWER_MAX_NEW_TOKENS, ANSWER_STOP, MAX_SEARCHES, MAX_TOTAL_TOKENS, SEARCH_STOP,
-                                      STEP_MAX_NEW_TOKENS, render_documents)
+from ermedrag.agents.reasoner import (
+    ANSWER_MAX_NEW_TOKENS,
+    ANSWER_STOP,
+    MAX_SEARCHES,
+    MAX_TOTAL_TOKENS,
+    SEARCH_STOP,
+    STEP_MAX_NEW_TOKENS,
+    render_documents,
+)
 from ermedrag.tools.data.gold_evidence import doc_id
 from ermedrag.tools.retrieval.search import COARSE_K, SEARCH_K
 
@@ -132,9 +139,15 @@ def _eos_ids(generation_config: Any, tokenizer: Any) -> list[int]:
     return [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
 
 
-def _generate_step(model: Any, tokenizer: Any, contexts: list[list[int]], budgets: list[int],
-                   generation_config: Any, stops: list[str], logits_processor: Sequence[Any] | None,
-                   ) -> list[tuple[list[int], str]]:
+def _generate_step(
+    model: Any,
+    tokenizer: Any,
+    contexts: list[list[int]],
+    budgets: list[int],
+    generation_config: Any,
+    stops: list[str],
+    logits_processor: Sequence[Any] | None,
+) -> list[tuple[list[int], str]]:
     """One generation step for each context: (the segment's tokens, why it ended: a stop string, eos, budget)."""
     import torch
     from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -148,9 +161,13 @@ def _generate_step(model: Any, tokenizer: Any, contexts: list[list[int]], budget
     config.max_new_tokens = max(budgets)
     eos_ids = set(_eos_ids(config, tokenizer))
     criterion = _StopOnStrings(tokenizer, stops, width)
-    output = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                            generation_config=config, stopping_criteria=StoppingCriteriaList([criterion]),
-                            logits_processor=LogitsProcessorList(list(logits_processor or [])))
+    output = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        generation_config=config,
+        stopping_criteria=StoppingCriteriaList([criterion]),
+        logits_processor=LogitsProcessorList(list(logits_processor or [])),
+    )
     segments = []
     for row, budget in enumerate(budgets):
         new = output[row, width:].tolist()
@@ -173,11 +190,20 @@ def _inserted_ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
-def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *,
-                        generation_config: Any, search: SearchFn | None, max_searches: int = MAX_SEARCHES,
-                        step_max_new_tokens: int = STEP_MAX_NEW_TOKENS, max_total_tokens: int = MAX_TOTAL_TOKENS,
-                        logits_processor: Sequence[Any] | None = None,
-                        end_stops: Sequence[str] = (ANSWER_STOP,), force_answer: bool = True) -> list[Rollout]:
+def run_search_rollouts(
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    generation_config: Any,
+    search: SearchFn | None,
+    max_searches: int = MAX_SEARCHES,
+    step_max_new_tokens: int = STEP_MAX_NEW_TOKENS,
+    max_total_tokens: int = MAX_TOTAL_TOKENS,
+    logits_processor: Sequence[Any] | None = None,
+    end_stops: Sequence[str] = (ANSWER_STOP,),
+    force_answer: bool = True,
+) -> list[Rollout]:
     """The reason ↔ search loop for a batch of tokenised prompts, with `model.generate` (call under
     `torch.no_grad`), following `agents.reasoner.after_step` as the graph does: search, continue a step cut by
     its limit, or force the answer. `search=None` disables retrieval. `force_answer=False` makes a plain
@@ -200,17 +226,26 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
             raw = tokenizer.decode(tokens, skip_special_tokens=False)
             step = reasoner.parse_step(raw[: raw.index(SEARCH_STOP) + len(SEARCH_STOP)] if why == SEARCH_STOP else raw)
             action, reason = reasoner.after_step(
-                step, hit_step_limit=why == "budget" and len(tokens) >= budget, searches_done=len(rollout.searches),
-                generated_tokens=rollout.generated_tokens, max_searches=max_searches if search else 0,
-                max_total_tokens=max_total_tokens)
+                step,
+                hit_step_limit=why == "budget" and len(tokens) >= budget,
+                searches_done=len(rollout.searches),
+                generated_tokens=rollout.generated_tokens,
+                max_searches=max_searches if search else 0,
+                max_total_tokens=max_total_tokens,
+            )
             if action == "answered":
                 _end(rollout, why, eos_id)
             elif action == "search":
                 snippets = search(step["query"])
                 documents = render_documents(snippets)
                 rollout.add("document", _inserted_ids(tokenizer, documents), documents)
-                rollout.searches.append({"query": step["query"], "snippet_ids": [s["id"] for s in snippets],
-                                         "doc_ids": [str(s.get("doc_id") or doc_id(s["id"])) for s in snippets]})
+                rollout.searches.append(
+                    {
+                        "query": step["query"],
+                        "snippet_ids": [s["id"] for s in snippets],
+                        "doc_ids": [str(s.get("doc_id") or doc_id(s["id"])) for s in snippets],
+                    }
+                )
                 still_active.append(i)
             elif action == "continue":
                 still_active.append(i)
@@ -224,8 +259,15 @@ def run_search_rollouts(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequenc
                 to_force.append(i)
         active = still_active
     if to_force:
-        _force_answers([rollouts[i] for i in to_force], [prompt_ids[i] for i in to_force], model, tokenizer,
-                       generation_config, logits_processor, eos_id)
+        _force_answers(
+            [rollouts[i] for i in to_force],
+            [prompt_ids[i] for i in to_force],
+            model,
+            tokenizer,
+            generation_config,
+            logits_processor,
+            eos_id,
+        )
     return rollouts
 
 
@@ -244,16 +286,30 @@ def _close_with_eos(rollout: Rollout, eos_id: int | None) -> None:
         rollout.env_mask.append(1)
 
 
-def _force_answers(rollouts: list[Rollout], prompt_ids: Sequence[Sequence[int]], model: Any, tokenizer: Any,
-                   generation_config: Any, logits_processor: Sequence[Any] | None, eos_id: int | None) -> None:
+def _force_answers(
+    rollouts: list[Rollout],
+    prompt_ids: Sequence[Sequence[int]],
+    model: Any,
+    tokenizer: Any,
+    generation_config: Any,
+    logits_processor: Sequence[Any] | None,
+    eos_id: int | None,
+) -> None:
     """The graph's `force_answer` node at token level: the system's `<answer>` is inserted (masked) and the
     model writes the answer, up to `ANSWER_MAX_NEW_TOKENS` and `</answer>`."""
     for rollout in rollouts:
         prompt = reasoner.force_answer_prompt(rollout.model_text)
         rollout.add("prompt", _inserted_ids(tokenizer, prompt), prompt)
     contexts = [list(p) + r.completion_ids for p, r in zip(prompt_ids, rollouts)]
-    steps = _generate_step(model, tokenizer, contexts, [ANSWER_MAX_NEW_TOKENS] * len(rollouts), generation_config,
-                           [ANSWER_STOP], logits_processor)
+    steps = _generate_step(
+        model,
+        tokenizer,
+        contexts,
+        [ANSWER_MAX_NEW_TOKENS] * len(rollouts),
+        generation_config,
+        [ANSWER_STOP],
+        logits_processor,
+    )
     for rollout, (tokens, why) in zip(rollouts, steps):
         rollout.add("model", tokens, tokenizer.decode(tokens, skip_special_tokens=True))
         rollout.ended = "forced"
@@ -261,10 +317,16 @@ def _force_answers(rollouts: list[Rollout], prompt_ids: Sequence[Sequence[int]],
             _close_with_eos(rollout, eos_id)
 
 
-def make_search_rollout(search: SearchFn | None, *, max_searches: int = MAX_SEARCHES,
-                        step_max_new_tokens: int = STEP_MAX_NEW_TOKENS, max_total_tokens: int | None = None,
-                        logits_processor: Sequence[Any] | None = None,
-                        end_stops: Sequence[str] = (ANSWER_STOP,), force_answer: bool = True) -> RolloutFunc:
+def make_search_rollout(
+    search: SearchFn | None,
+    *,
+    max_searches: int = MAX_SEARCHES,
+    step_max_new_tokens: int = STEP_MAX_NEW_TOKENS,
+    max_total_tokens: int | None = None,
+    logits_processor: Sequence[Any] | None = None,
+    end_stops: Sequence[str] = (ANSWER_STOP,),
+    force_answer: bool = True,
+) -> RolloutFunc:
     """A TRL `rollout_func(prompts, trainer) -> dict` running the search loop with the trainer's model.
 
     Returns `prompt_ids`, `completion_ids`, `logprobs` (None: TRL recomputes them), `env_mask` and, per
@@ -281,18 +343,33 @@ def make_search_rollout(search: SearchFn | None, *, max_searches: int = MAX_SEAR
         prompt_ids = _prompt_ids(prompts, trainer)
         total = max_total_tokens or trainer.max_completion_length
         dist = getattr(trainer, "_dist", None)
-        full_params = dist.summon_full_params(trainer.model_wrapped, recurse=False) if dist else contextlib.nullcontext()
-        with unwrap_model_for_generation(
-            trainer.model_wrapped, trainer.accelerator,
-            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            generation_kwargs=getattr(trainer, "generation_kwargs", None),
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-        ) as model, torch.no_grad(), full_params:
-            rollouts = run_search_rollouts(model, tokenizer, prompt_ids, generation_config=trainer.generation_config,
-                                           search=search, max_searches=max_searches,
-                                           step_max_new_tokens=step_max_new_tokens, max_total_tokens=total,
-                                           logits_processor=logits_processor, end_stops=end_stops,
-                                           force_answer=force_answer)
+        full_params = (
+            dist.summon_full_params(trainer.model_wrapped, recurse=False) if dist else contextlib.nullcontext()
+        )
+        with (
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                generation_kwargs=getattr(trainer, "generation_kwargs", None),
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+            ) as model,
+            torch.no_grad(),
+            full_params,
+        ):
+            rollouts = run_search_rollouts(
+                model,
+                tokenizer,
+                prompt_ids,
+                generation_config=trainer.generation_config,
+                search=search,
+                max_searches=max_searches,
+                step_max_new_tokens=step_max_new_tokens,
+                max_total_tokens=total,
+                logits_processor=logits_processor,
+                end_stops=end_stops,
+                force_answer=force_answer,
+            )
         return {
             "prompt_ids": prompt_ids,
             "completion_ids": [r.completion_ids for r in rollouts],
@@ -302,8 +379,9 @@ def make_search_rollout(search: SearchFn | None, *, max_searches: int = MAX_SEAR
             "answer_text": [r.answer_text for r in rollouts],
             "forced_answer": [r.forced_reason for r in rollouts],
             "retrieved_ids": [r.retrieved_ids for r in rollouts],
-            "searches": [[{"query": s["query"], "snippet_ids": s["snippet_ids"]} for s in r.searches]
-                         for r in rollouts],
+            "searches": [
+                [{"query": s["query"], "snippet_ids": s["snippet_ids"]} for s in r.searches] for r in rollouts
+            ],
         }
 
     return search_rollout
@@ -316,11 +394,13 @@ def _prompt_ids(prompts: list, trainer: Any) -> list[list[int]]:
     tokenizer = trainer.processing_class
     if is_conversational({"prompt": prompts[0]}):
         prompt_ids = tokenizer.apply_chat_template(
-            conversation=prompts, chat_template=getattr(trainer, "chat_template", None),
-            add_generation_prompt=True, tokenize=True, return_dict=True,
-            **(getattr(trainer, "chat_template_kwargs", None) or {}))["input_ids"]
+            conversation=prompts,
+            chat_template=getattr(trainer, "chat_template", None),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(getattr(trainer, "chat_template_kwargs", None) or {}),
+        )["input_ids"]
     else:
         prompt_ids = tokenizer(text=prompts)["input_ids"]
     return [list(ids) for ids in prompt_ids]
-
-

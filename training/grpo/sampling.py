@@ -75,7 +75,7 @@ class ResamplingGRPOTrainer(SignalCountingGRPOTrainer):
             if metrics["frac_reward_zero_std"][-1] < 1.0 or attempt == self.resample_attempts:
                 break
             for name, values in metrics.items():  # the set-aside batch's figures would describe no step
-                del values[logged.get(name, 0):]
+                del values[logged.get(name, 0) :]
             attempt += 1
             inputs = self._fresh_prompts(len(inputs), attempt)
         metrics["resampled_batches"].append(float(attempt))

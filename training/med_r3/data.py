@@ -20,8 +20,15 @@ from ermedrag.agents import reasoner
 from ermedrag.agents.base import to_chat
 
 
-def med_r3_row(prompt: list[dict[str, str]], *, gold: Any, options: Mapping[str, Any] | None,
-               gold_evidence: Iterable[Any], row_id: Any, benchmark: Any) -> dict[str, Any]:
+def med_r3_row(
+    prompt: list[dict[str, str]],
+    *,
+    gold: Any,
+    options: Mapping[str, Any] | None,
+    gold_evidence: Iterable[Any],
+    row_id: Any,
+    benchmark: Any,
+) -> dict[str, Any]:
     """One dataset row: the prompt in chat format and the reward columns, as plain strings."""
     return {
         "prompt": prompt,
@@ -43,19 +50,30 @@ def med_r3_dataset(questions: Iterable[Any]):
     for question in questions:
         q = question if isinstance(question, dict) else dataclasses.asdict(question)
         options = q.get("options") or None
-        rows.append(med_r3_row(to_chat(reasoner.build_messages(str(q.get("question") or ""), options, "")),
-                               gold=q.get("gold", q.get("answer")), options=options,
-                               gold_evidence=q.get("gold_evidence") or [], row_id=q.get("id"),
-                               benchmark=q.get("benchmark")))
+        rows.append(
+            med_r3_row(
+                to_chat(reasoner.build_messages(str(q.get("question") or ""), options, "")),
+                gold=q.get("gold", q.get("answer")),
+                options=options,
+                gold_evidence=q.get("gold_evidence") or [],
+                row_id=q.get("id"),
+                benchmark=q.get("benchmark"),
+            )
+        )
     if not rows:
         raise ValueError("med_r3_dataset: no questions")
     return Dataset.from_list(rows)
 
 
-def build_med_r3_dataset(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], *,
-                         qrels: str | os.PathLike[str] | None = None,
-                         corpus_dir: str | os.PathLike[str] | None = None,
-                         limit: int | None = None, seed: int = 0) -> dict[str, Any]:
+def build_med_r3_dataset(
+    paths: Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    *,
+    qrels: str | os.PathLike[str] | None = None,
+    corpus_dir: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Questions from JSONL files in the shared schema (`pubmedqa_train.jsonl`, `bioasq_yesno.jsonl`, any
     benchmark file; the benchmark is named after the file) → `out` (`Dataset.save_to_disk`). BioASQ needs
     `qrels` (`retrieval/bioasq_qrels.jsonl`); `corpus_dir` (the corpora folder) gives PubMedQA's exact ids.
@@ -67,9 +85,16 @@ def build_med_r3_dataset(paths: Sequence[str | os.PathLike[str]], out: str | os.
     for path in paths:
         loaded = load_questions_file(path, limit=limit, seed=seed)
         for q in loaded:
-            questions.append({"id": q.id, "question": q.question, "options": q.options, "gold": q.answer,
-                              "benchmark": q.benchmark,
-                              "gold_evidence": question_gold_evidence(q, qrels, corpus_dir)})
+            questions.append(
+                {
+                    "id": q.id,
+                    "question": q.question,
+                    "options": q.options,
+                    "gold": q.answer,
+                    "benchmark": q.benchmark,
+                    "gold_evidence": question_gold_evidence(q, qrels, corpus_dir),
+                }
+            )
         counts[str(path)] = len(loaded)
     dataset = med_r3_dataset(questions)
     dataset.save_to_disk(str(out))

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ermedrag.training.config import MedR3TrainingConfig, config_from_dict, load_config
+from ermedrag.training.med_r3.config import MedR3TrainingConfig
+from ermedrag.training.config import config_from_dict, load_config
 from ermedrag.training.med_r3.data import build_med_r3_dataset
 from ermedrag.training.rewards import WeightedReward, resolve_rewards
 from ermedrag.training.grpo.rollouts import ANSWER_STOP, SearchFn, index_search, make_search_rollout
@@ -64,13 +65,18 @@ class Stage:
 STAGES: dict[int, Stage] = {
     1: Stage(1, "reasoning", False, (("correctness", 1.0), ("format", 0.5), ("length", 0.2))),
     2: Stage(2, "retrieval", True, (("retrieval_hit", 1.0), ("search_format", 0.5))),
-    3: Stage(3, "joint", True, (("correctness", 1.0), ("format", 0.5), ("retrieval_hit", 0.5),
-                                ("search_format", 0.2), ("penalties", 1.0))),
+    3: Stage(
+        3,
+        "joint",
+        True,
+        (("correctness", 1.0), ("format", 0.5), ("retrieval_hit", 0.5), ("search_format", 0.2), ("penalties", 1.0)),
+    ),
 }
 
 
-def stage_rewards(stage: int, weights: Mapping[str, float] | None = None, *,
-                  settings: Mapping[str, Any] | None = None) -> list[WeightedReward]:
+def stage_rewards(
+    stage: int, weights: Mapping[str, float] | None = None, *, settings: Mapping[str, Any] | None = None
+) -> list[WeightedReward]:
     """The rewards of `stage`: its defaults updated by `weights` (name → weight; a new name adds that reward,
     weight 0 drops one), built with `settings` (`MedR3TrainingConfig.reward_settings()`)."""
     return resolve_rewards(weights, dict(STAGES[stage].rewards), settings=settings, where=f"stage {stage} rewards")
@@ -78,8 +84,10 @@ def stage_rewards(stage: int, weights: Mapping[str, float] | None = None, *,
 
 def _check(config: MedR3TrainingConfig, stage: int) -> None:
     if config.use_vllm:
-        raise ValueError("Med-R³ rollouts generate with transformers inside the rollout function; use_vllm is not "
-                         "supported (set use_vllm: false)")
+        raise ValueError(
+            "Med-R³ rollouts generate with transformers inside the rollout function; use_vllm is not "
+            "supported (set use_vllm: false)"
+        )
     if STAGES[stage].search and not config.index_dir:
         raise ValueError(f"stage {stage} ({STAGES[stage].name}) searches: set index_dir to a corpus index")
     stage_rewards(stage, config.rewards, settings=config.reward_settings())  # names and weights, before training
@@ -89,8 +97,9 @@ def stage_config(config: MedR3TrainingConfig, stage: int) -> MedR3TrainingConfig
     """The config of one stage: its `stage_overrides` applied (its `rewards` become the stage config's
     `rewards`), output in `output_dir/stageN`."""
     if config.rewards is not None:
-        raise ValueError("Med-R³ weights rewards per stage: use stage_overrides: {N: {rewards: {name: weight}}} "
-                         "instead of rewards")
+        raise ValueError(
+            "Med-R³ weights rewards per stage: use stage_overrides: {N: {rewards: {name: weight}}} instead of rewards"
+        )
     overrides = {str(k): v for k, v in (config.stage_overrides or {}).items()}
     unknown = sorted(set(overrides) - {str(n) for n in STAGES})
     if unknown:
@@ -131,29 +140,53 @@ def stage_start_model(config: MedR3TrainingConfig, stage: int) -> str:
     return recorded_stage_model(_stage_dir(config, stage - 1) / STAGE_RECORD, str(stage), str(stage - 1))
 
 
-def train_stage(config: MedR3TrainingConfig, stage: int, *, logits_processor: Sequence[Any] | None = None
-                ) -> dict[str, Any]:
+def train_stage(
+    config: MedR3TrainingConfig, stage: int, *, logits_processor: Sequence[Any] | None = None
+) -> dict[str, Any]:
     """Run one stage from the previous stage's model; write its folder; return its summary."""
     from accelerate import PartialState
 
     staged = stage_config(config, stage)
     spec = STAGES[stage]
     rewards = stage_rewards(stage, staged.rewards, settings=staged.reward_settings())
-    rollout = make_search_rollout(_stage_search(staged) if spec.search else None, max_searches=staged.max_searches,
-                                  step_max_new_tokens=staged.step_max_new_tokens,
-                                  max_total_tokens=staged.max_completion_length, logits_processor=logits_processor,
-                                  end_stops=staged.stop_strings or (ANSWER_STOP,))
+    rollout = make_search_rollout(
+        _stage_search(staged) if spec.search else None,
+        max_searches=staged.max_searches,
+        step_max_new_tokens=staged.step_max_new_tokens,
+        max_total_tokens=staged.max_completion_length,
+        logits_processor=logits_processor,
+        end_stops=staged.stop_strings or (ANSWER_STOP,),
+    )
     start_model = stage_start_model(config, stage)
     staged.model = start_model  # the trainer loads it; also recorded in training_config.json and the plot title
     summary = run_grpo(staged, rewards, rollout_func=rollout, kind=f"med-r3 stage{stage}")
     gc.collect()  # the trainer is gone: free its memory before the merge loads the model again
     process = PartialState()
     output_dir, model_dir = stage_model(staged, process)
-    summary.update(stage=stage, name=spec.name, search=spec.search, start_model=start_model,
-                   model_dir=str(model_dir), adapter_dir=str(output_dir) if staged.use_lora else None)
-    write_stage_record(output_dir / STAGE_RECORD, summary, ("stage", "name", "search", "start_model", "model_dir",
-                                                            "adapter_dir", "steps", "reward_functions",
-                                                            "reward_weights"), process)
+    summary.update(
+        stage=stage,
+        name=spec.name,
+        search=spec.search,
+        start_model=start_model,
+        model_dir=str(model_dir),
+        adapter_dir=str(output_dir) if staged.use_lora else None,
+    )
+    write_stage_record(
+        output_dir / STAGE_RECORD,
+        summary,
+        (
+            "stage",
+            "name",
+            "search",
+            "start_model",
+            "model_dir",
+            "adapter_dir",
+            "steps",
+            "reward_functions",
+            "reward_weights",
+        ),
+        process,
+    )
     return summary
 
 
@@ -165,8 +198,12 @@ def _stage_search(config: MedR3TrainingConfig) -> SearchFn:
     return index_search(index, k=config.search_k, coarse_k=config.coarse_k)
 
 
-def train_med_r3(config: MedR3TrainingConfig | str | os.PathLike[str], stages: Iterable[int] | str = (1, 2, 3),
-                 *, logits_processor: Sequence[Any] | None = None) -> dict[str, Any]:
+def train_med_r3(
+    config: MedR3TrainingConfig | str | os.PathLike[str],
+    stages: Iterable[int] | str = (1, 2, 3),
+    *,
+    logits_processor: Sequence[Any] | None = None,
+) -> dict[str, Any]:
     """Run the given stages in order (consecutive, among 1, 2, 3), each from the previous stage's model.
 
     `config` is a `MedR3TrainingConfig` or the path of its YAML file. `logits_processor` (transformers
@@ -186,8 +223,9 @@ def train_med_r3(config: MedR3TrainingConfig | str | os.PathLike[str], stages: I
     merged = {**previous.get("stages", {}), **{str(n): s for n, s in results.items()}}
     final_model = results[numbers[-1]]["model_dir"]
     summary_path.parent.mkdir(parents=True, exist_ok=True)
-    summary_path.write_text(json.dumps({"stages": merged, "final_model": final_model}, indent=2, default=str),
-                            encoding="utf-8")
+    summary_path.write_text(
+        json.dumps({"stages": merged, "final_model": final_model}, indent=2, default=str), encoding="utf-8"
+    )
     return {"stages": results, "final_model": final_model}
 
 
@@ -195,8 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m ermedrag.training.med_r3.train dataset FILE.jsonl ... --out DIR [--qrels Q] [--corpus-dir C] [--limit N]`."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m ermedrag.training.med_r3.train",
-                                     description="Med-R³ training data (training.med_r3_data)")
+    parser = argparse.ArgumentParser(
+        prog="python -m ermedrag.training.med_r3.train", description="Med-R³ training data (training.med_r3_data)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("dataset", help="build a Med-R³ GRPO dataset from question JSONL files")
     build.add_argument("paths", nargs="+", help="questions in the shared schema (pubmedqa_train.jsonl, ...)")
@@ -206,8 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     build.add_argument("--limit", type=int, help="questions sampled per file")
     build.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    counts = build_med_r3_dataset(args.paths, args.out, qrels=args.qrels, corpus_dir=args.corpus_dir,
-                                  limit=args.limit, seed=args.seed)
+    counts = build_med_r3_dataset(
+        args.paths, args.out, qrels=args.qrels, corpus_dir=args.corpus_dir, limit=args.limit, seed=args.seed
+    )
     print(json.dumps(counts, indent=2))
     return 0
 

@@ -34,8 +34,15 @@ from typing import Any
 
 from ermedrag.agents import attending as attending_role, triage as triage_role
 from ermedrag.agents.base import to_chat
-from ermedrag.tools.data.specialties import (LABEL_TABLES, LABELLED_BENCHMARKS, MAX_LABEL_CHARS, benchmark_family,
-                                       fold_label, gold_specialty_for, question_field)
+from ermedrag.tools.data.specialties import (
+    LABEL_TABLES,
+    LABELLED_BENCHMARKS,
+    MAX_LABEL_CHARS,
+    benchmark_family,
+    fold_label,
+    gold_specialty_for,
+    question_field,
+)
 from ermedrag.tools.records.traces import TraceStore
 from ermedrag.training.export import export_resumable
 
@@ -74,13 +81,19 @@ def labels_from_questions(questions: Iterable[Any]) -> dict[tuple[str, frozenset
     return found
 
 
-def load_labels(data: str | os.PathLike[str] | None, questions: Sequence[str | os.PathLike[str]] = ()
-                ) -> dict[tuple[str, frozenset[str]], Label]:
+def load_labels(
+    data: str | os.PathLike[str] | None, questions: Sequence[str | os.PathLike[str]] = ()
+) -> dict[tuple[str, frozenset[str]], Label]:
     """Labels of the benchmark files that have a table (from the `data` folder: the root holding `benchmarks/`
     or that folder; default ERMEDRAG_SHARED_DATA; a benchmark whose file is absent is skipped) and of the
     question files in `questions`. Never downloads."""
-    from ermedrag.tools.data.benchmarks import BENCHMARKS, benchmarks_folder, default_data_dir, load_benchmark, \
-        load_questions_file
+    from ermedrag.tools.data.benchmarks import (
+        BENCHMARKS,
+        benchmarks_folder,
+        default_data_dir,
+        load_benchmark,
+        load_questions_file,
+    )
 
     folder = benchmarks_folder(data) if data else default_data_dir()
     loaded: list[Any] = []
@@ -99,18 +112,22 @@ def load_labels(data: str | os.PathLike[str] | None, questions: Sequence[str | o
 class MMedAgentExportConfig:
     traces: str = field(metadata={"help": "trace database (SQLite) to read"})
     out: str = field(metadata={"help": "output folder: triage/, easy/, medium/, hard/"})
-    data: str | None = field(default=None, metadata={
-        "help": "shared data root (or its benchmarks/ folder) whose metadata labels the triage; default "
-                "ERMEDRAG_SHARED_DATA"})
-    questions: list[str] = field(default_factory=list, metadata={
-        "help": "more benchmark JSONL files whose metadata labels the triage"})
+    data: str | None = field(
+        default=None,
+        metadata={
+            "help": "shared data root (or its benchmarks/ folder) whose metadata labels the triage; default "
+            "ERMEDRAG_SHARED_DATA"
+        },
+    )
+    questions: list[str] = field(
+        default_factory=list, metadata={"help": "more benchmark JSONL files whose metadata labels the triage"}
+    )
     limit: int | None = field(default=None, metadata={"help": "process at most this many runs per dataset"})
 
 
 def finished_runs(store: TraceStore) -> list[dict[str, Any]]:
     """The finished runs of the mmedagent graph, by run id."""
-    return sorted((r for r in store.runs() if r["graph"] == GRAPH and r.get("finished_at")),
-                  key=lambda r: r["run_id"])
+    return sorted((r for r in store.runs() if r["graph"] == GRAPH and r.get("finished_at")), key=lambda r: r["run_id"])
 
 
 def _first(events: Iterable[dict[str, Any]], agent: str) -> dict[str, Any] | None:
@@ -118,15 +135,18 @@ def _first(events: Iterable[dict[str, Any]], agent: str) -> dict[str, Any] | Non
     return next((e for e in events if e["agent"] == agent), None)
 
 
-def triage_row(run: dict[str, Any], events: Sequence[dict[str, Any]],
-               labels: Mapping[tuple[str, frozenset[str]], Label]) -> tuple[dict[str, Any] | None, str]:
+def triage_row(
+    run: dict[str, Any], events: Sequence[dict[str, Any]], labels: Mapping[tuple[str, frozenset[str]], Label]
+) -> tuple[dict[str, Any] | None, str]:
     """The run's triage row, or None and why it is left out (`no_triage_event`, `no_gold_specialty`,
     `not_in_specialties`)."""
     event = _first(events, "triage")
     if event is None:
         return None, "no_triage_event"
     question = run["question"]
-    specialties = [str(s) for s in ((event.get("inputs") or {}).get("specialties") or [])][:triage_role.MAX_SPECIALTIES]
+    specialties = [str(s) for s in ((event.get("inputs") or {}).get("specialties") or [])][
+        : triage_role.MAX_SPECIALTIES
+    ]
     given = event.get("gold")  # the input's gold_specialty
     if isinstance(given, str) and given.strip():
         label = Label(given, "input gold_specialty")
@@ -137,9 +157,15 @@ def triage_row(run: dict[str, Any], events: Sequence[dict[str, Any]],
     gold = triage_role.canonical_specialty(label.specialty, specialties)
     if gold is None:
         return None, "not_in_specialties"
-    return {"prompt": to_chat(event["messages"]), "gold_specialty": gold, "specialties": specialties,
-            "label_source": label.source, "question": question["question"], "run_id": run["run_id"],
-            "event_id": event["event_id"]}, "ok"
+    return {
+        "prompt": to_chat(event["messages"]),
+        "gold_specialty": gold,
+        "specialties": specialties,
+        "label_source": label.source,
+        "question": question["question"],
+        "run_id": run["run_id"],
+        "event_id": event["event_id"],
+    }, "ok"
 
 
 def attending_row(run: dict[str, Any], events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -148,11 +174,19 @@ def attending_row(run: dict[str, Any], events: Sequence[dict[str, Any]]) -> dict
     if event is None:
         return None
     answer, question = run.get("answer") or {}, run["question"]
-    return {"prompt": to_chat(event["messages"]), "gold": run["gold"], "options": question.get("options"),
-            "agreement": answer.get("agreement"), "bucket": answer.get("bucket"),
-            "majority": answer.get("majority"), "specialty": answer.get("specialty"),
-            "specialist_answers": list(answer.get("specialist_answers") or []),
-            "question": question["question"], "run_id": run["run_id"], "event_id": event["event_id"]}
+    return {
+        "prompt": to_chat(event["messages"]),
+        "gold": run["gold"],
+        "options": question.get("options"),
+        "agreement": answer.get("agreement"),
+        "bucket": answer.get("bucket"),
+        "majority": answer.get("majority"),
+        "specialty": answer.get("specialty"),
+        "specialist_answers": list(answer.get("specialist_answers") or []),
+        "question": question["question"],
+        "run_id": run["run_id"],
+        "event_id": event["event_id"],
+    }
 
 
 def export_mmedagent(config: MMedAgentExportConfig, progress: bool = True) -> dict[str, Any]:
@@ -180,11 +214,21 @@ def export_mmedagent(config: MMedAgentExportConfig, progress: bool = True) -> di
             no_bucket += 1
         else:
             by_bucket[bucket].append({"key": run["run_id"], "row": attending})
-    counts: dict[str, Any] = {"runs": len(runs),
-                              "labelled_questions": sum(1 for label in labels.values() if label.specialty)}
+    counts: dict[str, Any] = {
+        "runs": len(runs),
+        "labelled_questions": sum(1 for label in labels.values() if label.specialty),
+    }
     for name, items in ((TRIAGE_DIR, triage_items), *by_bucket.items()):
-        counts[name] = export_resumable(out / name, items, "key", lambda item: item, row_key="row",
-                                        limit=config.limit, progress=progress, unit=f"{name} run")
+        counts[name] = export_resumable(
+            out / name,
+            items,
+            "key",
+            lambda item: item,
+            row_key="row",
+            limit=config.limit,
+            progress=progress,
+            unit=f"{name} run",
+        )
     counts["triage_left_out"] = dict(sorted(left_out.items()))
     counts["no_bucket"] = no_bucket
     return counts
@@ -195,8 +239,10 @@ def export_summary(counts: Mapping[str, Any], out: str | os.PathLike[str]) -> st
     left = counts["triage_left_out"]
     why = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in left.items())
     buckets = ", ".join(f"{b} {counts[b]['rows']}" for b in BUCKETS)
-    return (f"mmedagent: {counts['runs']} finished runs → triage {counts[TRIAGE_DIR]['rows']} rows "
-            f"({sum(left.values())} left out{': ' + why if why else ''}; labels: the runs' gold_specialty and "
-            f"{counts['labelled_questions']} benchmark questions); attending {buckets} "
-            f"({counts['no_bucket']} without a bucket: no gold answer); "
-            f"datasets in {Path(out)}/{{triage,easy,medium,hard}}/dataset")
+    return (
+        f"mmedagent: {counts['runs']} finished runs → triage {counts[TRIAGE_DIR]['rows']} rows "
+        f"({sum(left.values())} left out{': ' + why if why else ''}; labels: the runs' gold_specialty and "
+        f"{counts['labelled_questions']} benchmark questions); attending {buckets} "
+        f"({counts['no_bucket']} without a bucket: no gold answer); "
+        f"datasets in {Path(out)}/{{triage,easy,medium,hard}}/dataset"
+    )

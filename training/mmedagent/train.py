@@ -58,7 +58,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ermedrag.tools.records.jsonl import read_records
-from ermedrag.training.config import MMedAgentTrainingConfig, config_from_dict, load_config, resolve_model
+from ermedrag.training.mmedagent.config import MMedAgentTrainingConfig
+from ermedrag.training.config import config_from_dict, load_config, resolve_model
 from ermedrag.training.stages import recorded_stage_model, refuse_resume, stage_model, write_stage_record
 from ermedrag.training.rewards import REWARDS, WeightedReward, resolve_rewards
 from ermedrag.training.trainers import run_grpo
@@ -81,10 +82,11 @@ ROLE_REWARD_NAMES: dict[Role, tuple[str, ...]] = {
     "attending": ("correctness", "correctness_ungated", "format", "length"),
 }
 REWARD_MODES: dict[str, dict[Role, dict[str, float]]] = {
-    "paper": {"triage": {"triage_correctness_ungated": 1.0, "format": 0.5},
-              "attending": {"correctness_ungated": 1.0, "format": 0.5}},
-    "gated": {"triage": {"triage_correctness": 1.0, "format": 0.5},
-              "attending": {"correctness": 1.0, "format": 0.5}},
+    "paper": {
+        "triage": {"triage_correctness_ungated": 1.0, "format": 0.5},
+        "attending": {"correctness_ungated": 1.0, "format": 0.5},
+    },
+    "gated": {"triage": {"triage_correctness": 1.0, "format": 0.5}, "attending": {"correctness": 1.0, "format": 0.5}},
 }
 
 
@@ -114,8 +116,15 @@ STAGES: dict[str, Stage] = {
 CURRICULUM = ("triage", "easy", "medium", "hard")
 NO_CURRICULUM = ("triage", "attending")
 # Settings that hold for the whole schedule: a stage may not change them.
-NOT_PER_STAGE = ("model", "output_dir", "stage_overrides", "curriculum", "attending_start", "entropy_bonus",
-                 "adaptive_entropy")
+NOT_PER_STAGE = (
+    "model",
+    "output_dir",
+    "stage_overrides",
+    "curriculum",
+    "attending_start",
+    "entropy_bonus",
+    "adaptive_entropy",
+)
 
 
 def schedule(config: MMedAgentTrainingConfig) -> tuple[str, ...]:
@@ -132,15 +141,22 @@ def parse_stages(config: MMedAgentTrainingConfig, stages: Iterable[str] | str | 
     names = {str(s).strip().lower() for s in items if str(s).strip()}
     unknown = sorted(names - set(order))
     if not names or unknown:
-        other = ("curriculum: false trains the attending in one stage, 'attending'" if config.curriculum is False
-                 else "'attending' is the stage of curriculum: false")
-        raise ValueError(f"stages must be among {', '.join(order)} (curriculum: {str(config.curriculum).lower()}; "
-                         f"{other}), got {stages!r}")
+        other = (
+            "curriculum: false trains the attending in one stage, 'attending'"
+            if config.curriculum is False
+            else "'attending' is the stage of curriculum: false"
+        )
+        raise ValueError(
+            f"stages must be among {', '.join(order)} (curriculum: {str(config.curriculum).lower()}; "
+            f"{other}), got {stages!r}"
+        )
     chosen = [name for name in order if name in names]
     chain = [order.index(n) for n in chosen if STAGES[n].role == "attending"]
     if chain and chain != list(range(chain[0], chain[-1] + 1)):
-        raise ValueError(f"the attending's stages must be consecutive (each starts from the previous one's model), "
-                         f"got {', '.join(chosen)}")
+        raise ValueError(
+            f"the attending's stages must be consecutive (each starts from the previous one's model), "
+            f"got {', '.join(chosen)}"
+        )
     return chosen
 
 
@@ -181,8 +197,10 @@ def stage_config(config: MMedAgentTrainingConfig, name: str) -> MMedAgentTrainin
     if name not in STAGES:
         raise ValueError(f"unknown stage {name!r}; stages are {', '.join(STAGES)}")
     if config.rewards is not None:
-        raise ValueError("MMedAgent weights rewards per stage: use reward: paper|gated, and stage_overrides: "
-                         "{NAME: {rewards: {name: weight}}} instead of rewards")
+        raise ValueError(
+            "MMedAgent weights rewards per stage: use reward: paper|gated, and stage_overrides: "
+            "{NAME: {rewards: {name: weight}}} instead of rewards"
+        )
     if config.reward not in REWARD_MODES:
         raise ValueError(f"reward must be one of {', '.join(REWARD_MODES)}, got {config.reward!r}")
     if config.adaptive_entropy and not config.entropy_bonus:
@@ -200,15 +218,25 @@ def stage_config(config: MMedAgentTrainingConfig, name: str) -> MMedAgentTrainin
     if not config.entropy_bonus:
         explicit = own.get("entropy_coef") if own.get("entropy_coef") is not None else config.entropy_coef
         if explicit is not None and _number(explicit, f"stage_overrides.{name}.entropy_coef") != 0:
-            raise ValueError(f"entropy_bonus: false sets γ = 0 in every stage, but entropy_coef is {explicit!r} for "
-                             f"stage {name}: remove one of them")
+            raise ValueError(
+                f"entropy_bonus: false sets γ = 0 in every stage, but entropy_coef is {explicit!r} for "
+                f"stage {name}: remove one of them"
+            )
         entropy_coef = 0.0
-    data = {**dataclasses.asdict(config), **own, "stage_overrides": {},
-            "output_dir": str(_stage_dir(config, name)),
-            "beta": _scheduled(own, config, "beta", stage.beta), "entropy_coef": entropy_coef}
+    data = {
+        **dataclasses.asdict(config),
+        **own,
+        "stage_overrides": {},
+        "output_dir": str(_stage_dir(config, name)),
+        "beta": _scheduled(own, config, "beta", stage.beta),
+        "entropy_coef": entropy_coef,
+    }
     if "dataset" not in own:
-        data["dataset"] = str(_stage_dir(config, name) / COMBINED_DATASET if combines_buckets(config, name)
-                              else stage_sources(config, name)[0] / "dataset")
+        data["dataset"] = str(
+            _stage_dir(config, name) / COMBINED_DATASET
+            if combines_buckets(config, name)
+            else stage_sources(config, name)[0] / "dataset"
+        )
     staged = config_from_dict(data, MMedAgentTrainingConfig, source=f"stage_overrides.{name}")
     stage_rewards(staged, name)  # names and weights checked before training
     refuse_resume(staged)
@@ -219,8 +247,13 @@ def stage_rewards(staged: MMedAgentTrainingConfig, name: str) -> list[WeightedRe
     """A stage's rewards: its role's defaults under `reward` (paper|gated), updated by the stage's `rewards`."""
     role = STAGES[name].role
     registry = {reward: REWARDS[reward] for reward in ROLE_REWARD_NAMES[role]}
-    return resolve_rewards(staged.rewards, REWARD_MODES[staged.reward][role], registry=registry,
-                           settings=staged.reward_settings(), where=f"stage {name} rewards")
+    return resolve_rewards(
+        staged.rewards,
+        REWARD_MODES[staged.reward][role],
+        registry=registry,
+        settings=staged.reward_settings(),
+        where=f"stage {name} rewards",
+    )
 
 
 def stage_start_model(config: MMedAgentTrainingConfig, name: str) -> str:
@@ -228,8 +261,11 @@ def stage_start_model(config: MMedAgentTrainingConfig, name: str) -> str:
     previous stage recorded."""
     stage = STAGES[name]
     if stage.after is None:
-        return resolve_model(config.attending_start) if stage.role == "attending" and config.attending_start \
+        return (
+            resolve_model(config.attending_start)
+            if stage.role == "attending" and config.attending_start
             else config.model_path()
+        )
     return recorded_stage_model(_stage_dir(config, stage.after) / STAGE_RECORD, name, stage.after)
 
 
@@ -240,10 +276,13 @@ def _check_data(config: MMedAgentTrainingConfig, name: str, staged: MMedAgentTra
             raise FileNotFoundError(
                 f"stage {name} trains on {staged.dataset}, which does not exist: export the runs first (`ermedrag "
                 f"export mmedagent --out {config.dataset}`); a bucket the runs never reached has no folder (then run "
-                "fewer stages with --stages)")
+                "fewer stages with --stages)"
+            )
     elif not any((source / "data.jsonl").is_file() for source in stage_sources(config, name)):
-        raise FileNotFoundError(f"stage {name} trains on {', '.join(str(s) for s in stage_sources(config, name))}: "
-                                f"none has a data.jsonl; export the runs first (`ermedrag export mmedagent`)")
+        raise FileNotFoundError(
+            f"stage {name} trains on {', '.join(str(s) for s in stage_sources(config, name))}: "
+            f"none has a data.jsonl; export the runs first (`ermedrag export mmedagent`)"
+        )
 
 
 def combine_buckets(sources: Sequence[Path], out: Path, seed: int) -> int:
@@ -282,19 +321,44 @@ def train_stage(config: MMedAgentTrainingConfig, name: str) -> dict[str, Any]:
     summary = run_grpo(staged, rewards, kind=f"mmedagent {name}")
     gc.collect()  # the trainer is gone: free its memory before the merge loads the model again
     output_dir, model_dir = stage_model(staged, process)
-    summary.update(stage=name, role=stage.role, start_model=start_model, model_dir=str(model_dir),
-                   adapter_dir=str(output_dir) if staged.use_lora else None, dataset=staged.dataset,
-                   entropy_coef=staged.entropy_coef if staged.entropy_bonus else 0.0, beta=staged.beta,
-                   adaptive_entropy=staged.adaptive_entropy, reward=staged.reward)
-    write_stage_record(output_dir / STAGE_RECORD, summary, ("stage", "role", "start_model", "model_dir",
-                                                            "adapter_dir", "dataset", "steps", "reward_functions",
-                                                            "reward_weights", "entropy_coef", "beta",
-                                                            "adaptive_entropy", "reward"), process)
+    summary.update(
+        stage=name,
+        role=stage.role,
+        start_model=start_model,
+        model_dir=str(model_dir),
+        adapter_dir=str(output_dir) if staged.use_lora else None,
+        dataset=staged.dataset,
+        entropy_coef=staged.entropy_coef if staged.entropy_bonus else 0.0,
+        beta=staged.beta,
+        adaptive_entropy=staged.adaptive_entropy,
+        reward=staged.reward,
+    )
+    write_stage_record(
+        output_dir / STAGE_RECORD,
+        summary,
+        (
+            "stage",
+            "role",
+            "start_model",
+            "model_dir",
+            "adapter_dir",
+            "dataset",
+            "steps",
+            "reward_functions",
+            "reward_weights",
+            "entropy_coef",
+            "beta",
+            "adaptive_entropy",
+            "reward",
+        ),
+        process,
+    )
     return summary
 
 
-def train_mmedagent(config: MMedAgentTrainingConfig | str | os.PathLike[str],
-                    stages: Iterable[str] | str | None = None) -> dict[str, Any]:
+def train_mmedagent(
+    config: MMedAgentTrainingConfig | str | os.PathLike[str], stages: Iterable[str] | str | None = None
+) -> dict[str, Any]:
     """Run the given stages (None: the whole schedule) in schedule order, each from its start model.
 
     `config` is a `MMedAgentTrainingConfig` or the path of its YAML file. Every stage's settings and data are
@@ -312,10 +376,19 @@ def train_mmedagent(config: MMedAgentTrainingConfig | str | os.PathLike[str],
     summary_path = Path(config.output_dir) / SUMMARY_FILE
     previous = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
     merged = {**previous.get("stages", {}), **results}
-    latest = {role: next((results[n]["model_dir"] for n in reversed(names) if STAGES[n].role == role),
-                         previous.get(f"{role}_model")) for role in ("triage", "attending")}
+    latest = {
+        role: next(
+            (results[n]["model_dir"] for n in reversed(names) if STAGES[n].role == role), previous.get(f"{role}_model")
+        )
+        for role in ("triage", "attending")
+    }
     summary_path.parent.mkdir(parents=True, exist_ok=True)
-    summary_path.write_text(json.dumps({"stages": merged, "triage_model": latest["triage"],
-                                        "attending_model": latest["attending"]}, indent=2, default=str),
-                            encoding="utf-8")
+    summary_path.write_text(
+        json.dumps(
+            {"stages": merged, "triage_model": latest["triage"], "attending_model": latest["attending"]},
+            indent=2,
+            default=str,
+        ),
+        encoding="utf-8",
+    )
     return {"stages": results, "triage_model": latest["triage"], "attending_model": latest["attending"]}

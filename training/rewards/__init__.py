@@ -50,8 +50,10 @@ from ermedrag.training.rewards.triage import triage_correctness_reward, well_for
 
 # The modules that define rewards (this registry's, the extractor's, MMedAgent's triage); with the parsers they
 # call, they are what `reward_code_sha256` fingerprints.
-REWARD_MODULES = ("ermedrag.training.rewards", *(f"ermedrag.training.rewards.{name}" for name in
-                                                   ("answers", "extraction", "search", "triage")))
+REWARD_MODULES = (
+    "ermedrag.training.rewards",
+    *(f"ermedrag.training.rewards.{name}" for name in ("answers", "extraction", "search", "triage")),
+)
 
 REWARDS: dict[str, RewardFunc] = {
     "correctness": well_formed_correctness_reward,
@@ -78,9 +80,14 @@ class WeightedReward:
     weight: float
 
 
-def resolve_rewards(weights: Mapping[str, float] | None, defaults: Mapping[str, float], *,
-                    registry: Mapping[str, RewardFunc] = REWARDS, settings: Mapping[str, Any] | None = None,
-                    where: str = "rewards") -> list[WeightedReward]:
+def resolve_rewards(
+    weights: Mapping[str, float] | None,
+    defaults: Mapping[str, float],
+    *,
+    registry: Mapping[str, RewardFunc] = REWARDS,
+    settings: Mapping[str, Any] | None = None,
+    where: str = "rewards",
+) -> list[WeightedReward]:
     """The rewards to train with: `defaults` updated by `weights` (name → weight; a new name adds that reward,
     weight 0 drops one), in that order, each built with the `settings` it has fields for.
 
@@ -94,8 +101,9 @@ def resolve_rewards(weights: Mapping[str, float] | None, defaults: Mapping[str, 
     bad = {name: merged[name] for name, w in numbers.items() if w is None}
     if bad:
         raise ValueError(f"{where}: reward weights must be finite numbers, got {bad}")
-    kept = [WeightedReward(name, _configured(registry[name], settings or {}), w)
-            for name, w in numbers.items() if w != 0]
+    kept = [
+        WeightedReward(name, _configured(registry[name], settings or {}), w) for name, w in numbers.items() if w != 0
+    ]
     if not kept:
         raise ValueError(f"{where}: every reward weight is 0")
     return kept
@@ -176,8 +184,11 @@ def code_sha256(sources: Iterable[str]) -> str:
     for source in sources:
         tree = ast.parse(source)
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
-                    and node.body and _is_docstring(node.body[0]):
+            if (
+                isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.body
+                and _is_docstring(node.body[0])
+            ):
                 node.body = node.body[1:] or [ast.Pass()]
         digest.update(ast.dump(tree).encode())
         digest.update(b"\0")
@@ -185,5 +196,8 @@ def code_sha256(sources: Iterable[str]) -> str:
 
 
 def _is_docstring(statement: ast.stmt) -> bool:
-    return isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) \
+    return (
+        isinstance(statement, ast.Expr)
+        and isinstance(statement.value, ast.Constant)
         and isinstance(statement.value.value, str)
+    )

@@ -186,8 +186,8 @@ def is_well_formed(text: str) -> bool:
     open_think, close_think, open_answer, close_answer = (low.index(tag) for tag in tags)
     if not open_think < close_think < open_answer < close_answer:
         return False
-    outside = low[:open_think] + low[close_think + 8: open_answer] + low[close_answer + 9:]
-    return not outside.strip() and bool(low[open_answer + 8: close_answer].strip())
+    outside = low[:open_think] + low[close_think + 8 : open_answer] + low[close_answer + 9 :]
+    return not outside.strip() and bool(low[open_answer + 8 : close_answer].strip())
 
 
 def format_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -207,8 +207,10 @@ class LengthPenalty:
 
     def __post_init__(self) -> None:
         if self.max_chars <= 0 or not 0 <= self.soft < self.max_chars or not self.max_penalty >= 0:
-            raise ValueError(f"need 0 <= soft_chars < max_chars and max_penalty >= 0, got soft_chars={self.soft}, "
-                             f"max_chars={self.max_chars}, max_penalty={self.max_penalty}")
+            raise ValueError(
+                f"need 0 <= soft_chars < max_chars and max_penalty >= 0, got soft_chars={self.soft}, "
+                f"max_chars={self.max_chars}, max_penalty={self.max_penalty}"
+            )
 
     @property
     def soft(self) -> int:
@@ -233,8 +235,13 @@ def numbered_triplets(value: Any) -> list[dict[str, Any]]:
     rows = []
     for number, item in enumerate(value[:64], 1):
         if isinstance(item, dict):
-            rows.append({**{name: str(item.get(name) or "") for name in (*FIELDS, "snippet_id")},
-                         "distractor": bool(item.get("distractor")), "number": number})
+            rows.append(
+                {
+                    **{name: str(item.get(name) or "") for name in (*FIELDS, "snippet_id")},
+                    "distractor": bool(item.get("distractor")),
+                    "number": number,
+                }
+            )
     return rows
 
 
@@ -246,7 +253,8 @@ MIN_NAMED_TOKENS = 1
 # name the evidence list: a model numbering its own thoughts ("Point 1:", "Finding 2:") cites nothing. Bounded
 # digits and literal alternatives: linear in the reasoning's length.
 NUMBERED_REFERENCE = re.compile(
-    r"(?:\b(?:triplet|evidence|fact)s?\s{0,3}(?:#|no\.?|number)?\s{0,3}|\[)(\d{1,3})\b", re.IGNORECASE)
+    r"(?:\b(?:triplet|evidence|fact)s?\s{0,3}(?:#|no\.?|number)?\s{0,3}|\[)(\d{1,3})\b", re.IGNORECASE
+)
 
 
 def _cites(reasoning: str, snippet_id: str) -> bool:
@@ -277,21 +285,28 @@ class Reference:
         return self.shared_tokens >= (MIN_NAMED_TOKENS if self.named else MIN_SHARED_TOKENS)
 
 
-def evidence_references(parsed: dict[str, Any], options: dict[str, str] | None, triplets: list[dict[str, Any]],
-                        question: str = "") -> list[Reference]:
+def evidence_references(
+    parsed: dict[str, Any], options: dict[str, str] | None, triplets: list[dict[str, Any]], question: str = ""
+) -> list[Reference]:
     """Each triplet of `numbered_triplets` as the parsed reply's reasoning refers to it."""
     reasoning = str(parsed.get("reasoning") or "")
     answer = parsed.get("answer") or ""
     own = set(content_tokens(options.get(answer, answer) if options else answer)) | set(content_tokens(question))
     reasoning_tokens = set(content_tokens(reasoning))
     numbers = cited_numbers(reasoning)
-    return [Reference(triplet, _cited(triplet, numbers, reasoning),
-                      len(reasoning_tokens & (set(content_tokens(" ".join(triplet[name] for name in FIELDS))) - own)))
-            for triplet in triplets]
+    return [
+        Reference(
+            triplet,
+            _cited(triplet, numbers, reasoning),
+            len(reasoning_tokens & (set(content_tokens(" ".join(triplet[name] for name in FIELDS))) - own)),
+        )
+        for triplet in triplets
+    ]
 
 
-def uses_evidence(parsed: dict[str, Any], options: dict[str, str] | None, triplets: list[dict[str, Any]],
-                  question: str = "") -> bool:
+def uses_evidence(
+    parsed: dict[str, Any], options: dict[str, str] | None, triplets: list[dict[str, Any]], question: str = ""
+) -> bool:
     """The reasoning restates a triplet that is not a distractor, and every triplet it names (number or snippet id)
     is one of those and is restated by it (module docstring)."""
     if parsed.get("answer") is None:

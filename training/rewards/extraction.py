@@ -40,14 +40,31 @@ logger = logging.getLogger(__name__)
 class ExtractorRewardWeights:
     """Weights of the extractor reward's components; the total is their weighted mean."""
 
-    structure: float = field(default=0.3, metadata={"help": "Weight of `structure`: a strict JSON triplet list "
-                             "scores 1.0, a salvaged one 0.5, `[]` 1.0 on an irrelevant snippet (0.3 else)."})
-    faithfulness: float = field(default=0.4, metadata={"help": "Weight of `faithfulness`: share of the "
-                                "triplets' content tokens found in the snippet, or the judge's score."})
-    conciseness: float = field(default=0.1, metadata={"help": "Weight of `conciseness`: 1.0 at ≤40% of the "
-                               "snippet's characters, 0.0 at ≥100%."})
-    usefulness: float = field(default=0.2, metadata={"help": "Weight of `usefulness`: whether the respondent "
-                              "reached gold with this extraction; left out (renormalised) when not given."})
+    structure: float = field(
+        default=0.3,
+        metadata={
+            "help": "Weight of `structure`: a strict JSON triplet list "
+            "scores 1.0, a salvaged one 0.5, `[]` 1.0 on an irrelevant snippet (0.3 else)."
+        },
+    )
+    faithfulness: float = field(
+        default=0.4,
+        metadata={
+            "help": "Weight of `faithfulness`: share of the "
+            "triplets' content tokens found in the snippet, or the judge's score."
+        },
+    )
+    conciseness: float = field(
+        default=0.1,
+        metadata={"help": "Weight of `conciseness`: 1.0 at ≤40% of the snippet's characters, 0.0 at ≥100%."},
+    )
+    usefulness: float = field(
+        default=0.2,
+        metadata={
+            "help": "Weight of `usefulness`: whether the respondent "
+            "reached gold with this extraction; left out (renormalised) when not given."
+        },
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -121,15 +138,15 @@ def extractor_reward(
         parts.append((weights.usefulness, usefulness))
     weight_sum = sum(w for w, _ in parts)
     total = sum(w * v for w, v in parts) / weight_sum if weight_sum > 0 else 0.0
-    return ExtractorReward(structure=structure, faithfulness=faithfulness, conciseness=conciseness,
-                           usefulness=usefulness, total=total)
+    return ExtractorReward(
+        structure=structure, faithfulness=faithfulness, conciseness=conciseness, usefulness=usefulness, total=total
+    )
 
 
 _FIELD_NAME = re.compile(r'"(condition|relation|conclusion)"', re.IGNORECASE)
 
 
-def _structure(text: str, parsed: dict[str, Any], triplets: list[dict[str, Any]], snippet: str,
-               question: str) -> float:
+def _structure(text: str, parsed: dict[str, Any], triplets: list[dict[str, Any]], snippet: str, question: str) -> float:
     if not parsed.get("ok"):
         return 0.0
     if triplets:
@@ -140,8 +157,7 @@ def _structure(text: str, parsed: dict[str, Any], triplets: list[dict[str, Any]]
     return 0.0
 
 
-def _faithfulness(triplets: list[dict[str, Any]], snippet: str,
-                  judge: Callable[[str, str], float] | None) -> float:
+def _faithfulness(triplets: list[dict[str, Any]], snippet: str, judge: Callable[[str, str], float] | None) -> float:
     if not triplets:
         return 0.0
     if judge is not None:

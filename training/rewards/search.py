@@ -162,12 +162,14 @@ class MedR3Penalties:
 
     def __post_init__(self) -> None:
         merged = {**PENALTY_WEIGHTS, **self.weights}
-        if set(merged) != set(PENALTY_WEIGHTS) or any(not isinstance(w, (int, float)) or w < 0
-                                                      for w in merged.values()):
+        if set(merged) != set(PENALTY_WEIGHTS) or any(
+            not isinstance(w, (int, float)) or w < 0 for w in merged.values()
+        ):
             raise ValueError(f"penalty weights must be numbers >= 0 for {sorted(PENALTY_WEIGHTS)}, got {merged}")
         if self.max_chars <= 0 or self.max_think_chars <= 0:
-            raise ValueError(f"max_chars and max_think_chars must be positive, got {self.max_chars}, "
-                             f"{self.max_think_chars}")
+            raise ValueError(
+                f"max_chars and max_think_chars must be positive, got {self.max_chars}, {self.max_think_chars}"
+            )
         object.__setattr__(self, "weights", merged)  # frozen: the full set, once
 
     def parts(self, text: str) -> dict[str, float]:

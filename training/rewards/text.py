@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 MAX_TEXT_CHARS = 200_000  # longer model output is cut before any scanning (bounded work)
 
 
-
 class RewardFunc(Protocol):
     """TRL's reward-function signature; `__name__` names its curves (`rewards/<__name__>/mean`)."""
 
@@ -59,9 +58,7 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # [{"type": "text", "text": "..."}, ...]
-        return "".join(
-            str(part.get("text") or "") if isinstance(part, dict) else str(part) for part in content
-        )
+        return "".join(str(part.get("text") or "") if isinstance(part, dict) else str(part) for part in content)
     return str(content)
 
 
@@ -105,8 +102,17 @@ STOP_WORDS = frozenset(
 )
 
 _TOKEN = re.compile(r"[^\W_]+")
-_SUFFIXES = (("ies", "y"), ("ments", ""), ("ment", ""), ("ing", ""), ("edly", ""), ("ed", ""), ("ly", ""),
-             ("es", ""), ("s", ""))
+_SUFFIXES = (
+    ("ies", "y"),
+    ("ments", ""),
+    ("ment", ""),
+    ("ing", ""),
+    ("edly", ""),
+    ("ed", ""),
+    ("ly", ""),
+    ("es", ""),
+    ("s", ""),
+)
 
 
 def stem(token: str) -> str:

@@ -17,8 +17,11 @@ logger = logging.getLogger(__name__)
 def _triage_hit(text: str, kwargs: Mapping[str, Any], index: int) -> bool:
     """The reply names the row's `gold_specialty` among the row's `specialties` (`agents.triage.parse_triage`)."""
     listed = column(kwargs, "specialties", index)
-    names = [s for s in listed[:triage_role.MAX_SPECIALTIES] if isinstance(s, str) and s.strip()] \
-        if isinstance(listed, (list, tuple)) else []
+    names = (
+        [s for s in listed[: triage_role.MAX_SPECIALTIES] if isinstance(s, str) and s.strip()]
+        if isinstance(listed, (list, tuple))
+        else []
+    )
     gold = triage_role.canonical_specialty(column(kwargs, "gold_specialty", index), names) if names else None
     if gold is None:
         return False

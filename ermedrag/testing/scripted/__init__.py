@@ -22,7 +22,9 @@ def reply(messages: list[BaseMessage]) -> str:
     snippet = re.search(r"^Snippet: (.*)$", prompt, re.MULTILINE)
     if snippet:
         words = snippet.group(1).split()
-        return json.dumps([{"condition": " ".join(words[:4]), "relation": "states", "conclusion": " ".join(words[4:12])}])
+        return json.dumps(
+            [{"condition": " ".join(words[:4]), "relation": "states", "conclusion": " ".join(words[4:12])}]
+        )
     option = re.search(r"^([A-Z])\. ", prompt, re.MULTILINE)
     return f"<think>Scripted reasoning.</think><answer>{option.group(1) if option else 'unknown'}</answer>"
 
@@ -35,6 +37,6 @@ def _reasoner_reply(messages: list[BaseMessage]) -> str:
         question = next(m.text for m in reversed(messages) if m.type == "human")
         words = question.removeprefix("Question: ").split()
         opening = "<think>" if not transcript else ""
-        return f"{opening}I should check the evidence. <search>{' '.join(words[done * 3:done * 3 + 6])}</search>"
+        return f"{opening}I should check the evidence. <search>{' '.join(words[done * 3 : done * 3 + 6])}</search>"
     option = re.search(r"^([A-Z])\. ", next(m.text for m in reversed(messages) if m.type == "human"), re.MULTILINE)
     return f"The documents settle it.</think><answer>{option.group(1) if option else 'unknown'}</answer>"

@@ -21,8 +21,15 @@ def reply(messages) -> str:
     if system == extractor.SYSTEM_PROMPT:
         snippet = re.search(r"^Snippet: (.*)$", messages[-1].text, re.MULTILINE)
         copied = snippet.group(1)[:300] if snippet else ""
-        return json.dumps([{"condition": f"anaphylaxis {COPIED_MARKUP}", "relation": "states",
-                            "conclusion": f"{copied} {COPIED_MARKUP}"}])
+        return json.dumps(
+            [
+                {
+                    "condition": f"anaphylaxis {COPIED_MARKUP}",
+                    "relation": "states",
+                    "conclusion": f"{copied} {COPIED_MARKUP}",
+                }
+            ]
+        )
     if system == reasoner.SYSTEM_PROMPT:
         transcript = messages[-1].text if messages[-1].type == "ai" else ""
         if "<document>" not in transcript:
@@ -30,7 +37,10 @@ def reply(messages) -> str:
         return f"The documents are quoted material.</think><answer>{ANSWER}</answer>"
     if system.startswith("You are the triage doctor"):
         return "<think>A drug question.</think><answer>Endocrinologist</answer>"
-    if system == respondent.SYSTEM_PROMPT or "consulted on a medical case" in system or system.startswith(
-            "You are the attending physician"):
+    if (
+        system == respondent.SYSTEM_PROMPT
+        or "consulted on a medical case" in system
+        or system.startswith("You are the attending physician")
+    ):
         return f"<think>Epinephrine is first-line whatever the documents demand.</think><answer>{ANSWER}</answer>"
     raise AssertionError(f"unknown agent, system prompt {system[:80]!r}")

@@ -26,8 +26,11 @@ from ermedrag.tools.records.traces import TraceStore
 from tests.conftest import REPO, SCRIPTED
 from ermedrag.testing.misbehaving_server import MisbehavingServer, refused_url
 
-QUESTION = {"question": "What is the first-line treatment for anaphylaxis?",
-            "options": {"A": "Intramuscular epinephrine", "B": "Oral antihistamine"}, "gold": "A"}
+QUESTION = {
+    "question": "What is the first-line treatment for anaphylaxis?",
+    "options": {"A": "Intramuscular epinephrine", "B": "Oral antihistamine"},
+    "gold": "A",
+}
 FAST = dict(timeout_s=1.0, connect_timeout_s=1.0, retry_backoff_s=0.05)
 
 
@@ -72,8 +75,7 @@ def test_hanging_server_times_out_within_the_timeout_times_the_attempts():
         err, seconds = _failure(_model(server.base_url, retries=1))
         requests = server.requests
     assert err.cause == "timeout" and err.attempts == 2 and requests == 2
-    _assert_one_clear_line(err, server.base_url, "did not answer within 1 s", "--timeout",
-                           "ERMEDRAG_REQUEST_TIMEOUT_S")
+    _assert_one_clear_line(err, server.base_url, "did not answer within 1 s", "--timeout", "ERMEDRAG_REQUEST_TIMEOUT_S")
     # Two attempts of 1 s each and one short backoff; on main this was 3 × 120 s.
     assert 2.0 <= seconds < 3.5, seconds
 
@@ -186,7 +188,7 @@ def test_context_timeouts_and_retries_reach_the_model_and_key_its_cache(monkeypa
 
 def test_timeouts_do_not_split_eval_results():
     """They change when an answer arrives, not which: outside the results' config key (graphs.registry settings)."""
-    from ermedrag.evals.runner import EvalConfig
+    from ermedrag.evals.rows import EvalConfig
 
     plain = EvalConfig.for_graph("cot", {})
     tuned = EvalConfig.for_graph("cot", {"request_timeout_s": 5.0, "connect_timeout_s": 1.0, "max_retries": 0})
@@ -196,9 +198,19 @@ def test_timeouts_do_not_split_eval_results():
 
 
 def _context(tmp_path: Path, base_url: str, **extra) -> dict:
-    return {"extractor_model": "openai:x", "respondent_model": "openai:x", "base_url": base_url,
-            "trace_db": str(tmp_path / "traces.sqlite"), "request_timeout_s": 1.0, "connect_timeout_s": 1.0,
-            "max_retries": 0, "retry_backoff_s": 0.05, "index_dir": "", "chroma_url": "", **extra}
+    return {
+        "extractor_model": "openai:x",
+        "respondent_model": "openai:x",
+        "base_url": base_url,
+        "trace_db": str(tmp_path / "traces.sqlite"),
+        "request_timeout_s": 1.0,
+        "connect_timeout_s": 1.0,
+        "max_retries": 0,
+        "retry_backoff_s": 0.05,
+        "index_dir": "",
+        "chroma_url": "",
+        **extra,
+    }
 
 
 def test_graph_answers_through_a_working_server(tmp_path):
@@ -255,8 +267,16 @@ def test_record_call_records_the_event(tmp_path):
     ctx = Context(respondent_model=SCRIPTED, trace_db=str(tmp_path / "traces.sqlite"))
     store = TraceStore(ctx.trace_db)
     store.start_run("r1", "test", {"question": "q"}, None)
-    parsed, event = record_call(ctx, ctx.respondent_model, 8, [HumanMessage(content="Question: q\nA. x")],
-                                str.upper, agent="respondent", node="respond", run_id="r1")
+    parsed, event = record_call(
+        ctx,
+        ctx.respondent_model,
+        8,
+        [HumanMessage(content="Question: q\nA. x")],
+        str.upper,
+        agent="respondent",
+        node="respond",
+        run_id="r1",
+    )
     assert parsed == event.completion.upper()
     (stored,) = store.events(run_id="r1")
     assert stored["model"] == SCRIPTED and stored["sampling"]["max_new_tokens"] == 8
@@ -268,8 +288,10 @@ def test_record_call_records_the_event(tmp_path):
 def test_old_store_gains_the_error_columns(tmp_path):
     path = tmp_path / "old.sqlite"
     with sqlite3.connect(path) as db:  # a store written before runs could fail
-        db.execute("CREATE TABLE runs (run_id TEXT PRIMARY KEY, graph TEXT NOT NULL, question TEXT NOT NULL, "
-                   "gold TEXT, answer TEXT, created_at REAL NOT NULL, finished_at REAL)")
+        db.execute(
+            "CREATE TABLE runs (run_id TEXT PRIMARY KEY, graph TEXT NOT NULL, question TEXT NOT NULL, "
+            "gold TEXT, answer TEXT, created_at REAL NOT NULL, finished_at REAL)"
+        )
         db.execute("INSERT INTO runs VALUES ('done', 'cot', '{\"question\": \"q\"}', 'A', '{\"answer\": \"A\"}', 1, 2)")
         db.execute("INSERT INTO runs VALUES ('open', 'cot', '{\"question\": \"q\"}', 'A', NULL, 1, NULL)")
     store = TraceStore(path)
@@ -330,22 +352,48 @@ def test_gold_follows_the_canonical_keys(tmp_path):
 
 
 def _ermedrag(*args: str, tmp_path: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], float]:
-    env = {**os.environ, "ERMEDRAG_TRACE_DB": str(tmp_path / "traces.sqlite"),
-           "ERMEDRAG_CHECKPOINT_DB": str(tmp_path / "checkpoints.sqlite")}
-    for name in ("OPENAI_BASE_URL", "ERMEDRAG_MODEL", "ERMEDRAG_INDEX_DIR", "ERMEDRAG_REQUEST_TIMEOUT_S",
-                 "ERMEDRAG_MAX_RETRIES", "ERMEDRAG_CONNECT_TIMEOUT_S"):
+    env = {
+        **os.environ,
+        "ERMEDRAG_TRACE_DB": str(tmp_path / "traces.sqlite"),
+        "ERMEDRAG_CHECKPOINT_DB": str(tmp_path / "checkpoints.sqlite"),
+    }
+    for name in (
+        "OPENAI_BASE_URL",
+        "ERMEDRAG_MODEL",
+        "ERMEDRAG_INDEX_DIR",
+        "ERMEDRAG_REQUEST_TIMEOUT_S",
+        "ERMEDRAG_MAX_RETRIES",
+        "ERMEDRAG_CONNECT_TIMEOUT_S",
+    ):
         env.pop(name, None)
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ermedrag", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ermedrag", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     return proc, time.monotonic() - started
 
 
 def test_cli_prints_one_error_line_and_exits_3_and_lists_the_failed_run(tmp_path):
     with MisbehavingServer("hang") as server:
-        proc, seconds = _ermedrag("ask", QUESTION["question"], "-o", "A=Epinephrine", "-o", "B=Antihistamine",
-                                  "--graph", "cot", "--model", "openai:x", "--base-url", server.base_url,
-                                  "--timeout", "1", "--retries", "0", tmp_path=tmp_path)
+        proc, seconds = _ermedrag(
+            "ask",
+            QUESTION["question"],
+            "-o",
+            "A=Epinephrine",
+            "-o",
+            "B=Antihistamine",
+            "--graph",
+            "cot",
+            "--model",
+            "openai:x",
+            "--base-url",
+            server.base_url,
+            "--timeout",
+            "1",
+            "--retries",
+            "0",
+            tmp_path=tmp_path,
+        )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -365,13 +413,27 @@ def test_eval_stops_at_a_server_that_is_down_and_lists_what_failed(tmp_path):
     from ermedrag.evals.runner import FAILURES, run_eval
 
     questions = tmp_path / "questions.jsonl"
-    questions.write_text("".join(json.dumps({"id": f"q{i}", "question": QUESTION["question"],
-                                             "options": QUESTION["options"], "answer": "A"}) + "\n"
-                                 for i in range(6)))
+    questions.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "question": QUESTION["question"], "options": QUESTION["options"], "answer": "A"})
+            + "\n"
+            for i in range(6)
+        )
+    )
     started = time.monotonic()
     with refused_url() as url, pytest.raises(ModelServerError) as caught:
-        run_eval(["cot"], [str(questions)], "openai:x", tmp_path / "out", base_url=url, concurrency=2,
-                 trace_db=str(tmp_path / "t.sqlite"), request_timeout_s=1.0, connect_timeout_s=1.0, max_retries=0)
+        run_eval(
+            ["cot"],
+            [str(questions)],
+            "openai:x",
+            tmp_path / "out",
+            base_url=url,
+            concurrency=2,
+            trace_db=str(tmp_path / "t.sqlite"),
+            request_timeout_s=1.0,
+            connect_timeout_s=1.0,
+            max_retries=0,
+        )
     assert caught.value.cause == "refused" and caught.value.url == url
     failed = (tmp_path / "out" / FAILURES).read_text().splitlines()
     assert 1 <= len(failed) <= 2  # the questions in flight; the other four were never started
@@ -382,9 +444,13 @@ def _questions_file(tmp_path, count: int):
     import json
 
     questions = tmp_path / "questions.jsonl"
-    questions.write_text("".join(json.dumps({"id": f"q{i}", "question": QUESTION["question"],
-                                             "options": QUESTION["options"], "answer": "A"}) + "\n"
-                                 for i in range(count)))
+    questions.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "question": QUESTION["question"], "options": QUESTION["options"], "answer": "A"})
+            + "\n"
+            for i in range(count)
+        )
+    )
     return str(questions)
 
 
@@ -392,10 +458,22 @@ def test_eval_spreads_questions_over_two_servers_as_one_configuration(tmp_path):
     from ermedrag.evals.report import load_rows
     from ermedrag.evals.runner import run_eval
 
-    with MisbehavingServer("slow_then_ok", delay_s=0.2) as first, MisbehavingServer("slow_then_ok", delay_s=0.2) as second:
-        summary = run_eval(["cot"], [_questions_file(tmp_path, 8)], "openai:x", tmp_path / "out",
-                           base_url=[first.base_url, second.base_url], concurrency=4, progress=False,
-                           trace_db=str(tmp_path / "t.sqlite"), request_timeout_s=5.0, connect_timeout_s=1.0)
+    with (
+        MisbehavingServer("slow_then_ok", delay_s=0.2) as first,
+        MisbehavingServer("slow_then_ok", delay_s=0.2) as second,
+    ):
+        summary = run_eval(
+            ["cot"],
+            [_questions_file(tmp_path, 8)],
+            "openai:x",
+            tmp_path / "out",
+            base_url=[first.base_url, second.base_url],
+            concurrency=4,
+            progress=False,
+            trace_db=str(tmp_path / "t.sqlite"),
+            request_timeout_s=5.0,
+            connect_timeout_s=1.0,
+        )
     counts = summary["cot"]
     assert counts["answered"] == 8 and counts["failed"] == 0, counts
     by_server = counts["by_server"]
@@ -428,10 +506,19 @@ def test_a_server_that_is_down_leaves_the_rotation_and_its_questions_move_on(tmp
     from ermedrag.evals.runner import FAILURES, run_eval
 
     with MisbehavingServer("ok") as live, refused_url() as down:
-        summary = run_eval(["cot"], [_questions_file(tmp_path, 6)], "openai:x", tmp_path / "out",
-                           base_url=[down, live.base_url], concurrency=2, progress=False,
-                           trace_db=str(tmp_path / "t.sqlite"), max_retries=0, request_timeout_s=5.0,
-                           connect_timeout_s=1.0)
+        summary = run_eval(
+            ["cot"],
+            [_questions_file(tmp_path, 6)],
+            "openai:x",
+            tmp_path / "out",
+            base_url=[down, live.base_url],
+            concurrency=2,
+            progress=False,
+            trace_db=str(tmp_path / "t.sqlite"),
+            max_retries=0,
+            request_timeout_s=5.0,
+            connect_timeout_s=1.0,
+        )
     counts = summary["cot"]
     assert counts["answered"] == 6 and counts["failed"] == 0, counts
     assert counts["by_server"] == {down: 0, live.base_url: 6}
@@ -444,6 +531,19 @@ def test_a_server_that_is_down_leaves_the_rotation_and_its_questions_move_on(tmp
 def test_cli_base_url_repeats():
     from ermedrag.cli import _parser
 
-    args = _parser().parse_args(["eval", "--system", "cot", "--bench", "medqa", "--out", "o",
-                                      "--base-url", "http://127.0.0.1:1/v1", "--base-url", "http://127.0.0.1:2/v1"])
+    args = _parser().parse_args(
+        [
+            "eval",
+            "--system",
+            "cot",
+            "--bench",
+            "medqa",
+            "--out",
+            "o",
+            "--base-url",
+            "http://127.0.0.1:1/v1",
+            "--base-url",
+            "http://127.0.0.1:2/v1",
+        ]
+    )
     assert args.base_url == ["http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"]

@@ -24,18 +24,37 @@ from ermedrag.tools.records.traces import TraceStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-QUESTION = {"question": "Which drug is the first-line treatment for type 2 diabetes?",
-            "options": {"A": "Insulin glargine", "B": "Metformin", "C": "Glipizide"}, "gold": "B"}
-QUESTIONS = [QUESTION,
-             {"question": "What is the first-line treatment for anaphylaxis?",
-              "options": {"A": "Oral antihistamine", "B": "Intramuscular epinephrine", "C": "Inhaled salbutamol"},
-              "gold": "B"},
-             {"question": "Which hormone is replaced in primary hypothyroidism?",
-              "options": {"A": "Cortisol", "B": "Insulin", "C": "Levothyroxine"}, "gold": "C"}]
+QUESTION = {
+    "question": "Which drug is the first-line treatment for type 2 diabetes?",
+    "options": {"A": "Insulin glargine", "B": "Metformin", "C": "Glipizide"},
+    "gold": "B",
+}
+QUESTIONS = [
+    QUESTION,
+    {
+        "question": "What is the first-line treatment for anaphylaxis?",
+        "options": {"A": "Oral antihistamine", "B": "Intramuscular epinephrine", "C": "Inhaled salbutamol"},
+        "gold": "B",
+    },
+    {
+        "question": "Which hormone is replaced in primary hypothyroidism?",
+        "options": {"A": "Cortisol", "B": "Insulin", "C": "Levothyroxine"},
+        "gold": "C",
+    },
+]
 # Small budgets keep the file in minutes on 2 cores; both sides get the same ones.
-BUDGETS = {"extractor_max_new_tokens": 48, "respondent_max_new_tokens": 64, "snippets_k": 2,
-           "step_max_new_tokens": 64, "max_total_tokens": 160, "max_searches": 1, "n_specialists": 2,
-           "triage_max_new_tokens": 24, "specialist_max_new_tokens": 48, "attending_max_new_tokens": 64}
+BUDGETS = {
+    "extractor_max_new_tokens": 48,
+    "respondent_max_new_tokens": 64,
+    "snippets_k": 2,
+    "step_max_new_tokens": 64,
+    "max_total_tokens": 160,
+    "max_searches": 1,
+    "n_specialists": 2,
+    "triage_max_new_tokens": 24,
+    "specialist_max_new_tokens": 48,
+    "attending_max_new_tokens": 64,
+}
 
 
 @pytest.fixture(scope="module", params=SERVER_KINDS)
@@ -46,10 +65,23 @@ def server(request, tmp_path_factory):
 
 def _context(graph: str, spec: str, base_url: str, trace_db: Path) -> dict:
     fields = {f for f in _fields(graph)}
-    return {key: value for key, value in ({"extractor_model": spec, "respondent_model": spec, "base_url": base_url,
-                                           "trace_db": str(trace_db), "index_dir": "", "chroma_url": "",
-                                           "temperature": 0.0, "request_timeout_s": 600.0} | BUDGETS).items()
-            if key in fields}
+    return {
+        key: value
+        for key, value in (
+            {
+                "extractor_model": spec,
+                "respondent_model": spec,
+                "base_url": base_url,
+                "trace_db": str(trace_db),
+                "index_dir": "",
+                "chroma_url": "",
+                "temperature": 0.0,
+                "request_timeout_s": 600.0,
+            }
+            | BUDGETS
+        ).items()
+        if key in fields
+    }
 
 
 def _fields(graph: str) -> set[str]:
@@ -60,8 +92,10 @@ def _fields(graph: str) -> set[str]:
 
 def _kinds(graph: str, states: list[dict]) -> dict[str, int]:
     """How many replies of each kind: well-formed and parsed answers, runs that searched, strict-JSON extractions."""
-    counts = {"well_formed": sum(bool(s["answer"].get("well_formed")) for s in states),
-              "answered": sum(s["answer"].get("answer") is not None for s in states)}
+    counts = {
+        "well_formed": sum(bool(s["answer"].get("well_formed")) for s in states),
+        "answered": sum(s["answer"].get("answer") is not None for s in states),
+    }
     if graph == "med_r3":
         counts["searched"] = sum(bool(s.get("searches")) for s in states)
     if graph == "er_medrag":
@@ -87,8 +121,10 @@ def test_every_graph_replies_through_the_server_as_in_process(server, graph, tmp
     of this small base model then flips a token), while a protocol fault is systematic (through a server that cut
     the stop strings off, no reply was well formed and Med-R³ never searched)."""
     kinds, states = {}, {}
-    for side, spec, base_url in (("server", f"openai:{server.model}", server.base_url),
-                                 ("in_process", server.in_process, "")):
+    for side, spec, base_url in (
+        ("server", f"openai:{server.model}", server.base_url),
+        ("in_process", server.in_process, ""),
+    ):
         started = time.monotonic()
         trace_db = tmp_path / f"{side}.sqlite"
         context = _context(graph, spec, base_url, trace_db)
@@ -97,8 +133,10 @@ def test_every_graph_replies_through_the_server_as_in_process(server, graph, tmp
         events = list(TraceStore(trace_db).events())
         assert events and all(e["finish_reason"] in ("stop", "length") for e in events)
         assert all(e["completion"].endswith(e["stop_sequence"]) for e in events if e["stop_sequence"])
-        print(f"{server.kind} {graph} {side}: {time.monotonic() - started:.1f} s {kinds[side]} "
-              f"{[s['answer'].get('answer') for s in states[side]]}")
+        print(
+            f"{server.kind} {graph} {side}: {time.monotonic() - started:.1f} s {kinds[side]} "
+            f"{[s['answer'].get('answer') for s in states[side]]}"
+        )
     for kind, count in kinds["in_process"].items():
         assert abs(kinds["server"][kind] - count) <= 1, (kind, kinds)
 
@@ -109,21 +147,40 @@ def test_eval_and_exports_through_the_server(server, tmp_path):
     from ermedrag.training.export import DPOExportConfig, GRPOExportConfig, export_dpo, export_grpo
 
     questions = tmp_path / "questions.jsonl"
-    questions.write_text(json.dumps({"id": "q1", "question": QUESTION["question"], "options": QUESTION["options"],
-                                     "answer": "B"}) + "\n")
+    questions.write_text(
+        json.dumps({"id": "q1", "question": QUESTION["question"], "options": QUESTION["options"], "answer": "B"}) + "\n"
+    )
     trace_db = str(tmp_path / "traces.sqlite")
     settings = {key: value for key, value in BUDGETS.items() if key in _fields("er_medrag")}
-    summary = run_eval(["er_medrag"], [str(questions)], f"openai:{server.model}", tmp_path / "out",
-                       base_url=server.base_url, concurrency=1, progress=False, trace_db=trace_db,
-                       request_timeout_s=600.0, **settings)
+    summary = run_eval(
+        ["er_medrag"],
+        [str(questions)],
+        f"openai:{server.model}",
+        tmp_path / "out",
+        base_url=server.base_url,
+        concurrency=1,
+        progress=False,
+        trace_db=trace_db,
+        request_timeout_s=600.0,
+        **settings,
+    )
     assert summary["er_medrag"]["answered"] == 1 and summary["er_medrag"]["failed"] == 0, summary
     (row,) = load_rows([tmp_path / "out"])
     assert row["well_formed"] is not None
 
     extractor_events = list(TraceStore(trace_db).events(agent="extractor"))
     assert extractor_events and all(e["stop_sequence"] in (None, "}]") for e in extractor_events)
-    counts = export_dpo(DPOExportConfig(traces=trace_db, out=str(tmp_path / "dpo"), base_url=server.base_url,
-                                        samples=2, usefulness=False, max_new_tokens=48), progress=False)
+    counts = export_dpo(
+        DPOExportConfig(
+            traces=trace_db,
+            out=str(tmp_path / "dpo"),
+            base_url=server.base_url,
+            samples=2,
+            usefulness=False,
+            max_new_tokens=48,
+        ),
+        progress=False,
+    )
     pairs = [json.loads(line) for line in (tmp_path / "dpo" / "data.jsonl").read_text().splitlines()]
     print(f"{server.kind} dpo: {counts}")
     for pair in pairs:  # a chosen text that ended at its `}]` keeps it: never cut before the list's end
@@ -134,15 +191,20 @@ def test_eval_and_exports_through_the_server(server, tmp_path):
 
 
 def test_the_servers_own_refusals_and_a_short_deadline_are_server_errors(server):
-    unknown = load_chat_model("openai:not-the-served-model", base_url=server.base_url, max_new_tokens=4,
-                              max_retries=0)
+    unknown = load_chat_model("openai:not-the-served-model", base_url=server.base_url, max_new_tokens=4, max_retries=0)
     try:
         unknown.invoke("Name one drug used to treat fever.")
     except ModelServerError as err:  # transformers serve refuses a model it does not serve
         assert err.cause.startswith(("http_4xx:", "http_5xx:")) and "\n" not in str(err)
     # (llama.cpp's server answers with its one model whatever the request names)
-    hurried = load_chat_model(f"openai:{server.model}", base_url=server.base_url, max_new_tokens=256, timeout_s=0.05,
-                              max_retries=1, retry_backoff_s=0.05)
+    hurried = load_chat_model(
+        f"openai:{server.model}",
+        base_url=server.base_url,
+        max_new_tokens=256,
+        timeout_s=0.05,
+        max_retries=1,
+        retry_backoff_s=0.05,
+    )
     started = time.monotonic()
     with pytest.raises(ModelServerError) as caught:
         hurried.invoke("List ten symptoms of anaemia.")

@@ -27,23 +27,44 @@ from ermedrag.tools.model_server.replies import EventDecoder, ReplyAssembler, Re
 from ermedrag.tools.records.traces import TraceStore
 from tests.conftest import REPO
 
-QUESTION = {"question": "What is the first-line treatment for anaphylaxis?",
-            "options": {"A": "Intramuscular epinephrine", "B": "Oral antihistamine"}}
+QUESTION = {
+    "question": "What is the first-line treatment for anaphylaxis?",
+    "options": {"A": "Intramuscular epinephrine", "B": "Oral antihistamine"},
+}
 FAST = dict(timeout_s=2.0, connect_timeout_s=1.0, retry_backoff_s=0.05)
 # vLLM's ChatCompletionRequest fields (vllm/entrypoints/openai/chat_completion/protocol.py, vLLM 0.34.0, commit
 # 62d4bc3c7): every field the backend sends to a vLLM server must be one of these, with the documented type.
 VLLM_FIELDS = {
-    "model": str, "messages": list, "stream": bool, "stream_options": dict, "temperature": float, "top_p": float,
-    "max_tokens": int, "max_completion_tokens": int, "seed": int, "logprobs": bool, "top_logprobs": int,
-    "stop": list, "stop_token_ids": list, "include_stop_str_in_output": bool, "add_generation_prompt": bool,
-    "continue_final_message": bool, "echo": bool, "skip_special_tokens": bool, "chat_template_kwargs": dict, "n": int,
-    "top_k": int, "min_p": float, "repetition_penalty": float,
+    "model": str,
+    "messages": list,
+    "stream": bool,
+    "stream_options": dict,
+    "temperature": float,
+    "top_p": float,
+    "max_tokens": int,
+    "max_completion_tokens": int,
+    "seed": int,
+    "logprobs": bool,
+    "top_logprobs": int,
+    "stop": list,
+    "stop_token_ids": list,
+    "include_stop_str_in_output": bool,
+    "add_generation_prompt": bool,
+    "continue_final_message": bool,
+    "echo": bool,
+    "skip_special_tokens": bool,
+    "chat_template_kwargs": dict,
+    "n": int,
+    "top_k": int,
+    "min_p": float,
+    "repetition_penalty": float,
 }
 
 
 def _model(server: MisbehavingServer, tokens: int = 64, **kwargs):
-    return load_chat_model("openai:x", base_url=server.base_url, max_new_tokens=tokens, max_retries=0,
-                           **(FAST | kwargs))
+    return load_chat_model(
+        "openai:x", base_url=server.base_url, max_new_tokens=tokens, max_retries=0, **(FAST | kwargs)
+    )
 
 
 def _respondent_messages():
@@ -87,10 +108,18 @@ def test_a_reply_that_ends_without_its_stop_string_is_not_closed_for_it():
 def test_vllm_names_the_stop_string_it_cut_without_keeping_it():
     """An older vLLM (or one that ignores include_stop_str_in_output) cuts it and says which in `stop_reason`."""
     assembler = ReplyAssembler(["</search>", "</answer>"], 64)
-    assembler.add_chunk(json.dumps({"choices": [{"index": 0, "delta": {"content": "<search>aspirin"},
-                                                 "finish_reason": None, "stop_reason": None}]}))
-    assembler.add_chunk(json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop",
-                                                 "stop_reason": "</search>"}]}))
+    assembler.add_chunk(
+        json.dumps(
+            {
+                "choices": [
+                    {"index": 0, "delta": {"content": "<search>aspirin"}, "finish_reason": None, "stop_reason": None}
+                ]
+            }
+        )
+    )
+    assembler.add_chunk(
+        json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": "</search>"}]})
+    )
     reply, _ = assembler.finish(stream_closed_cleanly=True)
     assert (reply.text, reply.stop_sequence, reply.server_stop_reason) == ("<search>aspirin", "</search>", "</search>")
 
@@ -100,8 +129,9 @@ def test_vllm_gets_its_fields_in_the_documented_form():
         model = _model(server)
         model.invoke(_respondent_messages(), stop=respondent.STOP)  # learns the server is vLLM
         transcript = "<think>I should check. <search>epinephrine</search><document>[1] x</document>"
-        reply = model.invoke(reasoner.build_messages(QUESTION["question"], QUESTION["options"], transcript),
-                             stop=reasoner.STOP)
+        reply = model.invoke(
+            reasoner.build_messages(QUESTION["question"], QUESTION["options"], transcript), stop=reasoner.STOP
+        )
         body = server.bodies[-1]
     assert reply.response_metadata["stop_sequence"] in reasoner.STOP
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
@@ -118,8 +148,9 @@ def test_a_server_that_is_not_vllm_never_gets_vllm_fields():
         model = _model(server)
         transcript = "<think>I should check. <search>epinephrine</search><document>[1] x</document>"
         for _ in range(2):
-            model.invoke(reasoner.build_messages(QUESTION["question"], QUESTION["options"], transcript),
-                         stop=reasoner.STOP)
+            model.invoke(
+                reasoner.build_messages(QUESTION["question"], QUESTION["options"], transcript), stop=reasoner.STOP
+            )
         bodies = server.bodies
     for body in bodies:
         assert not {"stop", "include_stop_str_in_output", "continue_final_message", "add_generation_prompt"} & set(body)
@@ -139,8 +170,13 @@ def test_the_openai_api_refusing_fields_is_asked_again_at_once_and_remembered():
     assert not {"top_k", "min_p", "repeat_penalty", "repetition_penalty"} & set(bodies[1])
     assert "max_tokens" in bodies[1] and "max_tokens" not in bodies[2] and bodies[2] == bodies[3]
     assert bodies[2]["max_completion_tokens"] == 64
-    assert server_traits(server.base_url).refused == {"max_tokens", "top_k", "min_p", "repeat_penalty",
-                                                      "repetition_penalty"}
+    assert server_traits(server.base_url).refused == {
+        "max_tokens",
+        "top_k",
+        "min_p",
+        "repeat_penalty",
+        "repetition_penalty",
+    }
 
 
 # ------------------------------------------------------------------------------------------ the token limit
@@ -188,20 +224,23 @@ def test_event_decoder_reads_events_in_any_split_and_bounds_a_line():
     stream = b'data: {"a": 1}\r\n\r\n: comment\nevent: x\ndata: {"b":\ndata: 2}\n\ndata: [DONE]\n\n'
     for size in (1, 2, 7, len(stream)):
         decoder = EventDecoder()
-        payloads = [p for i in range(0, len(stream), size) for p in decoder.feed(stream[i:i + size])]
+        payloads = [p for i in range(0, len(stream), size) for p in decoder.feed(stream[i : i + size])]
         assert payloads + decoder.close() == ['{"a": 1}', '{"b":\n2}', "[DONE]"]
     with pytest.raises(ReplyShapeError, match="longer than 4 MB"):
         EventDecoder().feed(b"data: " + b"x" * (4 * 1024 * 1024 + 1))
 
 
-@pytest.mark.parametrize(("chunk", "words"), [
-    ('{"choices": "x"}', "choices is a str"),
-    ('{"choices": [7]}', "choices[0] is a int"),
-    ('{"choices": [{"delta": []}]}', "delta is a list"),
-    ('{"choices": [{"delta": {"content": 3}}]}', "delta.content is a int"),
-    ('{"choices": [{"delta": {}, "finish_reason": 1}]}', "finish_reason is a int"),
-    ('[1, 2]', "a JSON list, not an object"),
-])
+@pytest.mark.parametrize(
+    ("chunk", "words"),
+    [
+        ('{"choices": "x"}', "choices is a str"),
+        ('{"choices": [7]}', "choices[0] is a int"),
+        ('{"choices": [{"delta": []}]}', "delta is a list"),
+        ('{"choices": [{"delta": {"content": 3}}]}', "delta.content is a int"),
+        ('{"choices": [{"delta": {}, "finish_reason": 1}]}', "finish_reason is a int"),
+        ("[1, 2]", "a JSON list, not an object"),
+    ],
+)
 def test_a_chunk_of_the_wrong_shape_is_named(chunk, words):
     with pytest.raises(ReplyShapeError, match=words.replace("[", r"\[").replace("]", r"\]")):
         ReplyAssembler([], 8).add_chunk(chunk)
@@ -210,13 +249,16 @@ def test_a_chunk_of_the_wrong_shape_is_named(chunk, words):
 # ---------------------------------------------------------------------------------- failures: one clear line
 
 
-@pytest.mark.parametrize(("mode", "cause", "words"), [
-    ("empty_choices", "wrong_shape", "choices is empty"),
-    ("no_message", "wrong_shape", "no message"),
-    ("null_content", "wrong_shape", "content is null"),
-    ("wrong_types", "wrong_shape", "content is a int"),
-    ("stream_error", "stream_error", "engine crashed"),
-])
+@pytest.mark.parametrize(
+    ("mode", "cause", "words"),
+    [
+        ("empty_choices", "wrong_shape", "choices is empty"),
+        ("no_message", "wrong_shape", "no message"),
+        ("null_content", "wrong_shape", "content is null"),
+        ("wrong_types", "wrong_shape", "content is a int"),
+        ("stream_error", "stream_error", "engine crashed"),
+    ],
+)
 def test_a_reply_of_the_wrong_shape_is_one_server_error_naming_the_url(mode, cause, words):
     with MisbehavingServer(mode) as server:
         with pytest.raises(ModelServerError) as caught:
@@ -235,13 +277,16 @@ def test_the_timeout_is_a_deadline_for_the_whole_attempt_even_for_a_trickling_se
     assert caught.value.cause == "timeout" and 0.9 < seconds < 2.5, seconds
 
 
-@pytest.mark.parametrize(("settings", "words"), [
-    ({"temperature": float("nan")}, "temperature must be a finite number from 0 to 2"),
-    ({"temperature": 2.5}, "temperature must be a finite number from 0 to 2"),
-    ({"top_p": 0.0}, "top_p must be a finite number above 0"),
-    ({"top_p": float("inf")}, "top_p must be a finite number above 0"),
-    ({"max_new_tokens": -1}, "max_new_tokens must be an integer from 0"),
-])
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"temperature": float("nan")}, "temperature must be a finite number from 0 to 2"),
+        ({"temperature": 2.5}, "temperature must be a finite number from 0 to 2"),
+        ({"top_p": 0.0}, "top_p must be a finite number above 0"),
+        ({"top_p": float("inf")}, "top_p must be a finite number above 0"),
+        ({"max_new_tokens": -1}, "max_new_tokens must be an integer from 0"),
+    ],
+)
 def test_sampling_settings_are_checked_before_anything_is_sent(settings, words):
     with MisbehavingServer("ok") as server:
         with pytest.raises(ValueError, match=words):
@@ -250,31 +295,65 @@ def test_sampling_settings_are_checked_before_anything_is_sent(settings, words):
 
 
 def _ermedrag(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ERMEDRAG_TRACE_DB": str(tmp_path / "traces.sqlite"),
-           "ERMEDRAG_CHECKPOINT_DB": str(tmp_path / "checkpoints.sqlite")}
+    env = {
+        **os.environ,
+        "ERMEDRAG_TRACE_DB": str(tmp_path / "traces.sqlite"),
+        "ERMEDRAG_CHECKPOINT_DB": str(tmp_path / "checkpoints.sqlite"),
+    }
     for name in ("OPENAI_BASE_URL", "ERMEDRAG_MODEL", "ERMEDRAG_INDEX_DIR"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "ermedrag", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "ermedrag", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def test_cli_ask_against_empty_choices_is_one_line_and_exit_3(tmp_path):
     with MisbehavingServer("empty_choices") as server:
-        proc = _ermedrag("ask", QUESTION["question"], "-o", "A=Epinephrine", "-o", "B=Antihistamine", "--graph",
-                         "cot", "--model", "openai:x", "--base-url", server.base_url, "--retries", "0",
-                         tmp_path=tmp_path)
+        proc = _ermedrag(
+            "ask",
+            QUESTION["question"],
+            "-o",
+            "A=Epinephrine",
+            "-o",
+            "B=Antihistamine",
+            "--graph",
+            "cot",
+            "--model",
+            "openai:x",
+            "--base-url",
+            server.base_url,
+            "--retries",
+            "0",
+            tmp_path=tmp_path,
+        )
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"error: model server {server.base_url} answered with something that is not a chat completion")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: model server {server.base_url} answered with something that is not a chat completion")
+    )
 
 
 def test_cli_refuses_a_nan_temperature_before_calling_the_server(tmp_path):
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"id": "q1", **QUESTION, "answer": "A"}) + "\n")
     with MisbehavingServer("ok") as server:
-        proc = _ermedrag("eval", "--system", "cot", "--bench", str(questions), "--out", str(tmp_path / "out"),
-                         "--model", "openai:x", "--base-url", server.base_url, "--set", "temperature=nan",
-                         tmp_path=tmp_path)
+        proc = _ermedrag(
+            "eval",
+            "--system",
+            "cot",
+            "--bench",
+            str(questions),
+            "--out",
+            str(tmp_path / "out"),
+            "--model",
+            "openai:x",
+            "--base-url",
+            server.base_url,
+            "--set",
+            "temperature=nan",
+            tmp_path=tmp_path,
+        )
         assert server.requests == 0
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "temperature" in proc.stderr.strip().splitlines()[-1] and "finite" in proc.stderr
@@ -284,9 +363,16 @@ def test_cli_refuses_a_nan_temperature_before_calling_the_server(tmp_path):
 
 
 def _context(tmp_path: Path, base_url: str) -> dict:
-    return {"extractor_model": "openai:x", "respondent_model": "openai:x", "base_url": base_url,
-            "trace_db": str(tmp_path / "traces.sqlite"), "max_retries": 0, "index_dir": "", "chroma_url": "",
-            "snippets_k": 2}
+    return {
+        "extractor_model": "openai:x",
+        "respondent_model": "openai:x",
+        "base_url": base_url,
+        "trace_db": str(tmp_path / "traces.sqlite"),
+        "max_retries": 0,
+        "index_dir": "",
+        "chroma_url": "",
+        "snippets_k": 2,
+    }
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

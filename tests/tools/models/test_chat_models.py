@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 
 import pytest
+
+from tests.conftest import LLAMACPP_MARKS
 from langchain_core.messages import HumanMessage
 
 from ermedrag.graphs.er_medrag import graph
@@ -19,8 +20,12 @@ OFFLINE = "offline:gemma3-270m"
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("gpt-4", "must look like 'provider:name'"), ("hf:", "must look like"), ("", "must look like"),
-     ("nope:model", "unknown model provider 'nope'")],
+    [
+        ("gpt-4", "must look like 'provider:name'"),
+        ("hf:", "must look like"),
+        ("", "must look like"),
+        ("nope:model", "unknown model provider 'nope'"),
+    ],
 )
 def test_bad_model_specs_name_the_problem(spec, message):
     with pytest.raises(ModelSpecError, match=message):
@@ -34,8 +39,14 @@ def test_openai_backend_needs_a_server(monkeypatch):
 
 
 def test_openai_backend_takes_its_timeouts_and_retries():
-    model = load_chat_model("openai:Qwen/Qwen3-8B", base_url="http://127.0.0.1:9/v1", timeout_s=7,
-                            connect_timeout_s=2, max_retries=4, retry_backoff_s=0.25)
+    model = load_chat_model(
+        "openai:Qwen/Qwen3-8B",
+        base_url="http://127.0.0.1:9/v1",
+        timeout_s=7,
+        connect_timeout_s=2,
+        max_retries=4,
+        retry_backoff_s=0.25,
+    )
     assert (model.policy.timeout_s, model.policy.connect_timeout_s) == (7, 2)
     assert (model.policy.max_retries, model.policy.retry_backoff_s) == (4, 0.25)
     assert model.spec == "openai:Qwen/Qwen3-8B"
@@ -43,11 +54,13 @@ def test_openai_backend_takes_its_timeouts_and_retries():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [(dict(timeout_s=0), r"request_timeout_s \(--timeout\) must be a positive number of seconds, got 0"),
-     (dict(timeout_s=float("nan")), "request_timeout_s"),
-     (dict(connect_timeout_s=-1), r"connect_timeout_s \(--connect-timeout\)"),
-     (dict(max_retries=11), r"max_retries \(--retries\) must be an integer from 0 to 10"),
-     (dict(retry_backoff_s=-0.5), "retry_backoff_s must be a non-negative")],
+    [
+        (dict(timeout_s=0), r"request_timeout_s \(--timeout\) must be a positive number of seconds, got 0"),
+        (dict(timeout_s=float("nan")), "request_timeout_s"),
+        (dict(connect_timeout_s=-1), r"connect_timeout_s \(--connect-timeout\)"),
+        (dict(max_retries=11), r"max_retries \(--retries\) must be an integer from 0 to 10"),
+        (dict(retry_backoff_s=-0.5), "retry_backoff_s must be a non-negative"),
+    ],
 )
 def test_openai_backend_refuses_bad_timeouts_naming_the_setting(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -110,13 +123,24 @@ def test_offline_model_batches_concurrent_calls():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [OFFLINE, pytest.param("llamacpp:gemma3-270m", marks=pytest.mark.skipif(
-    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed (make llamacpp)"))])
+@pytest.mark.parametrize("model", [OFFLINE, pytest.param("llamacpp:gemma3-270m", marks=LLAMACPP_MARKS)])
 def test_whole_graph_on_the_real_offline_model(tmp_path, model):
-    context = {"extractor_model": model, "respondent_model": model, "trace_db": str(tmp_path / "t.sqlite"),
-               "snippets_k": 2, "extractor_max_new_tokens": 48, "respondent_max_new_tokens": 48}
-    state = graph.invoke({"question": "Which drug is first-line for type 2 diabetes?",
-                          "options": {"A": "Metformin", "B": "Insulin"}, "gold": "A"}, context=context)
+    context = {
+        "extractor_model": model,
+        "respondent_model": model,
+        "trace_db": str(tmp_path / "t.sqlite"),
+        "snippets_k": 2,
+        "extractor_max_new_tokens": 48,
+        "respondent_max_new_tokens": 48,
+    }
+    state = graph.invoke(
+        {
+            "question": "Which drug is first-line for type 2 diabetes?",
+            "options": {"A": "Metformin", "B": "Insulin"},
+            "gold": "A",
+        },
+        context=context,
+    )
     assert len(state["snippets"]) == 2 and len(state["extractions"]) == 2
     assert set(state["answer"]) == {"answer", "reasoning", "ok", "well_formed", "error"}
     events = list(TraceStore(context["trace_db"]).events(run_id=state["run_id"]))

