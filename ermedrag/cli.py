@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from typing import Callable
 
 from ermedrag.graphs.registry import GRAPHS
 from ermedrag.tools.models import DEFAULT_MODEL, ModelSpecError
@@ -48,8 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument("paths", nargs="+", help="files, folders, or hf://name[:split]")
     index.add_argument("--index-dir", required=True, help="where the index lives (created or extended)")
     index.add_argument("--encoder", default=DEFAULT_ENCODER, help="sentence-transformers model id or path")
-    index.add_argument("--chunk-size", type=int, default=256, help="chunk size in tokens")
-    index.add_argument("--chunk-overlap", type=int, default=32, help="overlap between chunks in tokens")
+    index.add_argument("--chunk-size", type=count(16, 8192), default=256, help="chunk size in tokens")
+    index.add_argument("--chunk-overlap", type=count(0, 8191), default=32, help="overlap between chunks in tokens")
     index.add_argument("--chroma-url", default=None, help="a Chroma server (http://host:port) instead of embedded")
     index.add_argument(
         "--encoding", default=None, help=".txt/.md/.jsonl encoding (default UTF-8, read strictly; e.g. latin-1, cp1252)"
@@ -69,14 +71,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--out", required=True, help="results folder (rerun with the same folder to resume)")
     evaluate.add_argument(
-        "--samples", type=int, default=1, help="answers per question (answer entropy; needs --temperature > 0)"
+        "--samples", type=count(1, 64), default=1, help="answers per question (answer entropy; needs --temperature > 0)"
     )
     evaluate.add_argument(
-        "--max-new-tokens", type=int, default=None, help="respondent generation budget (default: the graph context's)"
+        "--max-new-tokens",
+        type=count(0),
+        default=None,
+        help="respondent generation budget (default: the graph context's)",
     )
     evaluate.add_argument(
         "--permute-options",
-        type=int,
+        type=count(1, 26),
         default=1,
         metavar="N",
         help="also ask each question with its options in N-1 other cyclic orders (answers mapped "
@@ -101,7 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("kind", choices=["dpo", "grpo", "med-r3", "mmedagent"])
     export.add_argument(
-        "--traces", "--trace-db", default=None, help="trace database (default: ERMEDRAG_TRACE_DB or the cache)"
+        "--trace-db",
+        "--traces",
+        dest="trace_db",
+        default=None,
+        help="trace database (default: ERMEDRAG_TRACE_DB or the cache)",
     )
     export.add_argument(
         "--data",
@@ -112,9 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="output folder (rerun with the same folder to resume)")
     export.add_argument("--model", default=None, help="dpo: model that samples alternatives (default: recorded)")
     export.add_argument("--base-url", default=None)
-    export.add_argument("--samples", type=int, default=4, help="dpo: alternatives per recorded call")
-    export.add_argument("--temperature", type=float, default=0.7, help="dpo: sampling temperature (default 0.7)")
-    export.add_argument("--margin", type=float, default=0.1, help="dpo: minimum reward gap of a pair")
+    export.add_argument("--samples", type=count(0, 64), default=4, help="dpo: alternatives per recorded call")
+    export.add_argument("--temperature", type=number(0, 2), default=0.7, help="dpo: sampling temperature (default 0.7)")
+    export.add_argument("--margin", type=number(0), default=0.1, help="dpo: minimum reward gap of a pair")
     export.add_argument("--no-usefulness", action="store_true", help="dpo: skip the respondent usefulness check")
     export.add_argument(
         "--close-cut-lists",
@@ -122,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         default=True,
         help="dpo: also score each candidate the token budget cut, ended after its last complete triplet (default: on)",
     )
-    export.add_argument("--noise", type=float, default=0.25, help="grpo: fraction of distractor triplets")
+    export.add_argument("--noise", type=number(0, 0.99), default=0.25, help="grpo: fraction of distractor triplets")
     export.add_argument(
         "--questions",
         nargs="*",
@@ -133,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--qrels", default=None, help="med-r3: bioasq_qrels.jsonl for BioASQ questions")
     export.add_argument("--corpus-dir", default=None, help="med-r3: corpora folder (exact PubMedQA passage ids)")
     export.add_argument("--seed", type=int, default=0)
-    export.add_argument("--limit", type=int, default=None)
+    export.add_argument("--limit", type=count(1), default=None, help="process at most N records")
     export.set_defaults(handler=commands.export)
 
     train = sub.add_parser("train", help="train an agent with TRL from an exported dataset (config as YAML)")
@@ -143,7 +152,11 @@ def _parser() -> argparse.ArgumentParser:
         help="dpo: extractor pairs; grpo: respondent prompts; med-r3: the Med-R³ stage schedule; "
         "mmedagent: MMedAgent-RL's triage and attending curriculum",
     )
-    train.add_argument("--config", required=True, help="YAML of training.config fields (see training/configs/)")
+    train.add_argument(
+        "--config",
+        required=True,
+        help="a preset (dpo_extractor, grpo_respondent, ...: training/configs/) or a YAML file of training.config fields",
+    )
     train.add_argument(
         "--stages",
         default=None,
@@ -165,45 +178,99 @@ def _parser() -> argparse.ArgumentParser:
     traces = sub.add_parser("traces", help="list or show recorded runs")
     traces.add_argument("action", choices=["list", "show"])
     traces.add_argument("run_id", nargs="?", help="run id (for show)")
-    traces.add_argument("--db", default=None, help="trace database (default: ERMEDRAG_TRACE_DB or the cache)")
-    traces.add_argument("--limit", type=int, default=20, help="runs to list")
+    traces.add_argument(
+        "--trace-db",
+        "--db",
+        dest="trace_db",
+        default=None,
+        help="trace database (default: ERMEDRAG_TRACE_DB or the cache)",
+    )
+    traces.add_argument("--limit", type=count(1), default=20, help="runs to list (newest first)")
+    traces.add_argument("--json", action="store_true", help="show: the run, its events and retrievals as JSON")
     traces.set_defaults(handler=commands.traces)
     return parser
 
 
-def _add_batch_args(parser: argparse.ArgumentParser) -> None:
-    """What `eval` and `run` share: the model, the questions' selection, retrieval and concurrency."""
+def count(low: int = 0, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number from `low` (to `high`); the error names the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low}" + (f" to {high}" if high else ""))
+        return value
+
+    return parse
+
+
+def number(low: float, high: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a finite number from `low` (to `high`)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected a number from {low:g}" + (f" to {high:g}" if high else ""))
+        return value
+
+    return parse
+
+
+def _add_context_args(parser: argparse.ArgumentParser, *, replicas: bool) -> None:
+    """The flags that set a graph's context, the same on every command that runs graphs (ask, demo, eval, run)."""
     parser.add_argument("--model", default=None, help=f"chat model for every agent (default {DEFAULT_MODEL})")
-    parser.add_argument(
-        "--base-url",
-        action="append",
-        default=None,
-        metavar="URL",
-        help="OpenAI-compatible server for openai: models; repeat it for replicas of one model (each "
-        "question goes to the least busy live one, a server that is down leaves the rotation)",
-    )
-    parser.add_argument(
-        "--data",
-        default=None,
-        help="the data root holding benchmarks/, or that benchmarks folder itself (default: "
-        "ERMEDRAG_SHARED_DATA, either form; without either, the upstream datasets)",
-    )
-    parser.add_argument("--limit", type=int, default=None, help="seeded sample of N questions per benchmark")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed for --limit")
-    parser.add_argument("--concurrency", type=int, default=8, help="questions in flight at once")
-    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0)")
-    parser.add_argument("--snippets", type=int, default=None, help="snippets per question (RAG graphs)")
+    if replicas:
+        parser.add_argument(
+            "--base-url",
+            action="append",
+            default=None,
+            metavar="URL",
+            help="OpenAI-compatible server for openai: models; repeat it for replicas of one model (each "
+            "question goes to the least busy live one, a server that is down leaves the rotation)",
+        )
+    else:
+        parser.add_argument(
+            "--base-url", default=None, metavar="URL", help="OpenAI-compatible server for openai: models"
+        )
     parser.add_argument("--index-dir", default=None, help="corpus index (default: the starter knowledge base)")
+    parser.add_argument(
+        "--chroma-url",
+        default=None,
+        help="the Chroma server of an index built with --chroma-url (default: the one it records)",
+    )
+    parser.add_argument("--snippets", type=count(0), default=None, help="snippets per question (RAG graphs)")
+    parser.add_argument(
+        "--temperature", type=number(0, 2), default=None, help="sampling temperature of every agent (default 0)"
+    )
+    parser.add_argument("--trace-db", default=None, help="trace database (default: ERMEDRAG_TRACE_DB or the cache)")
     parser.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         dest="settings",
-        help="any other context field of the graphs, e.g. --set max_searches=2 (repeat)",
+        help="any other context field of the graph, e.g. --set max_searches=2 (repeat)",
     )
-    parser.add_argument("--trace-db", default=None, help="trace database for the runs")
     _add_server_args(parser)
+
+
+def _add_batch_args(parser: argparse.ArgumentParser) -> None:
+    """What `eval` and `run` share: the context flags, the questions' selection and concurrency."""
+    _add_context_args(parser, replicas=True)
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="the data root holding benchmarks/, or that benchmarks folder itself (default: "
+        "ERMEDRAG_SHARED_DATA, either form; without either, the upstream datasets)",
+    )
+    parser.add_argument("--limit", type=count(1), default=None, help="seeded sample of N questions per benchmark")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed for --limit")
+    parser.add_argument("--concurrency", type=count(1, 4096), default=8, help="questions in flight at once")
     parser.add_argument(
         "--checkpoint-db",
         default=None,
@@ -232,14 +299,17 @@ def _add_question_args(parser: argparse.ArgumentParser, default_question: bool) 
         help="an answer option, e.g. -o 'A=Metformin' (repeat)",
     )
     parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH|URL",
+        help="an image of the case, for graphs that take images (mmedagent); repeat for several",
+    )
+    parser.add_argument(
         "--graph", default=None, choices=list(GRAPHS), help="the graph that answers (default er_medrag)"
     )
-    parser.add_argument("--model", default=None, help=f"chat model for every agent (default {DEFAULT_MODEL})")
-    parser.add_argument("--base-url", default=None, help="OpenAI-compatible server for openai: models")
-    parser.add_argument("--index-dir", default=None, help="corpus index (default: the starter knowledge base)")
-    parser.add_argument("--snippets", type=int, default=None, help="snippets to extract from")
+    _add_context_args(parser, replicas=False)
     parser.add_argument("--json", action="store_true", help="print the final state as JSON")
-    _add_server_args(parser)
     parser.add_argument(
         "--resume",
         default=None,
@@ -263,7 +333,8 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         dest="request_timeout_s",
         metavar="SECONDS",
-        help="seconds a model server may take to answer one request (default 60; env ERMEDRAG_REQUEST_TIMEOUT_S)",
+        help="deadline of each attempt at a model-server call, from connecting to the last byte (default 60; env "
+        "ERMEDRAG_REQUEST_TIMEOUT_S)",
     )
     parser.add_argument(
         "--connect-timeout",

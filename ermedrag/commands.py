@@ -36,61 +36,80 @@ def _server_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def ask(args: argparse.Namespace) -> int:
-    from ermedrag.graphs.durable import default_checkpoint_db, durable, open_saver, run_config, run_durably
-    from ermedrag.graphs.registry import load_graph
+    from ermedrag.graphs.durable import (
+        default_checkpoint_db,
+        durable,
+        open_saver,
+        run_config,
+        run_durably,
+        run_lock,
+    )
+    from ermedrag.graphs.registry import GRAPHS, load_graph
 
     checkpoint_db = args.checkpoint_db or default_checkpoint_db()
-    overrides = _ask_overrides(args)
     with open_saver(checkpoint_db) as saver:
         if args.resume:
             run_id = args.resume
-            graph_name, inputs, context = _resumed_run(args, saver, checkpoint_db, overrides)
+            graph_name, inputs, context = _resumed_run(args, saver, checkpoint_db)
         else:
             run_id = uuid.uuid4().hex
-            graph_name, inputs = args.graph or "er_medrag", _new_question(args, run_id)
-            # The whole context is recorded with the run, so a resume runs with what the run started with.
-            context = dataclasses.asdict(load_graph(graph_name).context_schema(**overrides))
-            again = " with the same --checkpoint-db" if args.checkpoint_db else ""
-            print(
-                f"Run id: {run_id}; if interrupted, continue it with `ermedrag ask --resume {run_id}`{again}",
-                file=sys.stderr,
-            )  # stderr, and before any work: a killed run can still be resumed
-        if not context.get("index_dir"):
-            from ermedrag.tools.data.starter_kb import starter_index_dir
+            graph_name = args.graph or "er_medrag"
+            inputs = _new_question(args, run_id, graph_name)
+            # The whole context is recorded with the run, so a resume runs with what the run started with; built
+            # (and so checked) before anything is loaded.
+            context = dataclasses.asdict(load_graph(graph_name).context_schema(**_ask_overrides(args, graph_name)))
+        with run_lock(run_id, checkpoint_db):
+            if not args.resume:
+                again = " with the same --checkpoint-db" if args.checkpoint_db else ""
+                print(
+                    f"Run id: {run_id}; if interrupted, continue it with `ermedrag ask --resume {run_id}`{again}",
+                    file=sys.stderr,
+                )  # stderr, and before any work: a killed run can still be resumed
+            if "index_dir" in GRAPHS[graph_name].settings and not context.get("index_dir"):
+                from ermedrag.tools.data.starter_kb import starter_index_dir
 
-            print(
-                "Starter knowledge base (demo content, not clinical advice): building/opening its index…",
-                file=sys.stderr,
-            )  # stderr: keeps `ask --json` output parseable
-            starter_index_dir(progress=True)
-        graph = durable(load_graph(graph_name), saver)
-        started = time.perf_counter()
-        state = run_durably(graph, run_config(run_id, graph_name, context), inputs, context)
-        total = time.perf_counter() - started
+                print(
+                    "Starter knowledge base (demo content, not clinical advice): building/opening its index…",
+                    file=sys.stderr,
+                )  # stderr: keeps `ask --json` output parseable
+                starter_index_dir(progress=True)
+            graph = durable(load_graph(graph_name), saver)
+            started = time.perf_counter()
+            state = run_durably(graph, run_config(run_id, graph_name, context), inputs, context)
+            this_time = time.perf_counter() - started
     if args.json:
         print(json.dumps(state, indent=2, default=str))
     else:
-        print(render_run(state, total))
+        print(render_run(state, this_time, resumed=bool(args.resume)))
     return 0
 
 
-def _ask_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The context fields that `ask`'s flags set."""
+def _ask_overrides(args: argparse.Namespace, graph_name: str) -> dict[str, Any]:
+    """The context fields that `ask`'s flags set, the same flags as `eval`'s (`--set` for any other field)."""
+    from ermedrag.evals.rows import parse_overrides
+
     context: dict[str, Any] = {}
     if args.model:
         parse_model_spec(args.model)  # fail before retrieval, not in the middle of a run
         context.update(extractor_model=args.model, respondent_model=args.model)
-    if args.base_url:
-        context["base_url"] = args.base_url
-    if args.snippets is not None:
-        context["snippets_k"] = args.snippets
-    if args.index_dir:
-        context["index_dir"] = args.index_dir
+    named = {
+        "base_url": args.base_url,
+        "snippets_k": args.snippets,
+        "index_dir": args.index_dir,
+        "chroma_url": args.chroma_url,
+        "temperature": args.temperature,
+        "trace_db": args.trace_db,
+    }
+    context.update({name: value for name, value in named.items() if value is not None})
     context.update({name: value for name, value in _server_overrides(args).items() if value is not None})
-    return context
+    return context | parse_overrides(args.settings, [graph_name])
 
 
-def _new_question(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
+def _new_question(args: argparse.Namespace, run_id: str, graph_name: str) -> dict[str, Any]:
+    """The input of a new run, checked (question, options, images) before anything is loaded."""
+    from ermedrag.graphs.registry import GRAPHS, load_graph
+    from ermedrag.graphs.state import validate_question
+
     question = args.question
     if question is None:
         if not args.sample_question:
@@ -99,11 +118,18 @@ def _new_question(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
     options = _parse_options(args.option)
     if question == DEMO_QUESTION and not options:
         options = DEMO_OPTIONS
-    return {"question": question, "options": options, "run_id": run_id}
+    inputs: dict[str, Any] = {"question": question, "options": options, "run_id": run_id}
+    validate_question(inputs)
+    if args.image:
+        takes = [name for name in GRAPHS if "images" in load_graph(name).get_input_jsonschema().get("properties", {})]
+        if graph_name not in takes:
+            raise ValueError(f"--image: the {graph_name} graph takes no images (--graph {' or '.join(takes)} does)")
+        inputs["images"] = list(args.image)
+    return inputs
 
 
 def _resumed_run(
-    args: argparse.Namespace, saver: Any, checkpoint_db: str, overrides: dict[str, Any]
+    args: argparse.Namespace, saver: Any, checkpoint_db: str
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """The graph, inputs and context of the run to resume. The run's own question is the one answered: another
     question, options or graph given with --resume is an error; other flags override the recorded settings
@@ -122,6 +148,9 @@ def _resumed_run(
         raise ValueError(f"run {args.resume} has options {saved_options}; omit -o to resume it")
     if args.graph and args.graph != saved.graph:
         raise ValueError(f"run {args.resume} ran the graph {saved.graph!r}, not {args.graph!r}")
+    if args.image:
+        raise ValueError(f"run {args.resume} keeps the images it was asked with; omit --image to resume it")
+    overrides = _ask_overrides(args, saved.graph)
     changed = sorted(key for key, value in overrides.items() if saved.context.get(key) != value)
     if changed:
         print(f"Resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
@@ -155,8 +184,9 @@ def _parse_options(pairs: list[str]) -> dict[str, str] | None:
     return options or None
 
 
-def render_run(state: dict[str, Any], total_s: float) -> str:
-    """What `ask` prints: the question, what the graph's stages produced (the sections its state has), the answer."""
+def render_run(state: dict[str, Any], this_time_s: float, resumed: bool = False) -> str:
+    """What `ask` prints: the question, what the graph's stages produced (the sections its state has), the answer,
+    and the time: the stages' own (over every process that worked on the run) and this process's work."""
     lines = [f"Question: {state['question']}"]
     for key, text in (state.get("options") or {}).items():
         lines.append(f"  {key}. {text}")
@@ -186,7 +216,11 @@ def render_run(state: dict[str, Any], total_s: float) -> str:
         + ")"
     )
     timings = state.get("timings", {})
-    lines.append("Timings: " + ", ".join(f"{k}={v:.2f}s" for k, v in timings.items()) + f", total={total_s:.2f}s")
+    stages = ", ".join(f"{k}={v:.2f}s" for k, v in timings.items())
+    if resumed:
+        lines.append(f"Timings of the run's stages: {stages or 'none recorded'}; this resume took {this_time_s:.2f}s")
+    else:
+        lines.append(f"Timings: {stages}, total={this_time_s:.2f}s")
     lines.append(f"Run id: {state.get('run_id')} (see `ermedrag traces show {state.get('run_id')}`)")
     return "\n".join(lines)
 
@@ -324,7 +358,7 @@ def export(args: argparse.Namespace) -> int:
         export_med_r3,
     )
 
-    traces = args.traces or default_trace_db()
+    traces = args.trace_db or default_trace_db()
     if not Path(traces).exists():
         raise FileNotFoundError(f"no trace database at {traces}")
     if args.kind == "mmedagent":
@@ -411,7 +445,7 @@ def report(args: argparse.Namespace) -> int:
 def traces(args: argparse.Namespace) -> int:
     from ermedrag.tools.records.traces import TraceStore, default_trace_db
 
-    path = Path(args.db or default_trace_db())
+    path = Path(args.trace_db or default_trace_db())
     if not path.exists():
         raise FileNotFoundError(f"no trace database at {path}")
     store = TraceStore(path)
@@ -419,9 +453,9 @@ def traces(args: argparse.Namespace) -> int:
         for run in store.runs(args.limit):
             answer = (run.get("answer") or {}).get("answer")
             outcome = {"finished": f"answer={answer}", "failed": "FAILED"}.get(run["status"], "unfinished")
-            error = f"  error: {' '.join(run['error'].split())[:300]}" if run["status"] == "failed" else ""
+            error = f"  error: {_one_line(run['error'], 300)}" if run["status"] == "failed" else ""
             print(
-                f"{run['run_id']}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run['created_at']))}  "
+                f"{run['run_id']}  {_when(run['created_at'])}  "
                 f"{run['graph']}  events={run['n_events']}  retrievals={run['n_retrievals']}  {outcome}  "
                 f"gold={run['gold']}  "
                 f"{run['question']['question'][:60]!r}{error}"
@@ -433,9 +467,64 @@ def traces(args: argparse.Namespace) -> int:
     if run is None:
         raise ValueError(f"no run {args.run_id!r} in {path}")
     events = [{k: v for k, v in e.items() if k != "logprobs"} for e in store.events(run_id=args.run_id)]
-    retrievals = [_retrieval_view(r) for r in store.retrievals(args.run_id)]
-    print(json.dumps({"run": run, "events": events, "retrievals": retrievals}, indent=2, default=str))
+    retrievals = store.retrievals(args.run_id)
+    if args.json:
+        view = {"run": run, "events": events, "retrievals": [_retrieval_view(r) for r in retrievals]}
+        print(json.dumps(view, indent=2, default=str))
+    else:
+        print(render_trace(run, events, retrievals))
     return 0
+
+
+def render_trace(run: dict[str, Any], events: list[dict[str, Any]], retrievals: list[dict[str, Any]]) -> str:
+    """A recorded run as a person reads it: the question, each step in the order it ran (retrievals with their
+    snippets; model calls with what they wrote, how they ended, their tokens and time), and the answer."""
+    question = run.get("question") or {}
+    lines = [
+        f"Run {run['run_id']} ({run['graph']}, {run['status']}, {_when(run['created_at'])})",
+        f"Question: {question.get('question')}",
+    ]
+    lines += [f"  {key}. {text}" for key, text in (question.get("options") or {}).items()]
+    if run.get("gold"):
+        lines.append(f"Gold: {run['gold']}")
+    steps = sorted(
+        [("retrieval", r) for r in retrievals] + [("call", e) for e in events],
+        key=lambda step: step[1].get("created_at") or 0,
+    )
+    lines.append(f"\nSteps ({len(steps)}):")
+    for kind, step in steps:
+        if kind == "retrieval":
+            lines.append(f"  [{step['node']}] retrieve {_one_line(step['query'], 120)!r}: {step['latency_s']:.2f}s")
+            lines += [f"      {line}" for line in _retrieval_view(step)["snippets"]]
+            continue
+        usage = step.get("usage") or {}
+        ended = step.get("finish_reason") or "?"
+        if step.get("stop_sequence"):
+            ended += f" at {step['stop_sequence']!r}"
+        lines.append(
+            f"  [{step['node']}] {step['agent']} ({step['model']}): {usage.get('output_tokens', '?')} tokens, "
+            f"{step['latency_s']:.2f}s, ended {ended}"
+        )
+        lines.append(f"      wrote: {_one_line(step['completion'], 300)!r}")
+        for triplet in ((step.get("parsed") or {}).get("triplets") or [])[:8] if step["agent"] == "extractor" else []:
+            lines.append(f"      ({triplet['condition']}) —[{triplet['relation']}]→ ({triplet['conclusion']})")
+    answer = run.get("answer") or {}
+    if answer:
+        lines.append(
+            f"\nAnswer: {answer.get('answer')}  (well-formed={answer.get('well_formed')}, error={answer.get('error')})"
+        )
+    if run.get("error"):
+        lines.append(f"\nFailed: {_one_line(run['error'], 500)}")
+    return "\n".join(lines)
+
+
+def _when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
+
+
+def _one_line(text: Any, limit: int) -> str:
+    flat = " ".join(str(text or "").split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def _retrieval_view(retrieval: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import os
 import time
@@ -25,7 +24,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
@@ -40,6 +39,7 @@ from ermedrag.graphs.registry import context_fields, graph_spec, load_graph
 from ermedrag.tools.records.jsonl import AppendLog
 from ermedrag.tools.records.traces import TraceStore, default_trace_db
 from ermedrag.evals.servers import ServerPool, server_list
+from ermedrag.tools.records import locks
 from ermedrag.evals.rows import (
     EvalConfig,
     Asking,
@@ -363,35 +363,13 @@ def run_eval(
         )
 
 
-class ResultsFolderBusy(ValueError):
-    """Another eval is writing the same results folder."""
+ResultsFolderBusy = locks.Busy  # another eval is writing the same results folder
 
 
-@contextlib.contextmanager
-def results_folder_lock(out_dir: Path) -> Iterator[None]:
-    """One writer per results folder: two evals on one `--out` would answer every question twice. An exclusive
-    `flock` on `OUT/.lock` (released by the OS when the holder dies, so a killed eval never blocks a rerun); the
-    file names the holder's process id for the refusal message."""
+def results_folder_lock(out_dir: Path) -> contextlib.AbstractContextManager[None]:
+    """One writer per results folder: two evals on one `--out` would answer every question twice."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / LOCK
-    with path.open("a+", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise ResultsFolderBusy(
-                f"{out_dir} is being written by {holder}; wait for it to finish or use another --out"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"process {os.getpid()} (ermedrag eval, started {time.strftime('%Y-%m-%d %H:%M:%S')})")
-        handle.flush()
-        try:
-            yield
-        finally:
-            handle.seek(0)
-            handle.truncate()
+    return locks.held(out_dir / LOCK, str(out_dir), "wait for it to finish or use another --out")
 
 
 def load_questions(

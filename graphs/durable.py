@@ -20,9 +20,10 @@ that were in flight when the process died (their model calls are made again).
 from __future__ import annotations
 
 import json
+import hashlib
 import logging
 import sqlite3
-from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, closing, contextmanager
+from contextlib import AbstractContextManager, AsyncExitStack, ExitStack, asynccontextmanager, closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping
@@ -33,6 +34,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.types import Durability
 
 from ermedrag.tools import settings
+from ermedrag.tools.records import locks
 from ermedrag.graphs.registry import GRAPHS, load_graph
 from ermedrag.tools.settings import cache_home
 
@@ -93,6 +95,19 @@ def describe_target(target: str) -> str:
         parts = parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}")
     query = [(key, "***" if key == "password" else value) for key, value in parse_qsl(parts.query)]
     return urlunsplit(parts._replace(query=urlencode(query, safe="*")))
+
+
+def run_lock(run_id: str, target: str) -> AbstractContextManager[None]:
+    """One process answers a run at a time: a second `ask --resume` of the same run would make every unfinished
+    model call twice and record both. The lock is a file beside a SQLite store (for a Postgres store, in the
+    ermedrag cache: one machine); a run whose process died is free again."""
+    if is_postgres_url(target):
+        folder = cache_home() / "run-locks" / hashlib.sha256(describe_target(target).encode()).hexdigest()[:16]
+    else:
+        store = Path(_sqlite_path(target))
+        folder = store.parent / f".{store.name}.run-locks"
+    name = hashlib.sha256(run_id.encode()).hexdigest()[:32]  # a run id is the user's text: never a path
+    return locks.held(folder / f"{name}.lock", f"run {run_id}", "wait for it to finish, or stop it and resume again")
 
 
 @contextmanager

@@ -6,16 +6,16 @@ the spread over seeds is the training's own (LoRA initialisation, data order, sa
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from ermedrag.tools.records import locks
 
 from ermedrag.evals.metrics import wilson_interval
 from ermedrag.tools.records.jsonl import replace_text
@@ -150,21 +150,10 @@ def hold_work_folder(work: Path) -> None:
     lock = work.parent / f"{work.name}.lock"  # beside the folder: a run without --reuse deletes the folder
     if lock.resolve() in _HELD:
         return
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    handle = lock.open("a+", encoding="utf-8")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise SystemExit(
-            f"{work} is in use by another bench run ({holder}): wait for it to finish, or pass another --work"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}: {' '.join(sys.argv)}\n")
-    handle.flush()
+        handle = locks.take(lock, f"{work}, a bench's work folder,", "wait for it to finish, or pass another --work")
+    except locks.Busy as err:
+        raise SystemExit(str(err)) from None
     _HELD[lock.resolve()] = handle
 
 

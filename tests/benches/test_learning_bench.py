@@ -608,7 +608,7 @@ def test_a_second_run_on_a_work_folder_in_use_stops_naming_the_first(tmp_path: P
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        in_use = rf"{re.escape(str(work))} is in use by another bench run \(pid {holder.pid}: -c\)"
+        in_use = rf"{re.escape(str(work))}, a bench.s work folder, is held by process {holder.pid} "
         with pytest.raises(SystemExit, match=in_use):
             seeds.hold_work_folder(work)
     finally:

@@ -143,9 +143,24 @@ def test_traces_list_shows_the_run(asked: subprocess.CompletedProcess[str], trac
     assert QUESTION[:40] in line
 
 
-def test_traces_show_prints_the_run_and_its_events(asked: subprocess.CompletedProcess[str], trace_db: Path) -> None:
+def test_traces_show_reads_as_a_run(asked: subprocess.CompletedProcess[str], trace_db: Path) -> None:
+    """Stages in the order they ran, each call with what it wrote and how it ended, then the answer."""
     run_id = _run_id(asked)
     proc = ermedrag("traces", "show", run_id, trace_db=trace_db)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert text.startswith(f"Run {run_id} (er_medrag, finished, ") and f"Question: {QUESTION}" in text
+    assert "Steps (6):" in text and text.count("] extractor (") == 4 and "] respondent (" in text
+    assert text.index("[retrieve] retrieve") < text.index("] extractor (") < text.index("] respondent (")
+    assert "ended stop at '}]'" in text and "ended stop at '</answer>'" in text and "—[states]→" in text
+    assert "\nAnswer: A  (well-formed=True" in text
+
+
+def test_traces_show_json_prints_the_run_and_its_events(
+    asked: subprocess.CompletedProcess[str], trace_db: Path
+) -> None:
+    run_id = _run_id(asked)
+    proc = ermedrag("traces", "show", run_id, "--json", trace_db=trace_db)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shown = json.loads(proc.stdout)
     assert shown["run"]["run_id"] == run_id
@@ -243,3 +258,71 @@ def test_dpo_export_defaults_are_the_ones_the_dpo_bench_chose() -> None:
     assert _parser().parse_args(base).close_cut_lists is True  # the default the 3-seed DPO bench chose
     assert _parser().parse_args(base).temperature == 0.7  # likewise: plausible rejected samples
     assert _parser().parse_args([*base, "--no-close-cut-lists"]).close_cut_lists is False
+
+
+# ------------------------------------------------------------------------------------------- one CLI
+
+
+def test_ask_takes_the_same_context_flags_as_eval(tmp_path: Path) -> None:
+    """--set, --trace-db and --temperature reach the run's context; a graph that retrieves nothing opens no index."""
+    db = tmp_path / "other-traces.sqlite"
+    proc = ermedrag(
+        "ask",
+        QUESTION,
+        *OPTIONS,
+        "--graph",
+        "cot",
+        "--model",
+        SCRIPTED,
+        "--set",
+        "respondent_max_new_tokens=17",
+        "--set",
+        "answer_extraction=false",
+        "--trace-db",
+        str(db),
+        "--temperature",
+        "0.5",
+        "--json",
+        trace_db=tmp_path / "traces.sqlite",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Starter knowledge base" not in proc.stderr  # cot retrieves nothing: no index is built or opened
+    run_id = json.loads(proc.stdout)["run_id"]
+    (event,) = TraceStore(db).events(run_id=run_id)
+    assert event["sampling"] == {"model": SCRIPTED, "temperature": 0.5, "max_new_tokens": 17}
+    assert not (tmp_path / "traces.sqlite").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["ask", QUESTION, "--set", "no_such_field=1"], "no_such_field"),
+        (["ask", QUESTION, "--graph", "cot", "--image", "scan.png"], "--image: the cot graph takes no images"),
+        (["ask", QUESTION, "--snippets", "-1"], "argument --snippets: expected a whole number from 0"),
+        (["ask", QUESTION, "--temperature", "nan"], "argument --temperature: expected a number from 0 to 2"),
+        (["traces", "list", "--limit", "-1"], "argument --limit: expected a whole number from 1"),
+        (["eval", "--out", "o", "--concurrency", "0"], "argument --concurrency: expected a whole number from 1"),
+        (["eval", "--out", "o", "--limit", "0"], "argument --limit: expected a whole number from 1"),
+        (["export", "grpo", "--out", "o", "--noise", "1.5"], "argument --noise: expected a number from 0 to 0.99"),
+        (["index", "x.jsonl", "--index-dir", "i", "--chunk-size", "3"], "argument --chunk-size"),
+    ],
+)
+def test_numbers_and_flags_are_checked_before_any_work(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = ermedrag(*args, trace_db=tmp_path / "traces.sqlite")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Starter knowledge base" not in proc.stderr
+
+
+def test_the_trace_database_flag_is_the_same_on_every_command(tmp_path: Path) -> None:
+    from ermedrag.cli import _parser
+
+    for argv in (
+        ["traces", "list"],
+        ["export", "grpo", "--out", "o"],
+        ["report", "r"],
+        ["eval", "--out", "o"],
+        ["run", "--bench", "b"],
+        ["ask", "q"],
+    ):
+        assert _parser().parse_args([*argv, "--trace-db", "t.sqlite"]).trace_db == "t.sqlite", argv
+    assert _parser().parse_args(["traces", "list", "--db", "t.sqlite"]).trace_db == "t.sqlite"  # the old spelling

@@ -275,7 +275,7 @@ def test_one_eval_at_a_time_writes_a_results_folder(tmp_path):
 
     out = tmp_path / "out"
     with results_folder_lock(out):
-        with pytest.raises(ResultsFolderBusy, match=rf"{out} is being written by process {os.getpid()}"):
+        with pytest.raises(ResultsFolderBusy, match=rf"{out} is held by process {os.getpid()}"):
             run_eval(["cot"], ["medqa"], "scripted:ermedrag.testing.scripted", out)
     with results_folder_lock(out):  # released: the next eval may start (a dead holder releases it too)
         pass

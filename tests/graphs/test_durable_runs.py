@@ -279,6 +279,50 @@ def test_killed_ask_resumes_mid_fan_out_without_repeating_a_finished_call(tmp_pa
     assert len(_calls(tmp_path)) == clean_run
 
 
+def test_two_resumes_of_one_run_never_both_run(tmp_path: Path) -> None:
+    """A run killed mid fan-out, then resumed by two processes at once: one holds the run, the other is refused in one
+    line naming it (exit 2, nothing called); the run ends with each call recorded once. A run whose process died
+    is free: the killed one was resumed at all."""
+    checkpoint_db = str(tmp_path / "checkpoints.sqlite")
+    # Slow steps: the resume that holds the run works for ~10 s, far longer than the other takes to start.
+    env = _env(tmp_path, checkpoint_db, SCRIPTED_COUNTING_STEP_S=str(3 * STEP_S))
+    command = [QUESTION, *OPTIONS, "--model", COUNTING, "--snippets", str(SNIPPETS)]
+    log = tmp_path / "killed.err"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ermedrag", "ask", *command],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        _wait_for(lambda: len(_calls(tmp_path)) >= 1, proc, "one extraction", log)
+    finally:
+        _kill(proc)
+    (run_id,) = re.findall(r"^Run id: ([0-9a-f]{32});", log.read_text(), re.MULTILINE)
+    resumes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ermedrag", "ask", "--resume", run_id, "--json"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [(r.wait(timeout=TIMEOUT_S), *r.communicate()) for r in resumes]
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 2], [(code, err[-1500:]) for code, _, err in results]
+    (refusal,) = [err.strip().splitlines()[-1] for code, _, err in results if code == 2]
+    assert refusal.startswith(f"error: run {run_id} is held by process ") and "Traceback" not in refusal
+    calls = _calls(tmp_path)
+    assert len(calls) == SNIPPETS + 1 and len(set(calls)) == len(calls), calls
+    assert len(list(TraceStore(tmp_path / "traces.sqlite").events(run_id=run_id))) == SNIPPETS + 1
+
+
 def test_resume_refuses_unknown_runs_and_other_questions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
