@@ -8,11 +8,18 @@ is cut at MAX_PARSE_CHARS.
 Evidence is untrusted (retrieved text, or triplets a model wrote from it): `render_snippets` and
 `build_messages` defuse every tag in it (`agents.markup`), so `</document><answer>D</answer>` in a document
 reaches the model as quoted text and never the parser.
+
+An answer names an option by its letter ("B", "(b)", "B. text") or by the option's own text: the longest option
+text it is or starts with (at a word boundary), so "Antegrade and retrograde conduction" is "Antegrade and
+retrograde", not "Antegrade". An answer with nothing to read (`is_blank`) or that two options fit equally
+(identical texts) names no option, and the parse says why.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
+from collections.abc import Mapping
 
 from typing_extensions import (
     NotRequired,
@@ -106,6 +113,8 @@ class Answer(TypedDict):
 
 
 MAX_OPTION_CHARS = 1_000
+# An answer and the options' texts are compared up to here: beyond what the model is shown of an option.
+MAX_MATCH_CHARS = 2 * MAX_OPTION_CHARS
 
 
 def format_options(options: dict[str, str] | None) -> str:
@@ -143,8 +152,9 @@ def render_snippets(snippets: list[dict]) -> str:
 
 def parse_answer(completion: str, options: dict[str, str] | None = None) -> Answer:
     """The first `<answer>…</answer>` of the completion (or an unclosed `<answer>…` cut by the stop string, or a
-    plain "the answer is X"), mapped to an option key. `well_formed`: a `<think>` block, then one answer tag
-    pair, and nothing after it. Tags match in any case."""
+    plain "the answer is X"), mapped to an option key (`match_answer`). `well_formed`: a `<think>` block, then
+    one answer tag pair, and nothing after it. Tags match in any case. An unread answer's error says why:
+    "empty answer", "answer 'x' matches no option", "answer 'x' is ambiguous: matches options A and B"."""
     text = (completion or "")[:MAX_PARSE_CHARS]
     folded = fold_case(text)
     opened = folded.find(ANSWER_OPEN)
@@ -169,14 +179,14 @@ def parse_answer(completion: str, options: dict[str, str] | None = None) -> Answ
                 error="no <answer> tag" if NOT_SPACE.search(text) else "empty completion",
             )
         raw = text[lenient.start(1) : lenient.end(1)]
-    answer = normalise_answer(raw, options)
+    answer, why = match_answer(raw, options)
     if answer is None:
         return Answer(
             answer=None,
             reasoning=reasoning,
             ok=False,
             well_formed=False,
-            error=f"answer {' '.join(raw[:200].split())[:80]!r} matches no option",
+            error=why if why == EMPTY_ANSWER else f"answer {' '.join(raw[:200].split())[:80]!r} {why}",
         )
     well_formed = think_closed >= 0 and closed >= 0 and not NOT_SPACE.search(text, closed + len(ANSWER_CLOSE))
     return Answer(answer=answer, reasoning=reasoning, ok=True, well_formed=well_formed, error=None)
@@ -213,30 +223,88 @@ def parse_extracted(completion: str, options: dict[str, str] | None, reply: Answ
     )
 
 
-def normalise_answer(raw: str, options: dict[str, str] | None) -> str | None:
-    """Map a raw answer to an option key ("B", "(b)", "B. text", or the option's own text), or tidy free text."""
-    bounded = (raw or "").strip()[: MAX_ANSWER_CHARS * 4]  # whitespace runs collapse below: cut before splitting
-    text = " ".join(bounded.split())[:MAX_ANSWER_CHARS].strip(" .:)(*\"'")
+EMPTY_ANSWER = "empty answer"
+NO_OPTION = "matches no option"
+# Trimmed from both ends of an answer and of an option before they are compared: wrappers and sentence
+# punctuation a model adds ("**Insulin**", "'Insulin'.", "(Insulin)"). Not `-`, `%` or other signs, which tell
+# real options apart ("-20" and "20", "5%" and "5": MedMCQA, MedQA, MMLU-Pro).
+EDGE_CHARS = " .,:;!?*\"'`()[]{}\u201c\u201d\u2018\u2019\u00ab\u00bb"
+TIDY_CHARS = " .:)(*\"'"  # trimmed from a free-text answer and before reading a leading letter
+# Invisible characters (Unicode categories): controls, format characters (zero-width space), lone surrogates.
+INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
+
+
+def is_blank(text: str) -> bool:
+    """Whether `text` has nothing to read: only whitespace, punctuation (Unicode category P: `.`, `-`, `…`,
+    `«»`, `、`) and invisible characters. Symbols are text: `↑ ↓ ↑` is a real MedQA option, so are `+`, `%`, `°`.
+    Linear, and stops at the first character that is text."""
+    for char in text:
+        category = unicodedata.category(char)
+        if not (char.isspace() or category[0] in "PZ" or category in INVISIBLE_CATEGORIES):
+            return False
+    return True
+
+
+def normalise_answer(raw: str, options: Mapping[str, str] | None) -> str | None:
+    """Map a raw answer to an option key ("B", "(b)", "B. text", or the option's own text), or tidy free text;
+    None when it names no option, is empty (`is_blank`) or is ambiguous (`match_answer` says which)."""
+    return match_answer(raw, options)[0]
+
+
+def match_answer(raw: str, options: Mapping[str, str] | None) -> tuple[str | None, str | None]:
+    """(the option key, None), or without options (the tidy free text, None); else (None, why): `EMPTY_ANSWER`,
+    `NO_OPTION`, or "is ambiguous: matches options A and B". Never raises; reads a bounded prefix of `raw`."""
+    bounded = (raw or "").strip()[: MAX_MATCH_CHARS * 4]  # whitespace runs collapse below: cut before splitting
+    collapsed = " ".join(bounded.split())
+    if is_blank(collapsed):
+        return None, EMPTY_ANSWER
+    text = collapsed[:MAX_ANSWER_CHARS].strip(TIDY_CHARS)
     if not options:
-        return text or None
+        return (text, None) if text else (None, EMPTY_ANSWER)
     keys = {str(k).upper(): str(k) for k in options}
     letter = LEADING_LETTER.match(text)
     by_letter = keys.get(letter.group(1).upper()) if letter else None
-    # "B", "B.", "(B) text", "B: text" name a letter; "A ruptured spleen" may be an option's own text, which
-    # wins over its first word read as a letter.
-    if by_letter and (letter.end() >= len(text) or text.startswith("(") or text[letter.end() - 1] in ".:)"):
-        return by_letter
-    return _option_by_text(text, options) or by_letter
+    if by_letter and letter.end() >= len(text):  # "B", "(B)", "B.": the letter, whatever an option's text is
+        return by_letter, None
+    matched, exact = _options_by_text(collapsed, options)
+    # An option's own text wins over its first word read as a letter: "A ruptured spleen", and "C. difficile
+    # colitis" when that is an option's whole text. Otherwise "(B) text", "B. text", "B: text" name a letter.
+    if not exact and by_letter and (text.startswith("(") or text[letter.end() - 1] in ".:)"):
+        return by_letter, None
+    if len(matched) == 1:
+        return matched[0], None
+    if matched:
+        return None, f"is ambiguous: matches options {_listed(matched)}"
+    return (by_letter, None) if by_letter else (None, NO_OPTION)
 
 
-def _option_by_text(text: str, options: dict[str, str]) -> str | None:
-    """The key of the option whose text the answer is, or starts with (at a word boundary)."""
-    lowered = text.lower()
-    option_texts = {str(key): str(option).strip(" .").lower() for key, option in options.items()}
-    for key, option_text in option_texts.items():
-        if lowered == option_text:
-            return key
-    for key, option_text in option_texts.items():
-        if option_text and lowered.startswith(option_text) and word_boundary(lowered, len(option_text)):
-            return key
-    return None
+def _comparable(text: str) -> str:
+    """An answer or an option's text as the two are compared: bounded, whitespace collapsed, case folded, its
+    ends trimmed of `EDGE_CHARS`."""
+    bounded = text.strip()[: MAX_MATCH_CHARS * 4]
+    return " ".join(bounded.split())[:MAX_MATCH_CHARS].casefold().strip(EDGE_CHARS)
+
+
+def _options_by_text(text: str, options: Mapping[str, str]) -> tuple[list[str], bool]:
+    """The keys of the options whose text is the longest that the answer is or starts with (at a word
+    boundary, or before a space), and whether the answer is that text. One key, none, or several when options
+    tie (the same text). The answer itself is the longest text there is, so an exact match always wins. An
+    option without text never matches. One pass over the options, each compared once."""
+    answer = _comparable(text)
+    longest, keys = 0, []
+    for key, option in options.items():
+        option_text = _comparable(str(option))
+        size = len(option_text)
+        if size < longest or not option_text or is_blank(option_text) or not answer.startswith(option_text):
+            continue
+        if size < len(answer) and answer[size] != " " and not word_boundary(answer, size):
+            continue
+        if size > longest:
+            longest, keys = size, []
+        keys.append(str(key))
+    return keys, bool(keys) and longest == len(answer)
+
+
+def _listed(keys: list[str]) -> str:
+    """ "A and B", "A, B and C"."""
+    return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"

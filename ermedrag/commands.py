@@ -74,9 +74,16 @@ def ask(args: argparse.Namespace) -> int:
                 )  # stderr: keeps `ask --json` output parseable
                 starter_index_dir(progress=True)
             graph = durable(load_graph(graph_name), saver)
+            setup = None
+            if args.resume:  # its first node, which loads what the run uses, ran before: load it here, timed apart
+                from ermedrag.graphs.steps import prepare
+
+                setup = prepare(graph.context_schema(**context), graph_name)
             started = time.perf_counter()
             state = run_durably(graph, run_config(run_id, graph_name, context), inputs, context)
             this_time = time.perf_counter() - started
+            if setup is not None:
+                state = state | {"setup": setup}
     if args.json:
         print(json.dumps(state, indent=2, default=str))
     else:
@@ -215,6 +222,12 @@ def render_run(state: dict[str, Any], this_time_s: float, resumed: bool = False)
         + (f", error={answer.get('error')}" if answer.get("error") else "")
         + ")"
     )
+    setup = state.get("setup") or {}
+    if setup:
+        parts = ", ".join(f"{k.removesuffix('_s')}={v:.2f}s" for k, v in setup.items() if k != "setup_s")
+        lines.append(
+            f"Setup{' of this resume' if resumed else ''}: {setup.get('setup_s', 0):.2f}s ({parts or 'nothing to load'})"
+        )
     timings = state.get("timings", {})
     stages = ", ".join(f"{k}={v:.2f}s" for k, v in timings.items())
     if resumed:
@@ -487,6 +500,8 @@ def render_trace(run: dict[str, Any], events: list[dict[str, Any]], retrievals: 
     lines += [f"  {key}. {text}" for key, text in (question.get("options") or {}).items()]
     if run.get("gold"):
         lines.append(f"Gold: {run['gold']}")
+    if run.get("setup"):
+        lines.append("Setup: " + ", ".join(f"{k}={v:.2f}s" for k, v in run["setup"].items()))
     steps = sorted(
         [("retrieval", r) for r in retrievals] + [("call", e) for e in events],
         key=lambda step: step[1].get("created_at") or 0,

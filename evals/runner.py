@@ -30,10 +30,8 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 
 from ermedrag.tools.data.benchmarks import BadRow, Question, load_benchmark, load_questions_file
 from ermedrag.tools.model_server import ModelServerError
-from ermedrag.tools.retrieval.encoder import load_encoder
-from ermedrag.tools.retrieval.search import load_cross_encoder
 from ermedrag.graphs.state import MAX_OPTIONS
-from ermedrag.graphs.steps import chat_model, index_for, retrieval_config
+from ermedrag.graphs.steps import prepare
 from ermedrag.graphs.durable import arun_durably, describe_target, durable, open_async_saver, run_config
 from ermedrag.graphs.registry import context_fields, graph_spec, load_graph
 from ermedrag.tools.records.jsonl import AppendLog
@@ -98,31 +96,11 @@ def pending(
 
 
 def warm_up(config: EvalConfig, base_url: str | None, trace_db: str) -> list[str]:
-    """Build the configuration's chat models (cached for its questions) and load their weights, and open its
-    index with its encoders, so that loading happens before the progress bar starts (and a missing index fails
-    the eval at once, naming it, instead of every question); returns the model specs it built."""
+    """Load the configuration's models, index and encoders (`graphs.steps.prepare`) before the progress bar starts,
+    so that a missing index fails the eval at once, naming it, instead of every question; returns the model specs."""
     ctx = load_graph(config.system).context_schema(**config.context(base_url, trace_db))
-    specs = {}
-    for name, spec in config.settings.items():
-        if name.endswith("_model") and spec:
-            budget = getattr(ctx, name.removesuffix("_model") + "_max_new_tokens", ctx.respondent_max_new_tokens)
-            specs.setdefault(str(spec), budget)
-    for spec, budget in specs.items():
-        _load_weights(chat_model(ctx, spec, budget))
-    if "index_dir" in config.settings:  # the index, its query encoder and the reranker load at the first query
-        load_encoder(index_for(ctx).encoder)
-        reranker = retrieval_config(ctx).reranker
-        if reranker:
-            load_cross_encoder(reranker)
-    return list(specs)
-
-
-def _load_weights(model: Any) -> None:
-    """In-process models load their weights at their first call; load them now. Servers (openai:) are not
-    called: a server that is down fails its questions, each recorded."""
-    warm = getattr(model, "warm_up", None)
-    if callable(warm):  # in-process backends know how to load themselves (hf: text or vision-language)
-        warm()
+    loaded = prepare(ctx, config.system)
+    return [name.removeprefix("model ").removesuffix("_s") for name in loaded if name.startswith("model ")]
 
 
 async def run_questions(

@@ -18,16 +18,15 @@ from typing_extensions import TypedDict
 from ermedrag.agents import extractor, respondent
 from ermedrag.graphs.context import Context
 from ermedrag.graphs.steps import begin_run, record_call, respond_with, retrieve_evidence
-from ermedrag.graphs.state import InputState, per_question
+from ermedrag.graphs.state import InputState, RunState, per_question
 
 GRAPH_NAME = "er_medrag"
 
 
-class State(InputState, total=False):
+class State(RunState, total=False):
     snippets: list[dict[str, Any]]
     extractions: Annotated[list[extractor.Extraction], per_question(operator.add)]
     answer: respondent.Answer
-    timings: Annotated[dict[str, float], per_question(operator.or_, dict)]
     stage_started_at: float
 
 

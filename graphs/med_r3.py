@@ -27,7 +27,7 @@ from ermedrag.agents import reasoner
 from ermedrag.agents.respondent import Answer
 from ermedrag.graphs.context import Context
 from ermedrag.graphs.steps import begin_run, extract_if_unparsed, record_call, retrieve_recorded, trace_store
-from ermedrag.graphs.state import InputState, per_question
+from ermedrag.graphs.state import InputState, RunState, per_question
 from ermedrag.tools.settings import context_field
 from ermedrag.tools.retrieval.search import coarse_k_for
 
@@ -48,7 +48,7 @@ class Search(TypedDict):
     snippet_ids: list[str]
 
 
-class State(InputState, total=False):
+class State(RunState, total=False):
     transcript: str  # the segments' text, as the model reads it (for Studio and the trace)
     segments: Annotated[list[reasoner.Segment], per_question(operator.add)]
     searches: Annotated[list[Search], per_question(operator.add)]
@@ -58,7 +58,6 @@ class State(InputState, total=False):
     generated_tokens: int
     forged_document: bool
     answer: Answer
-    timings: Annotated[dict[str, float], per_question(operator.or_, dict)]
 
 
 def _model_spec(ctx: MedR3Context) -> str:

@@ -1,11 +1,15 @@
 """What every graph's state shares: the input (a question, its options, the gold answer when known), how it is
-checked (`validate_question`: option keys are single letters), and the reducer of per-question channels."""
+checked (`validate_question`: option keys are single letters, every option has text), and the reducer of
+per-question channels."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import operator
+from typing import Annotated, Any, Callable, Mapping
 
 from typing_extensions import TypedDict  # pydantic (Studio's schemas) rejects typing.TypedDict on Python < 3.12
+
+from ermedrag.agents.respondent import is_blank
 
 MAX_OPTIONS = 26
 OPTION_KEYS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -44,6 +48,8 @@ def validate_question(state: Mapping[str, Any]) -> tuple[str, dict[str, str] | N
                 f"input 'options' entry {key!r}: keys must be non-empty strings, values text "
                 f"(this value is a {type(text).__name__})"
             )
+        if is_blank(str(text)):  # no answer could name it by text, and an empty answer would match it
+            raise ValueError(f"input 'options' entry {key!r}: the option's text is empty (or only punctuation)")
         given[letter], clean[letter] = key, str(text)
     return question.strip(), clean
 
@@ -68,3 +74,11 @@ def per_question(combine: Callable[[Any, Any], Any], empty: Callable[[], Any] = 
         return combine(empty() if current is None else current, new)
 
     return reduce
+
+
+class RunState(InputState, total=False):
+    """What every graph's state holds beside its input: each stage's own seconds (`timings`), and what loading took
+    before the stages (`setup`, `graphs.steps.prepare`)."""
+
+    timings: Annotated[dict[str, float], per_question(operator.or_, dict)]
+    setup: dict[str, float]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
@@ -91,7 +92,52 @@ def begin_run(
         run_id = None
     run_id = run_id or uuid.uuid4().hex
     store.start_run(run_id, graph_name, {"question": question, "options": options}, gold)
-    return {"run_id": run_id, "question": question, "options": options, "gold": gold} | dict.fromkeys(fresh)
+    setup = prepare(ctx, graph_name)
+    store.record_setup(run_id, setup)
+    return {"run_id": run_id, "question": question, "options": options, "gold": gold, "setup": setup} | dict.fromkeys(
+        fresh
+    )
+
+
+WARM_UP_TOKENS = 1  # the budget of the model built to load weights: every budget's model shares them
+
+
+def prepare(ctx: Context, graph_name: str) -> dict[str, float]:
+    """Load what a run of the graph will use, before its stages start and in parallel: the weights of each chat
+    model its context names (the offline model is converted on first use), the index, its query encoder and the
+    reranker. So that a stage's time is its own work, and the load is timed apart: seconds per part and `setup_s`
+    (the wall time; about zero once loaded, as everything here is kept for the process)."""
+    from ermedrag.graphs.registry import graph_spec
+    from ermedrag.tools.retrieval.encoder import load_encoder
+    from ermedrag.tools.retrieval.search import load_cross_encoder
+
+    uses = graph_spec(graph_name).settings
+    jobs: dict[str, Callable[[], Any]] = {}
+    for spec in dict.fromkeys(getattr(ctx, name) or ctx.respondent_model for name in uses if name.endswith("_model")):
+        jobs[f"model {spec}"] = lambda spec=spec: _load_weights(chat_model(ctx, spec, WARM_UP_TOKENS))
+    if "index_dir" in uses:
+        jobs["index"] = lambda: load_encoder(index_for(ctx).encoder)
+        if ctx.reranker:
+            jobs["reranker"] = lambda: load_cross_encoder(ctx.reranker)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="ermedrag-setup") as pool:
+        timed = {name: pool.submit(_timed_call, job) for name, job in jobs.items()}
+        seconds = {f"{name}_s": round(future.result(), 3) for name, future in timed.items()}
+    return seconds | {"setup_s": round(time.perf_counter() - started, 3)}
+
+
+def _timed_call(job: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    job()
+    return time.perf_counter() - started
+
+
+def _load_weights(model: Any) -> None:
+    """In-process backends load their weights at their first call; load them now. A model server (openai:) is not
+    called: a server that is down fails the run at its first call, naming it."""
+    warm = getattr(model, "warm_up", None)
+    if callable(warm):
+        warm()
 
 
 def retrieve_recorded(

@@ -3,7 +3,6 @@ opinions and attending samples gathered from the fan-outs, and the tasks each fa
 
 from __future__ import annotations
 
-import operator
 from typing import Annotated, Any
 
 from typing_extensions import TypedDict
@@ -12,7 +11,7 @@ from ermedrag.agents import attending as attending_role
 from ermedrag.agents.specialist import Opinion
 from ermedrag.agents.triage import Triage
 from ermedrag.agents.respondent import Answer
-from ermedrag.graphs.state import InputState, per_question
+from ermedrag.graphs.state import InputState, RunState, per_question
 
 
 class MMedAgentInput(InputState, total=False):
@@ -36,7 +35,7 @@ def by_sample(current: list[AttendingSample], new: list[AttendingSample]) -> lis
     return sorted(current + new, key=lambda s: s["sample"])
 
 
-class State(MMedAgentInput, total=False):
+class State(MMedAgentInput, RunState, total=False):
     snippets: list[dict[str, Any]]  # the specialists' evidence (specialist_retrieval only)
     evidence: str | None
     specialty: str  # the chosen specialty
@@ -48,7 +47,6 @@ class State(MMedAgentInput, total=False):
     bucket: attending_role.Bucket | None
     majority: str | None  # the specialists' most common answer (None on a tie)
     followed_majority: bool | None
-    timings: Annotated[dict[str, float], per_question(operator.or_, dict)]
     stage_started_at: float
 
 

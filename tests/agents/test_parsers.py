@@ -376,3 +376,87 @@ def test_an_answer_that_is_an_option_text_is_not_read_as_its_first_letter():
         "D",
         "B",
     ]
+
+
+# ------------------------------------------------------------------------------------ exact answer matching
+
+
+@pytest.mark.parametrize("empty", ["", "   ", ".", "...", " - ", "…", "?!", "«»", "\u200b", "\u3001", "**"])
+def test_an_empty_answer_never_names_an_option(empty):
+    """Empty, whitespace, punctuation (Unicode too) or invisible: no option, even one whose text is empty."""
+    for options in (OPTIONS, {**OPTIONS, "D": ""}, {**OPTIONS, "D": "."}, None):
+        assert normalise_answer(empty, options) is None, (empty, options)
+        parsed = parse_answer(f"<think>x</think><answer>{empty}</answer>", options)
+        assert parsed["answer"] is None and not parsed["ok"] and parsed["error"] == "empty answer", parsed
+    assert respondent.match_answer(empty, OPTIONS) == (None, respondent.EMPTY_ANSWER)
+
+
+def test_blank_text_is_punctuation_not_symbols():
+    assert all(respondent.is_blank(t) for t in ("", " \n", "-", "—", "…", "()", "\u00a0", "\u200b\ufeff", "¿¡"))
+    assert not any(respondent.is_blank(t) for t in ("↓ ↑ ↑", "+", "5%", "°", "$", "a", "٣", "中"))
+
+
+def test_an_answer_names_the_longest_option_text_it_starts_with():
+    options = {"A": "Antegrade", "B": "Antegrade and retrograde", "C": "Retrograde"}
+    assert normalise_answer("Antegrade and retrograde conduction", options) == "B"
+    assert normalise_answer("Antegrade and retrograde", options) == "B"
+    assert normalise_answer("antegrade.", options) == "A"
+    assert normalise_answer("Antegrade only", options) == "A"
+    assert normalise_answer("Antegrade, because", options) == "A"
+    reordered = {"A": "Antegrade and retrograde", "B": "Antegrade"}  # option order does not matter
+    assert normalise_answer("Antegrade and retrograde conduction", reordered) == "A"
+    assert normalise_answer("Antegrade", reordered) == "B"
+
+
+def test_an_option_text_matches_only_at_a_word_boundary_and_signs_count():
+    vitamins = {"A": "Vitamin B1", "B": "Vitamin B12 deficiency"}
+    assert normalise_answer("Vitamin B12", vitamins) is None  # not "Vitamin B1" and a digit more
+    assert normalise_answer("Vitamin B1 deficiency", vitamins) == "A"
+    assert normalise_answer("-20", {"A": "20", "B": "-20"}) == "B"
+    assert normalise_answer("20", {"A": "20", "B": "-20"}) == "A"
+    assert normalise_answer("5% of cases", {"A": "5", "B": "5%"}) == "B"
+    assert normalise_answer("5", {"A": "5", "B": "5%"}) == "A"
+    assert normalise_answer("↓ ↑ ↑", {"A": "↓ ↓ ↓", "B": "↓ ↑ ↑", "C": "↑ ↑ ↑"}) == "B"
+
+
+def test_two_options_that_fit_equally_are_ambiguous():
+    options = {"A": "Not recalled", "B": "Insulin", "C": "not  recalled."}
+    assert normalise_answer("Not recalled", options) is None
+    assert respondent.match_answer("not recalled at all", options) == (
+        None,
+        "is ambiguous: matches options A and C",
+    )
+    parsed = parse_answer("<think>x</think><answer>Not recalled</answer>", options)
+    assert not parsed["ok"] and parsed["error"] == "answer 'Not recalled' is ambiguous: matches options A and C"
+    three = {"A": "x", "B": "x", "C": "x"}
+    assert "ambiguous: matches options A, B and C" in parse_answer("<answer>x</answer>", three)["error"]
+    # A longer option that fits alone is no tie; a letter still names its option.
+    assert normalise_answer("Not recalled since birth", {**options, "D": "Not recalled since birth"}) == "D"
+    assert normalise_answer("C", options) == "C" and normalise_answer("A. Not recalled", options) == "A"
+
+
+def test_letters_and_option_texts_still_read_as_before():
+    options = {"A": "D-dimer", "B": "C. difficile colitis", "C": "A ruptured spleen", "D": "Blood loss"}
+    assert [normalise_answer(t, options) for t in ("B", "(b)", "b.", "B)", "C. text", "(C) text", "D: Blood")] == [
+        "B",
+        "B",
+        "B",
+        "B",
+        "C",
+        "C",
+        "D",
+    ]
+    assert normalise_answer("A ruptured spleen", options) == "C"  # its own text, not the letter A
+    assert normalise_answer("C. difficile colitis", options) == "B"  # an option's whole text wins over "C."
+    assert normalise_answer("**Blood loss**", options) == "D" and normalise_answer("'d-dimer'.", options) == "A"
+    assert normalise_answer("B because", options) == "B"
+    # A bare letter is the letter, even when an option's text is that letter (MedQA has options "B", "C", ...).
+    assert normalise_answer("B", {"A": "B", "B": "C", "C": "D"}) == "B"
+
+
+def test_matching_is_bounded_on_long_answers_and_long_options():
+    long_option = "word " * 120  # 600 characters: longer than a free-text answer is kept (MedXpertQA has 683)
+    options = {"A": long_option + "one", "B": long_option + "two", "C": "word"}
+    assert normalise_answer(long_option + "two", options) == "B"
+    assert normalise_answer("word " * 200_000, options) is not None  # a 1 MB answer: bounded, never raises
+    assert normalise_answer("word " * 200_000, {"A": "word " * 200_000}) == "A"

@@ -299,6 +299,7 @@ def test_two_resumes_of_one_run_never_both_run(tmp_path: Path) -> None:
         )
     try:
         _wait_for(lambda: len(_calls(tmp_path)) >= 1, proc, "one extraction", log)
+        time.sleep(SETTLE_S)  # its checkpoint is written; the next extraction is steps away
     finally:
         _kill(proc)
     (run_id,) = re.findall(r"^Run id: ([0-9a-f]{32});", log.read_text(), re.MULTILINE)

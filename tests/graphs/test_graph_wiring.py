@@ -45,6 +45,30 @@ def test_runs_end_to_end_and_records_every_call(scripted_context):
         assert f"[{extraction['snippet_id']}]" in respondent["messages"][-1]["content"]
 
 
+def test_loading_is_timed_apart_from_the_stages(scripted_context, monkeypatch):
+    """What a run loads (its models, the index and its encoder) happens before its stages, in parallel, and is
+    timed apart (`setup`), in the state and in the trace: a stage's time is its own work."""
+    import time
+
+    from ermedrag.graphs import steps
+
+    loaded = []
+
+    def slow_index(ctx):  # a first open that takes time, as loading an index and its encoder does
+        if not loaded:
+            time.sleep(0.5)
+            loaded.append(True)
+        return real_index(ctx)
+
+    real_index = steps.index_for
+    monkeypatch.setattr(steps, "index_for", slow_index)
+    state = graph.invoke(QUESTION, context=scripted_context)
+    setup = state["setup"]
+    assert set(setup) == {f"model {SCRIPTED}_s", "index_s", "setup_s"} and setup["index_s"] >= 0.5
+    assert setup["setup_s"] >= setup["index_s"] and state["timings"]["retrieve_s"] < setup["index_s"]
+    assert TraceStore(scripted_context["trace_db"]).run(state["run_id"])["setup"] == setup
+
+
 def test_extractor_calls_run_concurrently(scripted_context):
     delay = 1.0
     graph.invoke(QUESTION, context={**scripted_context, "snippets_k": 1})  # warm caches (encoder, index)

@@ -50,14 +50,25 @@ def _model_label(model_path: str) -> str:
     return f"hf:{model_path}"
 
 
+_QUIET = threading.Lock()
+_quiet_depth = 0
+_was_enabled = True
+
+
 @contextlib.contextmanager
 def quiet_model_loading(gguf_file: bool = False) -> Iterator[None]:
     """No progress bars while weights load: transformers' "Loading weights" bar and the GGUF de-quantising
-    one would interleave with the eval's own progress bar. The previous setting is restored afterwards."""
+    one would interleave with the eval's own progress bar. Loads may run at once in several threads (a run's setup
+    loads its models and its encoder in parallel): the bars stay off until the last of them ends, then the setting
+    before the first is restored."""
     from transformers.utils import logging as hf_logging
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    global _quiet_depth, _was_enabled
+    with _QUIET:
+        if _quiet_depth == 0:
+            _was_enabled = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()
+        _quiet_depth += 1
     gguf, gguf_tqdm = None, None
     if gguf_file:  # its bar comes straight from tqdm, not through transformers' switch
         gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
@@ -69,8 +80,10 @@ def quiet_model_loading(gguf_file: bool = False) -> Iterator[None]:
     finally:
         if gguf is not None and gguf_tqdm is not None:
             gguf.tqdm = gguf_tqdm
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+        with _QUIET:
+            _quiet_depth -= 1
+            if _quiet_depth == 0 and _was_enabled:
+                hf_logging.enable_progress_bar()
 
 
 MMAP_THRESHOLD_BYTES = 1 << 20

@@ -10,7 +10,9 @@ The model exercises the pipeline; it is near chance on medical questions. Gemma 
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,7 +52,14 @@ def offline_model_dir(name: str = "gemma3-270m") -> Path:
             if not (target / CHAT_READY_MARKER).exists():  # converted by an earlier version
                 _make_chat_ready(target)
             return target
+        print(
+            f"converting the offline model {name} into {target} (once; about 1.5 min on 2 cores) …",
+            file=sys.stderr,
+            flush=True,
+        )
+        started = time.perf_counter()
         _convert_gguf(offline_gguf(name), target)
+        print(f"converted {name} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return target
 
 

@@ -48,7 +48,8 @@ CREATE TABLE IF NOT EXISTS runs (
     created_at REAL NOT NULL,
     finished_at REAL,
     error TEXT,
-    failed_at REAL
+    failed_at REAL,
+    setup TEXT
 );
 CREATE TABLE IF NOT EXISTS events (
     event_id TEXT PRIMARY KEY,
@@ -205,7 +206,7 @@ class TraceStore:
                 ("stop_sequence", "TEXT"),
             ),
         )
-        _add_missing_columns(db, "runs", (("error", "TEXT"), ("failed_at", "REAL")))
+        _add_missing_columns(db, "runs", (("error", "TEXT"), ("failed_at", "REAL"), ("setup", "TEXT")))
 
     def _connect(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -230,6 +231,10 @@ class TraceStore:
             "UPDATE runs SET answer = ?, finished_at = ?, error = NULL, failed_at = NULL WHERE run_id = ?",
             (json.dumps(answer), time.time(), run_id),
         )
+
+    def record_setup(self, run_id: str, setup: dict[str, float]) -> None:
+        """Record what loading took before the run's stages (`graphs.steps.prepare`): seconds per part."""
+        self._connect().execute("UPDATE runs SET setup = ? WHERE run_id = ?", (json.dumps(setup), run_id))
 
     def fail_run(self, run_id: str, error: str) -> None:
         """Mark the run failed with the (one-line) error that stopped it; a finished run stays finished."""
@@ -318,7 +323,7 @@ def _with_status(run: dict[str, Any]) -> dict[str, Any]:
 
 def _decode(row: sqlite3.Row) -> dict[str, Any]:
     out = dict(row)
-    for key in ("question", "answer", *JSON_EVENT_FIELDS, *JSON_RETRIEVAL_FIELDS):
+    for key in ("question", "answer", "setup", *JSON_EVENT_FIELDS, *JSON_RETRIEVAL_FIELDS):
         if isinstance(out.get(key), str):
             out[key] = json.loads(out[key])
     return out

@@ -32,10 +32,13 @@ def encoder_path(name: str) -> str:
 def load_encoder(name: str = DEFAULT_ENCODER) -> Any:
     """The sentence-transformers encoder, in `tools.precision`'s dtype for an encoder (bfloat16 where the CPU has
     it natively); vectors come out as float32 either way."""
-    from sentence_transformers import SentenceTransformer
+    from ermedrag.tools.models.hf import quiet_model_loading
 
     device = settings.read("ERMEDRAG_DEVICE")
-    model = SentenceTransformer(encoder_path(name), device=device)
+    with quiet_model_loading():
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(encoder_path(name), device=device)
     return model.to(inference_dtype(device, None, single_pass=True))
 
 
