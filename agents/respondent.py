@@ -176,7 +176,7 @@ def parse_answer(completion: str, options: dict[str, str] | None = None) -> Answ
                 reasoning=reasoning,
                 ok=False,
                 well_formed=False,
-                error="no <answer> tag" if NOT_SPACE.search(text) else "empty completion",
+                error=_no_answer_error(text, completion),
             )
         raw = text[lenient.start(1) : lenient.end(1)]
     answer, why = match_answer(raw, options)
@@ -308,3 +308,11 @@ def _options_by_text(text: str, options: Mapping[str, str]) -> tuple[list[str], 
 def _listed(keys: list[str]) -> str:
     """ "A and B", "A, B and C"."""
     return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"
+
+
+def _no_answer_error(text: str, completion: str | None) -> str:
+    """Why a reply gave no answer: nothing written, no tag, or a reply longer than what is parsed (its tag may lie
+    past the limit: say so, instead of claiming there is none)."""
+    if len(completion or "") > MAX_PARSE_CHARS:
+        return f"no <answer> tag in the first {MAX_PARSE_CHARS:,} characters (the reply has {len(completion):,})"
+    return "no <answer> tag" if NOT_SPACE.search(text) else "empty completion"

@@ -460,3 +460,12 @@ def test_matching_is_bounded_on_long_answers_and_long_options():
     assert normalise_answer(long_option + "two", options) == "B"
     assert normalise_answer("word " * 200_000, options) is not None  # a 1 MB answer: bounded, never raises
     assert normalise_answer("word " * 200_000, {"A": "word " * 200_000}) == "A"
+
+
+def test_an_answer_past_the_parse_limit_is_said_to_be_there_unread():
+    from ermedrag.agents.respondent import MAX_PARSE_CHARS
+
+    long_reply = "<think>" + "x" * MAX_PARSE_CHARS + "</think><answer>A</answer>"
+    answer = respondent.parse_answer(long_reply, {"A": "x", "B": "y"})
+    assert answer["answer"] is None and not answer["ok"]
+    assert answer["error"] == f"no <answer> tag in the first 1,000,000 characters (the reply has {len(long_reply):,})"
