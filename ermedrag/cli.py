@@ -11,7 +11,7 @@ from typing import Callable
 from ermedrag.graphs.registry import GRAPHS
 from ermedrag.tools.models import DEFAULT_MODEL, ModelSpecError
 from ermedrag.tools.model_server import ModelServerError
-from ermedrag.tools.retrieval.corpus import CorpusError
+from ermedrag.tools.retrieval.corpus import DEFAULT_ON_DUPLICATE_ID, DUPLICATE_ID_POLICIES, CorpusError
 from ermedrag.tools.retrieval.encoder import DEFAULT_ENCODER
 from ermedrag.tools.retrieval.index_files import IndexUnavailable
 from ermedrag.tools.records.traces import TraceStoreError
@@ -58,9 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     index.add_argument(
         "--on-duplicate-id",
-        choices=("rename", "error"),
-        default="rename",
-        help="a reused id with other text: index it as id~2, id~3, ... (default) or stop",
+        choices=DUPLICATE_ID_POLICIES,
+        default=DEFAULT_ON_DUPLICATE_ID,
+        help="a document whose id is already indexed, with other text: replace the indexed version (default), "
+        "keep both with the new one as id~2, id~3, ... (rename), keep the indexed one (skip), or stop before "
+        "writing anything (error); the same text is left as it is, and a reused id within the input is renamed "
+        "id~N (stopped under error)",
     )
     index.set_defaults(handler=commands.index)
 

@@ -269,24 +269,30 @@ def index(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         chunk_overlap=args.chunk_overlap,
         chroma_url=args.chroma_url,
+        on_duplicate_id=args.on_duplicate_id,
     )
     print(_index_summary(len(corpus.documents), corpus.summary(), stats, time.perf_counter() - started))
     return 0
 
 
 def _index_summary(documents: int, left_out: str, stats: dict[str, Any], seconds: float) -> str:
-    """One line: documents (and what was renamed or left out), chunks new / already there / in the index."""
+    """One line: documents (what was renamed or left out, and what happened to ids already indexed), chunks new /
+    already there / in the index."""
+    from ermedrag.tools.retrieval.index import describe_documents
+
     resumed, removed = stats["chunks_resumed"], stats["uncommitted_removed"]
     new = stats["chunks_added"] + resumed
     there = stats["chunks_seen"] - new
     repairs = (f"; {resumed} of them left by an interrupted build" if resumed else "") + (
         f"; removed {removed} uncommitted chunks of an interrupted build" if removed else ""
     )
+    ids = describe_documents(stats)
     return (
         f"indexed {documents} documents"
         + (f" ({left_out})" if left_out else "")
-        + f": {new} new chunks ({there} already indexed{repairs}), {stats['chunks_total']} in the index; "
-        f"{seconds:.1f}s"
+        + ": "
+        + (f"{ids}; " if ids else "")
+        + f"{new} new chunks ({there} already indexed{repairs}), {stats['chunks_total']} in the index; {seconds:.1f}s"
     )
 
 

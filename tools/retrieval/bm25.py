@@ -8,6 +8,8 @@ therefore tokenizes 10k texts, where a single bm25s index had to re-index the mi
 
 The newest segments are merged (postings concatenated; no text is tokenized again) while the newest is at least
 as large as the one before it, so sizes fall geometrically and N chunks never need more than log2(N) segments.
+A build that replaces documents writes each segment holding their old chunks again without them (postings
+copied, terms left with none dropped), so the scores stay those of one BM25 over the chunks committed.
 
     bm25/s000004/  terms.json (the segment's vocabulary, by term id), ids.json (chunk ids, by position),
                    indptr.npy, chunks.npy, tf.npy (each term's postings: chunk positions and frequencies),
@@ -23,7 +25,7 @@ import math
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -82,29 +84,40 @@ def write_segment(folder: Path, ids: Sequence[str], texts: Sequence[str]) -> Non
     )
 
 
-def merge_segments(folder: Path, segments: Sequence[Segment]) -> None:
-    """Write one segment holding `segments`' chunks in their order (their postings concatenated)."""
+def merge_segments(folder: Path, segments: Sequence[Segment], drop: Collection[str] = frozenset()) -> None:
+    """Write one segment holding `segments`' chunks in their order (their postings concatenated), leaving out
+    the chunks whose ids are in `drop` (a replaced document's: their postings go, and terms left with none)."""
     vocabulary: dict[str, int] = {}
-    term_of, chunk_of, tf = [], [], []
-    offset = 0
+    ids: list[str] = []
+    term_of, chunk_of, tf, lengths = [], [], [], []
     for segment in segments:
         local_terms = sorted(segment.terms, key=segment.terms.get)
         mapping = np.fromiter(
             (vocabulary.setdefault(t, len(vocabulary)) for t in local_terms), dtype=np.int32, count=len(local_terms)
         )
-        term_of.append(np.repeat(mapping, np.diff(np.asarray(segment.indptr))))
-        chunk_of.append(np.asarray(segment.chunks, dtype=np.int32) + np.int32(offset))
-        tf.append(np.asarray(segment.tf))
-        offset += segment.size
-    _write_postings(
-        folder,
-        [cid for s in segments for cid in s.ids],
-        list(vocabulary),
-        np.concatenate(term_of),
-        np.concatenate(chunk_of),
-        np.concatenate(tf),
-        np.concatenate([s.lengths for s in segments]),
-    )
+        terms = np.repeat(mapping, np.diff(np.asarray(segment.indptr)))
+        chunks, counts, sizes = np.asarray(segment.chunks, dtype=np.int32), np.asarray(segment.tf), segment.lengths
+        kept = [cid not in drop for cid in segment.ids] if drop else None
+        if kept is not None and not all(kept):
+            keep = np.asarray(kept, dtype=bool)
+            position = (np.cumsum(keep) - 1).astype(np.int32)  # a kept chunk's position among the kept ones
+            postings = keep[chunks]
+            terms, chunks, counts, sizes = terms[postings], position[chunks[postings]], counts[postings], sizes[keep]
+            ids.extend(cid for cid, k in zip(segment.ids, kept) if k)
+        else:
+            ids.extend(segment.ids)
+        term_of.append(terms)
+        chunk_of.append(chunks + np.int32(len(ids) - len(sizes)))
+        tf.append(counts)
+        lengths.append(sizes)
+    terms = np.concatenate(term_of)
+    words = list(vocabulary)
+    used = np.zeros(len(words), dtype=bool)
+    used[terms] = True
+    if not used.all():  # terms only the dropped chunks had: gone, as from a segment written without them
+        terms = (np.cumsum(used) - 1).astype(np.int32)[terms]
+        words = [w for w, u in zip(words, used) if u]
+    _write_postings(folder, ids, words, terms, np.concatenate(chunk_of), np.concatenate(tf), np.concatenate(lengths))
 
 
 def _write_postings(

@@ -6,6 +6,11 @@ Reading is strict: a bad line stops everything with the file and line named, bef
 Nothing is lost silently: documents are kept whole whatever their length; files are decoded strictly
 (UTF-8 unless told otherwise, a byte-order mark is skipped) and binary files are refused; renamed repeated
 ids, dropped exact repeats, empty text files and files of other types in a folder are counted (`Corpus`).
+
+Document ids are compared case-sensitively and otherwise exactly, except that two ids that render the same (the
+same text in Unicode NFC and NFD, e.g. a macOS file name and the same name typed) are the same id (`id_key`); an
+id is kept as given. A reused id within one input is renamed or refused here (`_IdAssigner`); a document whose id
+the index already holds is settled by `build_index` under the same `on_duplicate_id` policy.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import codecs
 import gzip
 import json
 import re
+import unicodedata
 import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +39,12 @@ NON_BLANK = re.compile(r"\S")
 # given: a 5 MB document timed out on 2 busy cores. It gets pieces this long at most, cut at a paragraph or line.
 SPLIT_PIECE_CHARS = 100_000
 EXAMPLES_KEPT = 3  # renamed ids shown as examples
+# What happens to a document whose id is taken (`--on-duplicate-id`). Within one input, documents never displace
+# each other: a reused id with other text is renamed id~2, id~3, ... under replace, rename and skip (neither text
+# is an update of the other: MedQuAD reuses ids for 4k different passages), refused under error. A document whose
+# id the index already holds: see `build_index`.
+DUPLICATE_ID_POLICIES = ("replace", "rename", "skip", "error")
+DEFAULT_ON_DUPLICATE_ID = "replace"
 
 
 class CorpusError(ValueError):
@@ -47,6 +59,7 @@ class Document:
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     origin: str = ""  # file:line (or dataset row) it was read from, for error messages
+    renamed_from: str = ""  # the id it was given, when a reused id was renamed id~N
 
 
 @dataclass(frozen=True)
@@ -88,23 +101,31 @@ class Corpus:
         return "; ".join(parts)
 
 
+def id_key(doc_id: str) -> str:
+    """What two ids must share to be the same id: their text in Unicode NFC (case and all else as given)."""
+    return unicodedata.normalize("NFC", doc_id)
+
+
 def read_documents(
-    paths: Iterable[str | Path], on_duplicate_id: str = "rename", encoding: str | None = None
+    paths: Iterable[str | Path], on_duplicate_id: str = DEFAULT_ON_DUPLICATE_ID, encoding: str | None = None
 ) -> list[Document]:
     """The documents of `read_corpus` (for callers that do not report what was renamed or left out)."""
     return read_corpus(paths, on_duplicate_id, encoding).documents
 
 
-def read_corpus(paths: Iterable[str | Path], on_duplicate_id: str = "rename", encoding: str | None = None) -> Corpus:
+def read_corpus(
+    paths: Iterable[str | Path], on_duplicate_id: str = DEFAULT_ON_DUPLICATE_ID, encoding: str | None = None
+) -> Corpus:
     """All documents of all `paths`, validated; raises CorpusError on the first bad record or file.
 
-    Real corpora reuse ids for different passages (MedQuAD does, 4k times): by default a repeated id with
-    different text becomes `id~2`, `id~3`, ... and an exact repeat (same id, same text) is dropped, both
-    counted; `on_duplicate_id="error"` refuses them instead, naming both places. `encoding` is the encoding
-    of .txt/.md/.jsonl files (default UTF-8, read strictly: a file that is not valid in it is refused).
+    Real corpora reuse ids for different passages (MedQuAD does, 4k times): a repeated id with different text
+    becomes `id~2`, `id~3`, ... (in input order, so reading the same files again gives the same ids) and an
+    exact repeat (same id, same text) is dropped, both counted; `on_duplicate_id="error"` refuses them instead,
+    naming both places (replace, rename and skip differ only for ids the index already holds: `build_index`).
+    `encoding` is the encoding of .txt/.md/.jsonl files (default UTF-8, read strictly: a file that is not valid
+    in it is refused).
     """
-    if on_duplicate_id not in ("rename", "error"):
-        raise ValueError(f"on_duplicate_id must be 'rename' or 'error', not {on_duplicate_id!r}")
+    check_policy(on_duplicate_id)
     encoding = _checked_encoding(encoding)
     ids = _IdAssigner(on_duplicate_id)
     documents: list[Document] = []
@@ -123,42 +144,197 @@ def read_corpus(paths: Iterable[str | Path], on_duplicate_id: str = "rename", en
     )
 
 
+def check_policy(on_duplicate_id: str) -> None:
+    if on_duplicate_id not in DUPLICATE_ID_POLICIES:
+        raise ValueError(f"on_duplicate_id must be one of {', '.join(DUPLICATE_ID_POLICIES)}, not {on_duplicate_id!r}")
+
+
+def assign_ids(documents: Iterable[Document], on_duplicate_id: str) -> tuple[list[Document], _IdAssigner]:
+    """`documents` with each id once (see `_IdAssigner`), and the assigner with its counts."""
+    check_policy(on_duplicate_id)
+    ids = _IdAssigner(on_duplicate_id)
+    return [kept for doc in documents if (kept := ids.assign(doc)) is not None], ids
+
+
 class _IdAssigner:
-    """Gives each document a unique id: exact repeats are dropped, reused ids renamed `id~N` (or refused).
+    """Gives each document of one input a unique id: exact repeats are dropped, reused ids renamed `id~N` (or
+    refused under "error"). Ids are compared by `id_key`.
 
     A rename never takes an id already used; a later document whose own id a rename took (a literal `x~2`)
     is renamed in turn. Repeats are found by (id, text hash), so many documents under one id stay linear."""
 
     def __init__(self, on_duplicate_id: str):
         self.on_duplicate_id = on_duplicate_id
-        self.texts: dict[tuple[str, int], list[str]] = {}  # (original id, hash of text) -> texts kept
-        self.first_origin: dict[str, str] = {}  # original id -> where it was first read
+        self.texts: dict[tuple[str, int], list[str]] = {}  # (id key, hash of text) -> texts kept
+        self.first: dict[str, Document] = {}  # id key -> the document that took it first
         self.next_suffix: dict[str, int] = {}
-        self.taken: set[str] = set()
         self.renamed = 0
         self.dropped = 0
         self.examples: list[str] = []
 
     def assign(self, doc: Document) -> Document | None:
-        same_hash = self.texts.setdefault((doc.id, hash(doc.text)), [])
+        key = id_key(doc.id)
+        same_hash = self.texts.setdefault((key, hash(doc.text)), [])
         if any(text == doc.text for text in same_hash):
             self.dropped += 1
             return None
         same_hash.append(doc.text)
-        if doc.id in self.taken:
+        if key in self.first:
             if self.on_duplicate_id == "error":  # nothing is renamed in this mode: the id was read before
-                raise CorpusError(f"{doc.origin}: document id {doc.id!r} already used at {self.first_origin[doc.id]}")
-            n = self.next_suffix.get(doc.id, 2)
-            while f"{doc.id}~{n}" in self.taken:
+                first = self.first[key]
+                raise CorpusError(
+                    f"{_where(doc)}document id {doc.id!r} already used at {first.origin or 'an earlier document'}"
+                    + (
+                        f" (as {first.id!r}: the same id in another Unicode normalisation)"
+                        if first.id != doc.id
+                        else ""
+                    )
+                )
+            n = self.next_suffix.get(key, 2)
+            while id_key(f"{doc.id}~{n}") in self.first:
                 n += 1
-            self.next_suffix[doc.id] = n + 1
+            self.next_suffix[key] = n + 1
             self.renamed += 1
-            doc = replace(doc, id=f"{doc.id}~{n}")
+            doc = replace(doc, id=f"{doc.id}~{n}", renamed_from=doc.renamed_from or doc.id)
             if len(self.examples) < EXAMPLES_KEPT:
-                self.examples.append(f"{doc.id} from {doc.origin}")
-        self.taken.add(doc.id)
-        self.first_origin.setdefault(doc.id, doc.origin)
+                self.examples.append(_shown(doc))
+            key = id_key(doc.id)
+        self.first[key] = doc
         return doc
+
+
+def _where(doc: Document) -> str:
+    return f"{doc.origin}: " if doc.origin else ""
+
+
+def _shown(doc: Document, doc_id: str = "") -> str:
+    return (doc_id or doc.id) + (f" from {doc.origin}" if doc.origin else "")
+
+
+# --- documents whose id the index already holds (`build_index`) ------------------------------------------------
+
+RENAMED = re.compile(r"(.*)~\d+", re.S)
+OUTCOMES = ("new", "unchanged", "replaced", "renamed", "skipped")
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A committed chunk as the vector store holds it; `text` None when the store lost it."""
+
+    id: str
+    doc_id: str
+    start: int
+    end: int
+    title: str = ""
+    text: str | None = None
+    source: str = ""
+
+
+@dataclass
+class IdPlan:
+    """What a build does with each document: the chunks it indexes (final ids: new ones, and the committed ones
+    of documents already there), the committed chunks it removes, the counts, and the refused documents."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    examples: dict[str, list[str]] = field(default_factory=lambda: {outcome: [] for outcome in OUTCOMES[1:]})
+    refused: list[tuple[Document, str]] = field(default_factory=list)  # and where the indexed one came from
+    other_source: int = 0  # replaced documents that had been indexed from another source
+
+    def add(self, outcome: str, doc: Document, chunks: list[Chunk], shown: str = "", note: str = "") -> None:
+        self.counts[outcome] += 1
+        self.chunks.extend(chunks)
+        if outcome != "new" and len(self.examples[outcome]) < EXAMPLES_KEPT:
+            self.examples[outcome].append(_shown(doc, shown) + note)
+
+
+def settle_ids(
+    documents: list[Document],
+    chunks: dict[str, list[Chunk]],
+    held: dict[str, dict[str, list[str]]],
+    stored: dict[str, StoredChunk],
+    committed: set[str],
+    policy: str,
+) -> IdPlan:
+    """Each document against the index (`held_ids`, their `stored` chunks, every `committed` chunk id), under
+    `policy` (see `build_index`). Nothing is written here."""
+    plan = IdPlan()
+    families: dict[str, list[str]] = {}  # id key -> held keys of it and its copies id~N (rename)
+    for key in held:
+        families.setdefault(key, []).append(key)
+        if found := RENAMED.fullmatch(key):
+            families.setdefault(found[1], []).append(key)
+    taken = {id_key(doc.id) for doc in documents}
+    for doc in documents:
+        new, forms = chunks[doc.id], held.get(id_key(doc.id), {})
+        same = _as_stored(forms, new, stored)
+        if same is None and policy == "rename":  # the same text kept as a copy by an earlier run
+            family = families.get(id_key(doc.renamed_from or doc.id), [])
+            same = next((found for key in family if (found := _as_stored(held[key], new, stored))), None)
+        if same is not None:
+            plan.add("unchanged", doc, same)
+        elif not forms:
+            plan.add("new", doc, new)
+        elif policy == "error":
+            plan.refused.append(
+                (doc, ", ".join(sorted({stored[c].source for cs in forms.values() for c in cs} - {""})))
+            )
+        elif policy == "skip":
+            plan.add("skipped", doc, [])
+        elif policy == "rename":
+            base, n = doc.renamed_from or doc.id, 2
+            while id_key(f"{base}~{n}") in taken or id_key(f"{base}~{n}") in held:
+                n += 1
+            name = f"{base}~{n}"
+            taken.add(id_key(name))
+            plan.add("renamed", doc, [replace(c, id=f"{name}#{c.start}-{c.end}", doc_id=name) for c in new], name)
+        else:
+            _replace(plan, doc, new, [stored[cid] for cids in forms.values() for cid in cids], committed)
+    plan.chunks = list({c.id: c for c in plan.chunks}.values())  # two ids may meet one indexed copy (rename)
+    return plan
+
+
+def _as_stored(forms: dict[str, list[str]], new: list[Chunk], stored: dict[str, StoredChunk]) -> list[Chunk] | None:
+    """`new` under the committed ids, when the index holds exactly these chunks (offsets, title, text) under one
+    id; else None. A chunk the store lost is taken to be the same as the new one on its offsets."""
+    if len(forms) != 1:
+        return None
+    ((doc_id, cids),) = forms.items()
+    old = {(stored[cid].start, stored[cid].end): stored[cid] for cid in cids}
+    if len(old) != len(cids) or set(old) != {(c.start, c.end) for c in new}:
+        return None
+    same = []
+    for c in new:
+        s = old[(c.start, c.end)]
+        if s.text is not None and (s.title, s.text) != (c.title, c.text):
+            return None
+        same.append(replace(c, id=s.id, doc_id=doc_id))
+    return same
+
+
+def _replace(plan: IdPlan, doc: Document, new: list[Chunk], old: list[StoredChunk], committed: set[str]) -> None:
+    """The new version's chunks: an unchanged chunk keeps its committed id; another on an id that is committed
+    (the old version's, same offsets) gets the first free `id~N`. The old chunks not kept are removed."""
+    spans = {(s.doc_id, s.start, s.end): s for s in old}
+    kept: set[str] = set()
+    chunks = []
+    for c in new:
+        s = spans.get((c.doc_id, c.start, c.end))
+        if s is not None and (s.text is None or (s.title, s.text) == (c.title, c.text)):
+            kept.add(s.id)
+            chunks.append(replace(c, id=s.id))
+            continue
+        cid, n = c.id, 1
+        while cid in committed:
+            n += 1
+            cid = f"{c.id}~{n}"
+        chunks.append(replace(c, id=cid))
+    plan.removed.extend(s.id for s in old if s.id not in kept)
+    sources = sorted({s.source for s in old} - {""})
+    other = bool(sources) and doc.source not in sources
+    plan.other_source += other
+    plan.add("replaced", doc, chunks, note=f" (indexed from {', '.join(sources)})" if other else "")
 
 
 def _checked_encoding(encoding: str | None) -> str:

@@ -21,14 +21,25 @@ index is what manifest.json names: its BM25 segments, and the chunk ids listed t
 A kill before 4 leaves the old manifest naming the old segments; from 4 on, the new ones. Readers load only
 the segments the manifest names, so they never see a half-written BM25.
 
+A document whose id the index already holds (`build_index`'s `on_duplicate_id`) with other text, when
+replaced, goes in the same commit: in 2 its new chunks are added under ids no committed chunk has (a chunk on
+the offsets of an old one with other text gets `doc#start-end~2`, `~3`, ...: Chroma cannot hold two texts
+under one id, and overwriting a committed chunk before the commit would leave neither version), in 3 the
+committed segments that hold its old chunks are written again without them (new names, postings copied), in 4
+the manifest names those, and after 4 its old chunks are deleted from Chroma, as chunks no commit lists. A kill
+before 4 leaves the old version (its new chunks are uncommitted), from 4 on the new one (its old chunks are
+uncommitted, removed by the repair below): never both, never neither.
+
 Chroma is the one part that cannot roll back by itself: chunks an interrupted build added stay in the
 collection. `open_index` compares the collection's count with the committed count (one call); when the
-collection holds more, the chunks the committed ids do not list are deleted, with one warning giving the
-counts, unless a build holds the lock (they are that build's). When it holds fewer (committed vectors
-lost), IndexUnavailable says so and how to repair: index the same files again (a build re-adds the
-missing chunks of the documents it is given) or build a new index. `rebuild_bm25` runs the same repair.
+collection holds more, the chunks the committed ids do not list are deleted (an interrupted build's new chunks,
+or the old chunks of documents it replaced), with one warning giving the counts, unless a build holds the lock
+(they are that build's). When it holds fewer (committed vectors lost), IndexUnavailable says so and how to
+repair: index the same files again (a build re-adds the missing chunks of the documents it is given) or build
+a new index. `rebuild_bm25` runs the same repair.
 Limit: Chroma has no snapshots, so a process that has an index open while another builds it can get that
-build's not yet committed chunks from dense search (its BM25 and identity() stay at the commit it opened).
+build's not yet committed chunks from dense search (its BM25 and identity() stay at the commit it opened), and
+loses the old chunks of documents that build replaces once it deletes them (`Index.chunks` leaves them out).
 Indexes from before segments (one bm25s index: a generation folder `bm25/g000007/` named by the manifest, or
 the files in bm25/ itself) open as they are, and their next build re-indexes them into one segment.
 """
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +58,19 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ermedrag.tools.retrieval.bm25 import SegmentedBM25, SingleBM25s, bm25_text
-from ermedrag.tools.retrieval.corpus import Chunk, CorpusError, Document, chunk_documents
+from ermedrag.tools.retrieval.corpus import (
+    DEFAULT_ON_DUPLICATE_ID,
+    EXAMPLES_KEPT,
+    RENAMED,
+    Chunk,
+    CorpusError,
+    Document,
+    StoredChunk,
+    assign_ids,
+    chunk_documents,
+    id_key,
+    settle_ids,
+)
 from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.retrieval.encoder import (
     DEFAULT_ENCODER,
@@ -69,6 +93,7 @@ from ermedrag.tools.retrieval.index_files import (
 )
 
 log = logging.getLogger(__name__)
+CHUNK_ID = re.compile(r".*#(\d+)-(\d+)(?:~\d+)?", re.S)  # doc#start-end; ~N when a replace moved it off an old id
 
 
 @dataclass
@@ -186,8 +211,9 @@ def _repair_on_open(directory: Path, collection: Any, manifest: dict[str, Any], 
             raise IndexUnavailable(_missing_message(directory, state, len(committed)))
         if state.removed:
             log.warning(
-                "%s: removed %d chunks an interrupted build had added to the vector store without "
-                "committing them; the index is its last committed state (%d chunks)",
+                "%s: removed %d chunks an interrupted build had left in the vector store without committing "
+                "them (new chunks, or old ones of documents it replaced); the index is its last committed state "
+                "(%d chunks)",
                 directory,
                 state.removed,
                 len(committed),
@@ -218,9 +244,7 @@ def _reconcile(collection: Any, committed: list[str], wanted: dict[str, str]) ->
     extra = [cid for cid in stored if cid not in committed_set]
     changed = _changed_texts(collection, [cid for cid in extra if cid in wanted], wanted)
     stale = [cid for cid in extra if cid not in wanted or cid in changed]
-    for start in range(0, len(stale), PAGE):
-        collection.delete(ids=stale[start : start + PAGE])
-        pause_point("repairing")
+    _delete(collection, stale, "repairing")
     stored_set = set(stored)
     missing = [cid for cid in committed if cid not in stored_set]
     return Reconciled(len(stale), [cid for cid in extra if cid in wanted and cid not in changed], missing)
@@ -234,6 +258,12 @@ def _changed_texts(collection: Any, ids: list[str], wanted: dict[str, str]) -> s
         got = collection.get(ids=ids[start : start + PAGE], include=["documents", "metadatas"])
         changed.update(cid for cid, text in zip(got["ids"], bm25_texts(got)) if text != wanted[cid])
     return changed
+
+
+def _delete(collection: Any, ids: list[str], point: str) -> None:
+    for start in range(0, len(ids), PAGE):
+        collection.delete(ids=ids[start : start + PAGE])
+        pause_point(point)
 
 
 def _all_ids(collection: Any) -> list[str]:
@@ -264,18 +294,37 @@ def build_index(
     chroma_url: str | None = None,
     precomputed: dict[str, np.ndarray] | None = None,
     progress: bool = True,
+    on_duplicate_id: str = DEFAULT_ON_DUPLICATE_ID,
 ) -> dict[str, Any]:
     """Add documents to the index at `directory` (creating it) and commit; returns counts and timings.
 
+    A document whose id (compared by `corpus.id_key`) the index already holds with the same chunks (title and
+    text) is unchanged, under every policy. With other text, `on_duplicate_id` decides:
+      replace (default) its indexed version is replaced in the same commit (the module docstring says how):
+              indexing an edited file again updates it, where keeping both would retrieve the outdated text;
+      rename  it is kept as a copy `id~2`, `id~3`, ... (the first id~N neither the index nor this input holds;
+              none when one of id, id~N holds this text already), so two corpora that both number 0, 1, 2 add up;
+      skip    the indexed version stays;
+      error   DuplicateIdError naming it, before anything is written.
+    Within these documents a reused id is renamed id~N (refused under error), as `read_corpus` does. Documents
+    not given are never removed.
+
     `precomputed` maps chunk ids to embeddings already computed with the same encoder (benches use it).
-    Counts: chunks_seen (of these documents), chunks_added (embedded and added now), chunks_resumed (added by
-    an interrupted build and committed now), chunks_total (committed), uncommitted_removed (an interrupted
-    build's chunks these documents do not have, deleted).
+    Counts: chunks_seen (of the documents indexed now: all but the skipped), chunks_added (embedded and added
+    now), chunks_resumed (added by an interrupted build and committed now), chunks_total (committed),
+    uncommitted_removed (an interrupted build's chunks these documents do not have, deleted), chunks_removed
+    (old chunks of replaced documents); documents_{new, unchanged, replaced, renamed, skipped} with up to 3
+    {replaced, renamed, skipped, unchanged}_examples ("id from file:line"), replaced_other_source (replaced
+    documents that had been indexed from another source), input_renamed / input_repeats (reused ids renamed /
+    exact repeats dropped within `documents`). `describe_documents` words them for people.
     """
     directory = Path(directory)
     _check_settings(directory, read_manifest(directory), encoder, chunk_size, chunk_overlap)
     started = time.perf_counter()
-    chunks = _unique_chunks(chunk_documents(documents, chunk_size, chunk_overlap))
+    documents, given = assign_ids(documents, on_duplicate_id)
+    chunks: dict[str, list[Chunk]] = {doc.id: [] for doc in documents}
+    for chunk in chunk_documents(documents, chunk_size, chunk_overlap):
+        chunks[chunk.doc_id].append(chunk)
     directory.mkdir(parents=True, exist_ok=True)
     with writer_lock(directory, wait=True):
         manifest = read_manifest(directory)  # again, under the lock: another build may have committed meanwhile
@@ -287,14 +336,19 @@ def build_index(
             configuration={"hnsw": {"space": "cosine"}},
         )
         committed = committed_ids(directory, manifest)
-        texts = {c.id: bm25_text(c.title, c.text) for c in chunks}
-        state = _reconcile_for_build(directory, collection, committed, texts)
-        new = _unknown(collection, chunks)
+        known = set(committed if committed is not None else _all_ids(collection))
+        held = _held_ids(documents, known, on_duplicate_id)
+        stored = _stored_chunks(collection, [cid for forms in held.values() for ids in forms.values() for cid in ids])
+        plan = settle_ids(documents, chunks, held, stored, known, on_duplicate_id)
+        if plan.refused:
+            raise DuplicateIdError(directory, plan.refused)
+        texts = {c.id: bm25_text(c.title, c.text) for c in plan.chunks}
+        state = _reconcile_for_build(directory, collection, committed, texts, set(plan.removed))
+        new = _unknown(collection, plan.chunks)
         embed_s = _add_chunks(collection, new, encoder, precomputed, progress)
         t0 = time.perf_counter()
         # BM25 for this build's chunks that no commit holds; or, when the committed ids cannot be read (a lost
         # segment), for every chunk in the collection, as rebuild_bm25 repairs it. A new index starts with none.
-        known = set(committed or [])
         added = None if committed is None else {cid: text for cid, text in texts.items() if cid not in known}
         total = commit_bm25(
             directory,
@@ -307,19 +361,100 @@ def build_index(
                 **({} if manifest else {"bm25_segments": []}),
             },
             added,
+            removed=set(plan.removed),
         )
+        _delete(collection, plan.removed, "replaced_removed")  # committed without them: no longer the index's
         bm25_s = time.perf_counter() - t0
     cached_index.cache_clear()
     return {
-        "chunks_seen": len(chunks),
+        "chunks_seen": len(plan.chunks),
         "chunks_added": len(new),
         "chunks_resumed": len(state.resumed),
         "chunks_total": total,
         "uncommitted_removed": state.removed,
+        "chunks_removed": len(plan.removed),
+        **{f"documents_{case}": count for case, count in plan.counts.items()},
+        **{f"{case}_examples": examples for case, examples in plan.examples.items()},
+        "replaced_other_source": plan.other_source,
+        "input_renamed": given.renamed,
+        "input_repeats": given.dropped,
         "embed_seconds": embed_s,
         "bm25_seconds": bm25_s,
         "seconds": time.perf_counter() - started,
     }
+
+
+class DuplicateIdError(CorpusError):
+    """Documents whose ids the index already holds with other text, refused (on_duplicate_id="error")."""
+
+    def __init__(self, directory: Path, refused: list[tuple[Document, str]]):
+        (doc, source), self.refused = refused[0], len(refused)
+        self.examples = [f"{d.id} from {d.origin}" if d.origin else d.id for d, _ in refused[:EXAMPLES_KEPT]]
+        super().__init__(
+            (f"{doc.origin}: " if doc.origin else "")
+            + f"document id {doc.id!r} is already indexed in {directory} with other text"
+            + (f" (indexed from {source})" if source else "")
+            + (f" ({self.refused - 1} more too, e.g. {', '.join(self.examples[1:])})" if self.refused > 1 else "")
+            + "; nothing was written. --on-duplicate-id replace updates the indexed version, rename keeps both "
+            "(the new one as id~2), skip keeps the indexed one"
+        )
+
+
+def describe_documents(stats: dict[str, Any]) -> str:
+    """What `build_index` did with documents whose ids the index held, for people ("" when there were none)."""
+    parts = []
+    for case, said in (("replaced", "replaced"), ("renamed", "kept as id~N"), ("skipped", "skipped")):
+        if count := stats.get(f"documents_{case}"):
+            parts.append(f"{count} already indexed with other text {said}, e.g. {', '.join(stats[f'{case}_examples'])}")
+            if case == "replaced" and (other := stats.get("replaced_other_source")):
+                parts[-1] += (
+                    f" ({other} of them had been indexed from another source: if they are other documents, index "
+                    "that source again with --on-duplicate-id rename)"
+                )
+    if count := stats.get("documents_unchanged"):
+        parts.append(f"{count} already indexed unchanged")
+    if count := stats.get("input_renamed"):
+        parts.append(f"{count} reused ids renamed id~N")
+    if count := stats.get("input_repeats"):
+        parts.append(f"{count} exact repeats dropped")
+    return "; ".join(parts)
+
+
+def _held_ids(documents: list[Document], committed: Iterable[str], policy: str) -> dict[str, dict[str, list[str]]]:
+    """Committed chunk ids (`doc#start-end`) of the indexed documents these documents' ids meet, by id key and
+    indexed id: the same ids and, under rename, their copies id~N."""
+    keys = {id_key(doc.id) for doc in documents}
+    bases = {id_key(doc.renamed_from or doc.id) for doc in documents} if policy == "rename" else set()
+    held: dict[str, dict[str, list[str]]] = {}
+    for cid in committed:
+        doc_id = cid.rpartition("#")[0]
+        key = id_key(doc_id)
+        if key in keys or (
+            bases and (key in bases or ("~" in key and (found := RENAMED.fullmatch(key)) and found[1] in bases))
+        ):
+            held.setdefault(key, {}).setdefault(doc_id, []).append(cid)
+    return held
+
+
+def _stored_chunks(collection: Any, ids: list[str]) -> dict[str, StoredChunk]:
+    """The committed chunks `ids` as the vector store holds them; one it lacks with what its id tells."""
+    stored = {}
+    for cid in ids:
+        found = CHUNK_ID.fullmatch(cid)
+        stored[cid] = StoredChunk(cid, cid.rpartition("#")[0], *(map(int, found.groups()) if found else (-1, -1)))
+    for start in range(0, len(ids), PAGE):
+        got = collection.get(ids=ids[start : start + PAGE], include=["documents", "metadatas"])
+        for cid, text, meta in zip(got["ids"], got["documents"], got["metadatas"]):
+            stored[cid] = StoredChunk(
+                cid,
+                str(meta["doc_id"]),
+                int(meta["start"]),
+                int(meta["end"]),
+                str(meta.get("title", "")),
+                text,
+                str(meta.get("source", "")),
+            )
+    return stored
 
 
 def _check_settings(
@@ -337,34 +472,25 @@ def _check_settings(
         )
 
 
-def _unique_chunks(chunks: list[Chunk]) -> list[Chunk]:
-    """Each chunk id once; two documents under one id with different text would silently lose one."""
-    unique: dict[str, Chunk] = {}
-    for chunk in chunks:
-        earlier = unique.setdefault(chunk.id, chunk)
-        if earlier.text != chunk.text:
-            raise CorpusError(
-                f"document id {chunk.doc_id!r} is given twice with different text; give each "
-                "document its own id (read_documents renames repeats id~2, id~3, ...)"
-            )
-    return list(unique.values())
-
-
 def _reconcile_for_build(
-    directory: Path, collection: Any, committed: list[str] | None, wanted: dict[str, str]
+    directory: Path,
+    collection: Any,
+    committed: list[str] | None,
+    wanted: dict[str, str],
+    removed: set[str] | frozenset[str] = frozenset(),
 ) -> Reconciled:
     """Before adding: delete chunks an interrupted build left that this one does not want (`wanted`: id -> BM25
-    text; it keeps the others, saving their embedding), and refuse when committed chunks are lost and not
-    re-added now."""
+    text; it keeps the others, saving their embedding), and refuse when committed chunks are lost and neither
+    re-added nor `removed` (replaced) now."""
     if committed is None or collection.count() == len(committed):
         return Reconciled(0, [], [])
     state = _reconcile(collection, committed, wanted)
-    lost = [cid for cid in state.missing if cid not in wanted]
+    lost = [cid for cid in state.missing if cid not in wanted and cid not in removed]
     if lost:
         raise IndexUnavailable(_missing_message(directory, Reconciled(state.removed, [], lost), len(committed)))
     if state.removed:
         log.warning(
-            "%s: removed %d chunks an interrupted build had added without committing them", directory, state.removed
+            "%s: removed %d chunks an interrupted build had left without committing them", directory, state.removed
         )
     return state
 

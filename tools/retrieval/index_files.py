@@ -14,8 +14,9 @@ import tempfile
 import time
 from contextlib import contextmanager
 from functools import partial
+from itertools import count
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 
 from ermedrag.tools import settings
@@ -44,7 +45,8 @@ SEGMENT_NAME = re.compile(r"s\d{6}")
 OPEN_ATTEMPTS = 3  # a build may commit and remove the segments a reader was about to load: read again
 # Test hook: "point:seconds[,point:seconds]" sleeps at named points of a build (after printing the point on
 # stderr), so a test can kill it there. Points: vectors_added, bm25_writing, bm25_staged (each segment written),
-# manifest_staged, committed, repairing.
+# bm25_rewritten (the segments that held replaced chunks written again without them), manifest_staged, committed,
+# replaced_removed (each batch of a replaced document's old chunks deleted from the vector store), repairing.
 PAUSE_ENV = "ERMEDRAG_INDEX_PAUSE"
 
 log = logging.getLogger(__name__)
@@ -105,10 +107,11 @@ def _legacy_folder(directory: Path, manifest: dict[str, Any]) -> Path:
     return directory / BM25_DIR / generation if generation else directory / BM25_DIR
 
 
-def _next_name(manifest: dict[str, Any]) -> str:
-    """A segment name above every name the manifest has used (leftovers of a crash are removed before)."""
+def _new_names(manifest: dict[str, Any]) -> Iterator[str]:
+    """Segment names above every name the manifest has used (leftovers of a crash are removed before)."""
     names = (_segment_names(manifest) or []) + [manifest.get("bm25_generation") or ""]
-    return f"s{max((int(n[1:]) for n in names if n[1:].isdigit()), default=0) + 1:06d}"
+    first = max((int(n[1:]) for n in names if n[1:].isdigit()), default=0) + 1
+    return (f"s{number:06d}" for number in count(first))
 
 
 def committed_ids(directory: Path, manifest: dict[str, Any], strict: bool = False) -> list[str] | None:
@@ -187,33 +190,46 @@ def bm25_texts(got: dict[str, Any]) -> list[str]:
     return [bm25_text(m.get("title", ""), d) for d, m in zip(got["documents"], got["metadatas"])]
 
 
-def chunk_texts(collection: Any) -> tuple[list[str], list[str]]:
-    """(ids, BM25 texts) of every chunk in a collection."""
+def chunk_texts(collection: Any, leave_out: Collection[str] = frozenset()) -> tuple[list[str], list[str]]:
+    """(ids, BM25 texts) of every chunk in a collection (but those in `leave_out`)."""
     ids: list[str] = []
     texts: list[str] = []
     for offset in range(0, collection.count(), PAGE):
         page = collection.get(include=["documents", "metadatas"], limit=PAGE, offset=offset)
-        ids.extend(page["ids"])
-        texts.extend(bm25_texts(page))
+        for cid, text in zip(page["ids"], bm25_texts(page)):
+            if cid not in leave_out:
+                ids.append(cid)
+                texts.append(text)
     return ids, texts
 
 
-def commit_bm25(directory: Path, collection: Any, manifest: dict[str, Any], added: dict[str, str] | None) -> int:
-    """Commit BM25 for the collection (reconciled: committed + this build's chunks): a new segment of `added`
-    (chunk id -> BM25 text: the chunks not yet committed), merged with the newest segments when due; or, with
-    `added` None or an index from before segments, one segment of every chunk read back from the collection.
-    Then the manifest naming them, then the segments no longer named removed. Caller holds the lock."""
+def commit_bm25(
+    directory: Path,
+    collection: Any,
+    manifest: dict[str, Any],
+    added: dict[str, str] | None,
+    removed: Collection[str] = frozenset(),
+) -> int:
+    """Commit BM25 for the collection (reconciled: committed + this build's chunks, less `removed`, the committed
+    chunks of replaced documents): the committed segments that hold removed chunks written again without them,
+    a new segment of `added` (chunk id -> BM25 text: the chunks not yet committed), merged with the newest
+    segments when due; or, with `added` None or an index from before segments, one segment of every chunk read
+    back from the collection (but the removed ones). Then the manifest naming them, then the segments no longer
+    named removed. The removed chunks stay in the vector store: the caller deletes them after this commit.
+    Caller holds the lock."""
     segments = _segments(manifest)
+    names = _new_names(manifest)
     if added is None or segments is None:
-        segments, (ids, texts) = {}, chunk_texts(collection)
+        segments, (ids, texts) = {}, chunk_texts(collection, leave_out=removed)
     else:
+        segments = _without(directory, segments, set(removed), names) if removed else segments
         ids, texts = list(added), list(added.values())
     if ids:
-        name = _next_name(manifest)
+        name = next(names)
         _stage_segment(directory, name, partial(write_segment, ids=ids, texts=texts))
         segments = {**segments, name: len(ids)}
     del texts
-    segments = _merge_newest(directory, segments)
+    segments = _merge_newest(directory, segments, names)
     committed = {key: value for key, value in manifest.items() if key != "bm25_generation"}
     committed.update(
         chunks=sum(segments.values()),
@@ -226,16 +242,34 @@ def commit_bm25(directory: Path, collection: Any, manifest: dict[str, Any], adde
     return committed["chunks"]
 
 
-def _merge_newest(directory: Path, segments: dict[str, int]) -> dict[str, int]:
+def _without(directory: Path, segments: dict[str, int], removed: set[str], names: Iterator[str]) -> dict[str, int]:
+    """The segments with the `removed` chunks left out: each segment holding some written again without them
+    under a new name, in its place (postings copied, nothing tokenized again); one holding only removed chunks
+    dropped. The committed ones stay as they are until the commit names the new list."""
+    kept: dict[str, int] = {}
+    for name, size in segments.items():
+        gone = removed & set(segment_ids(directory / BM25_DIR / name))
+        if not gone:
+            kept[name] = size
+        elif len(gone) < size:
+            rewritten = next(names)
+            segment = load_segment(directory / BM25_DIR / name)
+            _stage_segment(directory, rewritten, partial(merge_segments, segments=[segment], drop=gone))
+            kept[rewritten] = size - len(gone)
+    pause_point("bm25_rewritten")
+    return kept
+
+
+def _merge_newest(directory: Path, segments: dict[str, int], names: Iterator[str]) -> dict[str, int]:
     """The segments after merging the newest ones that are due (`bm25.segments_to_merge`) into one."""
-    names = list(segments)
+    listed = list(segments)
     count = segments_to_merge(list(segments.values()))
     if count < 2:
         return segments
-    merged = f"s{int(names[-1][1:]) + 1:06d}"
-    parts = [load_segment(directory / BM25_DIR / name) for name in names[-count:]]
+    merged = next(names)
+    parts = [load_segment(directory / BM25_DIR / name) for name in listed[-count:]]
     _stage_segment(directory, merged, partial(merge_segments, segments=parts))
-    return {**{name: segments[name] for name in names[:-count]}, merged: sum(p.size for p in parts)}
+    return {**{name: segments[name] for name in listed[:-count]}, merged: sum(p.size for p in parts)}
 
 
 def _stage_segment(directory: Path, name: str, write: Callable[[Path], None]) -> None:

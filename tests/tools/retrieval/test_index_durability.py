@@ -477,13 +477,15 @@ def test_an_index_from_before_generations_opens_and_is_converted(tmp_path: Path)
     assert len(open_index(directory).bm25_ids) == 6
 
 
-def test_two_documents_under_one_id_are_refused(tmp_path: Path) -> None:
+def test_two_documents_under_one_id_are_renamed_or_refused(tmp_path: Path) -> None:
+    """Within one build_index call, as read_corpus does: renamed id~2 (refused under error), exact repeats dropped."""
     from ermedrag.tools.retrieval.corpus import CorpusError
 
-    with pytest.raises(CorpusError, match="'x' is given twice with different text"):
-        build_index(
-            [Document("x", "One text."), Document("x", "Two texts")],
-            tmp_path / "index",
-            precomputed=HashVectors(),
-            progress=False,
-        )
+    docs = [Document("x", "One text."), Document("x", "Two texts"), Document("x", "One text.")]
+    with pytest.raises(CorpusError, match="document id 'x' already used"):
+        build_index(docs, tmp_path / "index", precomputed=HashVectors(), progress=False, on_duplicate_id="error")
+    assert not (tmp_path / "index" / "manifest.json").exists()
+    stats = build_index(docs, tmp_path / "index", precomputed=HashVectors(), progress=False)
+    assert (stats["input_renamed"], stats["input_repeats"], stats["documents_new"]) == (1, 1, 2)
+    index = open_index(tmp_path / "index")
+    assert {c.doc_id: c.text for c in index.chunks(index.bm25_ids).values()} == {"x": "One text.", "x~2": "Two texts"}
