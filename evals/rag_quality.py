@@ -56,6 +56,12 @@ except ImportError:  # ragas is the optional `eval` extra
     BACKEND = "fallback"
 
 RESULTS = "results.jsonl"
+# `rag_quality`'s reasons for leaving a row out (its `skipped` keys), as the report words them.
+SKIPPED_WHY = {
+    "no_gold": "without gold evidence (only PubMedQA and BioASQ questions have it)",
+    "no_run": "whose run is not in the trace database {trace_db} (run `ermedrag eval` with --trace-db)",
+    "no_retrieval": "whose run retrieved nothing (a system without retrieval, such as cot)",
+}
 
 
 # --------------------------------------------------------------------------------------------- retrieved
@@ -237,7 +243,22 @@ def rag_quality(
         "groups": groups,
         "skipped": skipped,
         "notes": notes,
+        "trace_db": str(store.path),
     }
+
+
+def empty_reason(quality: Mapping[str, Any]) -> str | None:
+    """Why `rag_quality` scored no row, in one line (None when it scored some): how many rows were left out for
+    each reason, and its notes (a missing qrels file). An empty table would leave the reader guessing."""
+    if quality["groups"]:
+        return None
+    counts = {key: n for key, n in quality["skipped"].items() if n}
+    if not counts:
+        return "No context precision/recall: the results hold no rows."
+    trace_db = quality.get("trace_db") or "given"
+    parts = [f"{n} {SKIPPED_WHY[key].format(trace_db=trace_db)}" for key, n in counts.items()]
+    notes = "".join(f" {note.rstrip('.')}." for note in quality.get("notes") or [])
+    return f"No context precision/recall: of {sum(counts.values())} results, {'; '.join(parts)}.{notes}"
 
 
 # ------------------------------------------------------------------------------------------------- judge

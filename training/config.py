@@ -3,6 +3,7 @@
 A config is what a YAML file under `training/configs/` holds, flat, one key per field:
 
     cfg = load_config("training/configs/grpo_respondent.yaml", GRPOTrainingConfig)
+    cfg = load_config("grpo_respondent", GRPOTrainingConfig)   # the same file by preset name, from any directory
     trl_args = cfg.to_trl()          # a trl.GRPOConfig
 
 `DPOTrainingConfig` (the extractor), `GRPOTrainingConfig` (the respondent; rewards weighted by name,
@@ -25,11 +26,16 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, TypeVar
 
 
 OFFLINE_PREFIX = "offline:"
+# The shipped configs (package data of `ermedrag.training`): `--config dpo_extractor` reads configs/dpo_extractor.yaml.
+PRESETS_PACKAGE = "ermedrag.training"
+PRESETS_FOLDER = "configs"
 
 # Keys earlier versions read, with what replaces them.
 REMOVED_KEYS = {
@@ -421,21 +427,51 @@ def config_from_dict(data: dict[str, Any], cls: type[C], *, source: str = "confi
     return cls(**values)
 
 
+def presets() -> list[str]:
+    """Names of the configs that ship with the package (`training/configs/*.yaml`, by stem). Found through the
+    installed package (`importlib.resources`), not the working directory, so they load from anywhere."""
+    folder = resources.files(PRESETS_PACKAGE).joinpath(PRESETS_FOLDER)
+    if not folder.is_dir():  # pragma: no cover - the wheel ships them (tests/test_wheel.py)
+        return []
+    return sorted(entry.name.removesuffix(".yaml") for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+
+
+def _preset(spec: str | Path) -> Traversable | None:
+    """The shipped YAML a spec names: `dpo_extractor`, `dpo_extractor.yaml`, or the repository path that docs and
+    comments show (`training/configs/dpo_extractor.yaml`), which is not there outside a checkout. None otherwise."""
+    path = Path(spec)
+    if path.parent.parts not in ((), (".",), ("training", PRESETS_FOLDER)):
+        return None
+    name = path.name.removesuffix(".yaml")
+    if name not in presets():
+        return None
+    return resources.files(PRESETS_PACKAGE).joinpath(PRESETS_FOLDER, f"{name}.yaml")
+
+
 def load_config(path: str | Path, cls: type[C]) -> C:
-    """Read a YAML file (a flat mapping of field names) into the config dataclass `cls`."""
+    """Read a YAML file (a flat mapping of field names) into the config dataclass `cls`.
+
+    `path` is a file, or a preset's name (`presets()`, e.g. `dpo_extractor`): an existing file wins, so a local
+    `dpo_extractor` file is read as itself. Neither is one `FileNotFoundError` that lists the presets."""
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"training config not found: {path}")
-    with path.open(encoding="utf-8") as handle:
+    source: Path | Traversable = Path(path)
+    if not Path(path).is_file():
+        preset = _preset(path)
+        if preset is None:
+            raise FileNotFoundError(
+                f"training config not found: {path} is neither a file nor a preset "
+                f"(presets: {', '.join(presets()) or 'none installed'})"
+            )
+        source = preset
+    with source.open("r", encoding="utf-8") as handle:
         try:
             data = yaml.safe_load(handle)
         except yaml.YAMLError as err:
-            raise ValueError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+            raise ValueError(f"{source}: not valid YAML: {' '.join(str(err).split())}") from None
     if data is None:
         data = {}
-    return config_from_dict(data, cls, source=str(path))
+    return config_from_dict(data, cls, source=str(source))
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

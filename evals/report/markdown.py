@@ -27,7 +27,7 @@ from ermedrag.evals.report.results import (
     ALL,
     shown_value,
 )
-from ermedrag.evals.report.plots import plot_report
+from ermedrag.evals.report.plots import plot_report, unplotted
 
 LATENCY_NOTE = (
     "Stage time = wall time of a graph node, including time spent waiting for a batch; model time = "
@@ -138,6 +138,8 @@ def markdown_report(
         lines += _per_benchmark_table(
             "Token entropy per benchmark (nats)", comparison, sums, lambda s: _num(s["token_entropy"]) if s else "–"
         )
+    for line in unplotted(comparison, sums):  # plot_report leaves these files out: say why where they'd be looked for
+        lines += ["", line]
     lines += [
         "",
         "## Latency",
@@ -186,7 +188,7 @@ def rag_quality_section(
     out: Path,
 ) -> str:
     """ID-based context precision/recall (ragas, offline) and, with a judge model, faithfulness/relevancy."""
-    from ermedrag.evals.rag_quality import judge_metrics, judge_samples, rag_quality
+    from ermedrag.evals.rag_quality import empty_reason, judge_metrics, judge_samples, rag_quality
 
     quality = rag_quality(result_dirs, trace_db, qrels_path=qrels, corpus_dir=corpus_dir)
     lines = [
@@ -196,18 +198,27 @@ def rag_quality_section(
         "Context precision/recall of retrieved passages against gold evidence "
         "(ragas ID-based metrics; PubMedQA: the question's abstract, BioASQ: its gold snippets).",
         "",
-        "| system | benchmark | n | context precision | context recall |",
-        "|---|---|---|---|---|",
     ]
+    reason = empty_reason(quality)
+    if reason:  # one line instead of a table with no rows
+        lines.append(reason)
+    else:
+        lines += ["| system | benchmark | n | context precision | context recall |", "|---|---|---|---|---|"]
     for g in quality["groups"]:
         lines.append(
             f"| {g['system']} | {g['benchmark']} | {g['n']} | {_num(g['context_precision'])} | "
             f"{_num(g['context_recall'])} |"
         )
-    if judge:
-        quality["judge"] = judge_metrics(judge_samples(load_rows(result_dirs), trace_db), judge, base_url)
+    if not judge:
+        lines += ["", "Faithfulness and answer relevancy: not judged (pass --judge MODEL to have a model judge them)."]
+    elif samples := judge_samples(load_rows(result_dirs), trace_db):
+        quality["judge"] = judge_metrics(samples, judge, base_url)
         judged = quality["judge"]["summary"].items()
         lines += ["", f"Judge {judge}: " + ", ".join(f"{k}={_num(v['mean'])} (n={v['n']})" for k, v in judged)]
+    else:
+        why = f"no run of these results has retrieved contexts and a respondent call in the trace database {trace_db}"
+        quality["judge"] = {"judge": judge, "rows": [], "summary": {}, "not_judged": why}
+        lines += ["", f"Judge {judge}: nothing to judge ({why})."]
     (out / "rag_quality.json").write_text(json.dumps(quality, indent=2, default=str))
     return "\n".join(lines) + "\n"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 from ermedrag.evals.metrics import NEEDS_SAMPLES, original_order_rows
@@ -26,6 +26,16 @@ class Panel:
     caption: list[str]
     intervals: dict[str, list[tuple[float, float] | None]] | None = None
     percent: bool = False
+
+    @property
+    def has_data(self) -> bool:
+        return any(v is not None for values in self.values.values() for v in values)
+
+    def why_empty(self) -> str:
+        """Why the panel has no data: its caption's lines after the metric's definition say which
+        configurations lack the value and why (`_missing_caption`)."""
+        why = " ".join(self.caption[1:]) or "no configuration has answers."
+        return f"{self.title[:1].upper()}{self.title[1:]}: {why}"
 
 
 def _group_ticks(comparison: Comparison, sums: Summaries) -> list[str]:
@@ -158,16 +168,6 @@ def _draw_panel(ax: Any, panel: Panel, comparison: Comparison, colours: dict[str
     ax.set_ylabel(panel.title)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
-    if not any(v is not None for values in panel.values.values() for v in values):
-        ax.text(
-            0.5,
-            0.5,
-            f"no {panel.title} recorded for any configuration (see below)",
-            ha="center",
-            transform=ax.transAxes,
-            fontsize=9,
-            color="#555555",
-        )
 
 
 def _caption_text(lines: list[str], width_inches: float) -> str:
@@ -175,10 +175,27 @@ def _caption_text(lines: list[str], width_inches: float) -> str:
     return "\n".join(textwrap.fill(line, wrap, subsequent_indent="    ") for line in lines)
 
 
+def shown_panels(panels: list[Panel]) -> list[Panel]:
+    """The panels with data, the last one's caption extended by why each other one is left out (an empty panel
+    is an empty frame that reads as a failed plot). Empty when no panel has data."""
+    shown = [p for p in panels if p.has_data]
+    omitted = [f"Not plotted. {p.why_empty()}" for p in panels if not p.has_data]
+    if shown and omitted:
+        shown[-1] = replace(shown[-1], caption=shown[-1].caption + omitted)
+    return shown
+
+
 def plot_panels(
     panels: list[Panel], comparison: Comparison, sums: Summaries, colours: dict[str, str], path: Path
-) -> Path:
-    """Stacked panels, each with its caption below; one legend for the figure, outside the plot area."""
+) -> Path | None:
+    """Stacked panels, each with its caption below; one legend for the figure, outside the plot area.
+
+    Panels without data are left out (`shown_panels`); with none left no file is written, an older one at
+    `path` is removed (it would show another run's numbers), and None is returned: `unplotted` says why."""
+    panels = shown_panels(panels)
+    if not panels:
+        path.unlink(missing_ok=True)
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,14 +226,31 @@ def plot_panels(
     return path
 
 
+def figures(comparison: Comparison, sums: Summaries) -> dict[str, list[Panel]]:
+    """The report's plot files and the panels each may hold."""
+    return {"accuracy.png": [accuracy_panel(comparison, sums)], "entropy.png": entropy_panels(comparison, sums)}
+
+
+def unplotted(comparison: Comparison, sums: Summaries) -> list[str]:
+    """One line per plot file that is not written because none of its panels has data, with why (the report
+    prints them, so a missing file is explained where the reader looks for it)."""
+    return [
+        f"{name} is not written, none of its panels has data. " + " ".join(p.why_empty() for p in panels)
+        for name, panels in figures(comparison, sums).items()
+        if not shown_panels(panels)
+    ]
+
+
 def plot_report(rows: list[dict[str, Any]], out_dir: Path, comparison: Comparison | None = None) -> list[Path]:
+    """The plot files written (a figure with no data is not: `unplotted`)."""
     comparison = comparison or compare_configurations(rows)
     sums = summaries(original_order_rows(rows), comparison)
     colours = config_colours([c.label for c in comparison.configurations])
-    return [
-        plot_panels([accuracy_panel(comparison, sums)], comparison, sums, colours, out_dir / "accuracy.png"),
-        plot_panels(entropy_panels(comparison, sums), comparison, sums, colours, out_dir / "entropy.png"),
+    written = [
+        plot_panels(panels, comparison, sums, colours, out_dir / name)
+        for name, panels in figures(comparison, sums).items()
     ]
+    return [path for path in written if path is not None]
 
 
 NO_TOKEN_ENTROPY = (

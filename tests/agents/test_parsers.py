@@ -189,7 +189,8 @@ def test_answer_and_triplets_far_into_a_long_completion_are_read():
     assert parsed["answer"] == "C" and parsed["well_formed"] and len(parsed["reasoning"]) <= MAX_REASONING_CHARS
     late = parse_triplets("noise " * 8_000 + '[{"condition": "a", "relation": "b", "conclusion": "c"}]', "s")
     assert late["ok"] and late["strict"] and late["triplets"][0]["conclusion"] == "c"
-    assert parse_answer("x" * (MAX_PARSE_CHARS + 10) + "<answer>A</answer>", OPTIONS)["error"] == "no <answer> tag"
+    long_reply = "x" * (MAX_PARSE_CHARS + 10) + "<answer>A</answer>"
+    assert parse_answer(long_reply, OPTIONS)["error"].startswith("no <answer> tag in the first 1,000,000 characters")
 
 
 TRIPLET = '{"condition": "metformin", "relation": "treats", "conclusion": "type 2 diabetes"}'

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from ermedrag.agents.respondent import is_blank
 from ermedrag.tools import settings
 
 
@@ -49,10 +50,53 @@ class Benchmark:
     upstream: Callable[[], Iterable[dict[str, Any]]]  # rows already in the shared schema
 
 
+class BenchmarkUnavailable(FileNotFoundError):
+    """An upstream benchmark could not be downloaded (no network, HF_HUB_OFFLINE, a gated dataset). A
+    FileNotFoundError, so the CLI prints it as one line: the dataset, the cause, and the local alternatives."""
+
+
+def _download_errors() -> tuple[type[BaseException], ...]:
+    """What a failed download raises: OSError covers datasets' ConnectionError and DatasetNotFoundError, hub
+    HTTP errors and urllib's URLError; httpx's own errors are not OSErrors."""
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - a dependency of huggingface_hub
+        return (OSError,)
+    return (OSError, httpx.HTTPError)
+
+
+def _unavailable(benchmark: str, source: str, err: BaseException) -> BenchmarkUnavailable:
+    cause = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+    files = ", ".join(f"benchmarks/{f}" for f in BENCHMARKS[benchmark].local_files)
+    return BenchmarkUnavailable(
+        f"cannot download benchmark {benchmark!r} from {source} ({cause}); without internet, pass --data DIR "
+        f"(a data folder holding {files}) or set ERMEDRAG_SHARED_DATA to one"
+    )
+
+
+# The Hugging Face hub dataset of each benchmark but BioASQ (MIRAGE_URL).
+HUB_DATASETS = {
+    "medqa": "GBaker/MedQA-USMLE-4-options",
+    "medmcqa": "openlifescienceai/medmcqa",
+    "pubmedqa": "qiaojin/PubMedQA",
+    "mmlu_med": "cais/mmlu",
+    "mmlu_pro": "TIGER-Lab/MMLU-Pro",
+    "gpqa": "Idavidrein/gpqa",
+    "medxpertqa": "TsinghuaC3I/MedXpertQA",
+}
+
+
 def _hub(name: str, config: str | None, split: str) -> Iterator[dict[str, Any]]:
+    """Rows of hub dataset `name` (a value of HUB_DATASETS); a failed download is one `BenchmarkUnavailable`
+    naming its benchmark, not a traceback."""
     from datasets import load_dataset
 
-    yield from load_dataset(name, config, split=split)
+    try:
+        rows = load_dataset(name, config, split=split)
+    except _download_errors() as err:
+        benchmark = next(b for b, hub in HUB_DATASETS.items() if hub == name)
+        raise _unavailable(benchmark, f"the Hugging Face hub dataset {name}", err) from err
+    yield from rows
 
 
 def _letters(n: int) -> list[str]:
@@ -60,7 +104,7 @@ def _letters(n: int) -> list[str]:
 
 
 def _medqa_upstream() -> Iterator[dict[str, Any]]:
-    for i, row in enumerate(_hub("GBaker/MedQA-USMLE-4-options", None, "test")):
+    for i, row in enumerate(_hub(HUB_DATASETS["medqa"], None, "test")):
         yield {
             "id": f"medqa-test-{i:04d}",
             "question": row["question"],
@@ -71,7 +115,7 @@ def _medqa_upstream() -> Iterator[dict[str, Any]]:
 
 
 def _medmcqa_upstream() -> Iterator[dict[str, Any]]:
-    for row in _hub("openlifescienceai/medmcqa", None, "validation"):
+    for row in _hub(HUB_DATASETS["medmcqa"], None, "validation"):
         yield {
             "id": f"medmcqa-{row['id']}",
             "question": row["question"],
@@ -83,7 +127,7 @@ def _medmcqa_upstream() -> Iterator[dict[str, Any]]:
 
 def _pubmedqa_upstream() -> Iterator[dict[str, Any]]:
     labels = {"yes": "A", "no": "B", "maybe": "C"}
-    for row in _hub("qiaojin/PubMedQA", "pqa_labeled", "train"):
+    for row in _hub(HUB_DATASETS["pubmedqa"], "pqa_labeled", "train"):
         yield {
             "id": f"pubmedqa-{row['pubid']}",
             "question": row["question"],
@@ -105,7 +149,7 @@ MMLU_MED_SUBJECTS = (
 
 def _mmlu_med_upstream() -> Iterator[dict[str, Any]]:
     for subject in MMLU_MED_SUBJECTS:
-        for i, row in enumerate(_hub("cais/mmlu", subject, "test")):
+        for i, row in enumerate(_hub(HUB_DATASETS["mmlu_med"], subject, "test")):
             yield {
                 "id": f"mmlu-{subject}-{i:03d}",
                 "question": row["question"],
@@ -116,7 +160,7 @@ def _mmlu_med_upstream() -> Iterator[dict[str, Any]]:
 
 
 def _mmlu_pro_upstream() -> Iterator[dict[str, Any]]:
-    for row in _hub("TIGER-Lab/MMLU-Pro", None, "test"):
+    for row in _hub(HUB_DATASETS["mmlu_pro"], None, "test"):
         if row["category"] in ("health", "biology"):
             yield {
                 "id": f"mmlupro-{row['question_id']}",
@@ -128,7 +172,7 @@ def _mmlu_pro_upstream() -> Iterator[dict[str, Any]]:
 
 
 def _gpqa_upstream() -> Iterator[dict[str, Any]]:
-    for row in _hub("Idavidrein/gpqa", "gpqa_main", "train"):
+    for row in _hub(HUB_DATASETS["gpqa"], "gpqa_main", "train"):
         if row.get("High-level domain") == "Biology":
             yield gpqa_row(row)
 
@@ -149,7 +193,7 @@ def gpqa_row(row: dict[str, Any], seed: int = 0) -> dict[str, Any]:
 
 
 def _medxpertqa_upstream() -> Iterator[dict[str, Any]]:
-    for row in _hub("TsinghuaC3I/MedXpertQA", "Text", "test"):
+    for row in _hub(HUB_DATASETS["medxpertqa"], "Text", "test"):
         yield {
             "id": row["id"],
             "question": row["question"],
@@ -165,8 +209,12 @@ MIRAGE_URL = "https://raw.githubusercontent.com/Teddy-XiongGZ/MIRAGE/main/benchm
 def _bioasq_upstream() -> Iterator[dict[str, Any]]:
     import urllib.request
 
-    with urllib.request.urlopen(MIRAGE_URL, timeout=60) as response:
-        yield from mirage_rows(json.load(response), "bioasq")
+    try:
+        with urllib.request.urlopen(MIRAGE_URL, timeout=60) as response:
+            benchmark_json = json.load(response)
+    except OSError as err:  # URLError, a timeout, a connection reset
+        raise _unavailable("bioasq", MIRAGE_URL, err) from err
+    yield from mirage_rows(benchmark_json, "bioasq")
 
 
 def mirage_rows(benchmark_json: dict[str, Any], name: str) -> Iterator[dict[str, Any]]:
@@ -319,6 +367,9 @@ def normalise(row: dict[str, Any], benchmark: str) -> Question | BadRow:
             benchmark, qid, f"option keys {list(options)[:8]} must be distinct letters A-Z (case-insensitive)"
         )
     options = {str(k).strip().upper(): str(v) for k, v in sorted(options.items(), key=lambda kv: str(kv[0]))}
+    blank = next((k for k, v in options.items() if is_blank(v)), None)
+    if blank is not None:  # the graphs refuse it too (graphs.state.validate_question): never scored
+        return BadRow(benchmark, qid, f"option {blank!r}: the option's text is empty (or only punctuation)")
     if str(answer).strip().upper() not in options:
         return BadRow(benchmark, qid, f"answer {answer!r} is not among the options {list(options)}")
     contexts = row.get("contexts") or ()

@@ -61,16 +61,14 @@ from ermedrag.tools.retrieval.bm25 import SegmentedBM25, SingleBM25s, bm25_text
 from ermedrag.tools.retrieval.corpus import (
     DEFAULT_ON_DUPLICATE_ID,
     EXAMPLES_KEPT,
-    RENAMED,
     Chunk,
     CorpusError,
     Document,
-    StoredChunk,
     assign_ids,
     chunk_documents,
     id_key,
-    settle_ids,
 )
+from ermedrag.tools.retrieval.ids import RENAMED, StoredChunk, settle_ids
 from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.retrieval.encoder import (
     DEFAULT_ENCODER,
@@ -161,6 +159,16 @@ def _client(directory: Path, chroma_url: str | None) -> Any:
     return chromadb.PersistentClient(path=str(directory / "chroma"), settings=settings)
 
 
+VECTOR_STORE = "vector_store"  # the manifest field saying where the vectors live: EMBEDDED or a server's URL
+EMBEDDED = "embedded"
+
+
+def public_url(chroma_url: str) -> str:
+    """A Chroma server's URL as the manifest records it: scheme, host and port, never credentials or a path."""
+    host, port, ssl = _chroma_address(chroma_url)
+    return f"{'https' if ssl else 'http'}://{host}:{port}"
+
+
 def _chroma_address(chroma_url: str) -> tuple[str, int, bool]:
     """(host, port, ssl) of http(s)://host[:port]; IndexUnavailable naming the URL and the knob otherwise."""
     parts = urlsplit(chroma_url if "://" in chroma_url else f"http://{chroma_url}")
@@ -186,15 +194,22 @@ def open_index(directory: str | os.PathLike[str], chroma_url: str | None = None)
     manifest, bm25, committed = read_committed(directory)
     from chromadb.errors import NotFoundError
 
+    recorded = manifest.get(VECTOR_STORE) or EMBEDDED
+    chroma_url = chroma_url or (None if recorded == EMBEDDED else recorded)  # where the build put them
     try:
         collection = _client(directory, chroma_url).get_collection(
             COLLECTION, embedding_function=SentenceTransformerEmbedding(manifest["encoder"])
         )
     except NotFoundError as err:
-        raise IndexUnavailable(
-            f"{directory}: manifest.json is there but its Chroma collection is missing; "
-            f"rebuild it with `ermedrag index PATH --index-dir {directory}`"
-        ) from err
+        where = f"the Chroma server at {chroma_url}" if chroma_url else f"the embedded store in {directory / 'chroma'}"
+        advice = (
+            f"its build put them in {recorded if recorded != EMBEDDED else 'the embedded store'}: pass that with "
+            f"--chroma-url (or leave it out)"
+            if (chroma_url or EMBEDDED) != recorded
+            else f"rebuild it with `ermedrag index PATH --index-dir {directory}`"
+            + (f" --chroma-url {chroma_url}" if chroma_url else "")
+        )
+        raise IndexUnavailable(f"{directory}: its vectors are not in {where}; {advice}") from err
     if committed is not None and collection.count() != len(committed):
         _repair_on_open(directory, collection, manifest, committed)
     return Index(directory, manifest["encoder"], collection, bm25, committed or [])
@@ -319,7 +334,7 @@ def build_index(
     exact repeats dropped within `documents`). `describe_documents` words them for people.
     """
     directory = Path(directory)
-    _check_settings(directory, read_manifest(directory), encoder, chunk_size, chunk_overlap)
+    chroma_url = _check_settings(directory, read_manifest(directory), encoder, chunk_size, chunk_overlap, chroma_url)
     started = time.perf_counter()
     documents, given = assign_ids(documents, on_duplicate_id)
     chunks: dict[str, list[Chunk]] = {doc.id: [] for doc in documents}
@@ -328,7 +343,7 @@ def build_index(
     directory.mkdir(parents=True, exist_ok=True)
     with writer_lock(directory, wait=True):
         manifest = read_manifest(directory)  # again, under the lock: another build may have committed meanwhile
-        _check_settings(directory, manifest, encoder, chunk_size, chunk_overlap)
+        _check_settings(directory, manifest, encoder, chunk_size, chunk_overlap, chroma_url)
         remove_leftovers(directory, manifest)
         collection = _client(directory, chroma_url).get_or_create_collection(
             COLLECTION,
@@ -358,6 +373,7 @@ def build_index(
                 "encoder": encoder,
                 "chunk_size": chunk_size,
                 "chunk_overlap": chunk_overlap,
+                VECTOR_STORE: public_url(chroma_url) if chroma_url else EMBEDDED,
                 **({} if manifest else {"bm25_segments": []}),
             },
             added,
@@ -458,8 +474,15 @@ def _stored_chunks(collection: Any, ids: list[str]) -> dict[str, StoredChunk]:
 
 
 def _check_settings(
-    directory: Path, manifest: dict[str, Any], encoder: str, chunk_size: int, chunk_overlap: int
-) -> None:
+    directory: Path,
+    manifest: dict[str, Any],
+    encoder: str,
+    chunk_size: int,
+    chunk_overlap: int,
+    chroma_url: str | None,
+) -> str | None:
+    """Refuse to add to an index built with other settings or whose vectors live elsewhere; the Chroma server to
+    build with (the one the index records when none is given)."""
     if manifest and (manifest["encoder"], manifest["chunk_size"], manifest["chunk_overlap"]) != (
         encoder,
         chunk_size,
@@ -470,6 +493,18 @@ def _check_settings(
             f"{manifest['chunk_size']}, chunk_overlap={manifest['chunk_overlap']}; "
             "use the same settings or a new --index-dir"
         )
+    recorded = manifest.get(VECTOR_STORE) if manifest else None
+    if recorded is None or recorded == EMBEDDED and not chroma_url:
+        return chroma_url
+    if not chroma_url:
+        return recorded
+    if recorded == EMBEDDED or public_url(chroma_url) != recorded:
+        where = "the embedded store" if recorded == EMBEDDED else f"the Chroma server at {recorded}"
+        raise IndexUnavailable(
+            f"{directory} keeps its vectors in {where}, not at {public_url(chroma_url)}; add to it there "
+            "(leave --chroma-url out) or use a new --index-dir"
+        )
+    return chroma_url
 
 
 def _reconcile_for_build(

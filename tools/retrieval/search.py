@@ -80,6 +80,12 @@ class RetrievalConfig:
     fine_policy: Literal["per_chunk", "global"] = "per_chunk"  # chunks in coarse order: ranked better than windows
     window_neighbours: int = 1  # sentences either side of each one: a lone sentence often lacks its subject
     window_max_chars: int = 600  # a snippet is one extractor prompt: a long one dilutes it
+    # A shorter window (a title line, a heading: "Asthma") holds no evidence on its own, yet its few words can
+    # match the question best: it is merged with the next window of its chunk (or the one before). A chunk this
+    # short is one snippet, whole: it is a passage of its own (BioASQ's gold snippets include 37-character ones;
+    # dropping such chunks cost the passages bench recall@10 0.817 -> 0.803). Characters of stripped text, at
+    # most window_max_chars; 0 = off.
+    min_snippet_chars: int = 40
     windows_per_chunk: int = 3  # a long document's chunk often holds several pieces of evidence (benches/README)
     min_relative_score: float = 0.5  # a further window of a chunk must score this share of its best one
     coarse_prior_weight: float = 0.5  # global policy: fine scores alone over-reward short matching phrases
@@ -95,7 +101,7 @@ class RetrievalConfig:
             raise ValueError(f"bm25_weight must be in [0, 1], not {self.bm25_weight}")
         if (
             min(self.fetch_k, self.rrf_k, self.rerank_k, self.window_max_chars, self.windows_per_chunk) < 1
-            or min(self.feedback_chunks, self.expansion_terms, self.window_neighbours) < 0
+            or min(self.feedback_chunks, self.expansion_terms, self.window_neighbours, self.min_snippet_chars) < 0
         ):
             raise ValueError(f"counts must be positive: {self}")
 
@@ -270,17 +276,46 @@ def paragraphs(text: str) -> list[tuple[int, int]]:
 
 
 def sentence_windows(
-    text: str, window: int = DEFAULT_CONFIG.window_neighbours, max_chars: int = DEFAULT_CONFIG.window_max_chars
+    text: str,
+    window: int = DEFAULT_CONFIG.window_neighbours,
+    max_chars: int = DEFAULT_CONFIG.window_max_chars,
+    min_chars: int = DEFAULT_CONFIG.min_snippet_chars,
 ) -> list[tuple[int, int]]:
     """Each sentence with up to `window` neighbours on either side from the same paragraph (a blank line
-    ends one: evidence rarely runs across it), capped at `max_chars`."""
+    ends one: evidence rarely runs across it), capped at `max_chars`; windows under `min_chars` merged
+    (`merge_short_windows`)."""
     out = []
     for start, end in paragraphs(text):
         spans = [(start + s, start + e) for s, e in split_sentences(text[start:end])]
         for i in range(len(spans)):
             first, last = spans[max(0, i - window)][0], spans[min(len(spans) - 1, i + window)][1]
             out.append((first, min(last, first + max_chars)))
-    return out or [(0, min(len(text), max_chars))]
+    return merge_short_windows(text, out or [(0, min(len(text), max_chars))], min(min_chars, max_chars), max_chars)
+
+
+def merge_short_windows(
+    text: str, windows: Sequence[tuple[int, int]], min_chars: int, max_chars: int
+) -> list[tuple[int, int]]:
+    """`windows` (in text order) with each one under `min_chars` of stripped text joined to the next (the one
+    before when it is last), capped at `max_chars` from its start. A title line thus leads the window of its
+    first sentences instead of being a snippet of its own. When no window reaches `min_chars` the short text
+    is one window (a short passage is still evidence, and the coarse stage ranked its chunk); blank, none."""
+    out: list[tuple[int, int]] = []
+    pending: tuple[int, int] | None = None  # short windows waiting for the next one
+    for start, end in windows:
+        if pending is not None:
+            start, end = min(start, pending[0]), max(end, pending[1])
+            end, pending = min(end, start + max_chars), None
+        if len(text[start:end].strip()) < min_chars:
+            pending = (start, end)
+        else:
+            out.append((start, end))
+    if pending is not None and out:
+        start, end = min(out[-1][0], pending[0]), max(out[-1][1], pending[1])
+        out[-1] = (start, min(end, start + max_chars))
+    elif pending is not None and text[pending[0] : pending[1]].strip():
+        out.append(pending)
+    return out
 
 
 def fine_sentence_windows(
@@ -303,7 +338,9 @@ def fine_sentence_windows(
     candidates = [
         (cid, s, e)
         for cid in coarse_rank
-        for s, e in sentence_windows(chunks[cid].text, config.window_neighbours, config.window_max_chars)
+        for s, e in sentence_windows(
+            chunks[cid].text, config.window_neighbours, config.window_max_chars, config.min_snippet_chars
+        )
     ]
     if not candidates:
         return []

@@ -4,6 +4,8 @@ cross-encoder, batched queries, and Chroma as a `chroma run` server on 127.0.0.1
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ import pytest
 
 from tests.conftest import free_port, log_tail, stop_process_group
 from ermedrag.tools.retrieval.corpus import Document
+from ermedrag.tools.retrieval.index_files import IndexUnavailable
 from ermedrag.tools.retrieval.index import build_index, open_index
 from ermedrag.tools.records.traces import TraceStore
 from ermedrag.tools.retrieval.search import (
@@ -187,6 +190,43 @@ def test_chroma_server_mode_gives_what_embedded_gives(index_dir: Path, tmp_path:
         assert not (tmp_path / "served" / "chroma").exists()  # the vectors live in the server
         for question in ("What does zorbitine do?", "How is stroke risk scored in atrial fibrillation?"):
             assert [s.id for s in retrieve(served, question, k=4)] == [s.id for s in retrieve(embedded, question, k=4)]
+        # The index records where its vectors live and reopens there, also in another process and through the CLI
+        # (which had advised rebuilding, re-embedding everything locally); adding to it goes to the same server.
+        manifest = json.loads((tmp_path / "served" / "manifest.json").read_text())
+        assert manifest["vector_store"] == url
+        assert open_index(tmp_path / "served").size == len(PASSAGES)
+        build_index(_documents()[:1], tmp_path / "served", progress=False)  # no --chroma-url: the recorded server
+        assert not (tmp_path / "served" / "chroma").exists()
+        with pytest.raises(IndexUnavailable, match="keeps its vectors in the Chroma server at"):
+            build_index(_documents()[:1], tmp_path / "served", chroma_url="http://127.0.0.1:1", progress=False)
+        env = {
+            **os.environ,
+            "ERMEDRAG_TRACE_DB": str(tmp_path / "t.sqlite"),
+            "ERMEDRAG_CHECKPOINT_DB": str(tmp_path / "c.sqlite"),
+        }
+        env.pop("ERMEDRAG_CHROMA_URL", None)
+        asked = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ermedrag",
+                "ask",
+                "What does zorbitine do?",
+                "--graph",
+                "vanilla_rag",
+                "--model",
+                "scripted:ermedrag.testing.scripted",
+                "--index-dir",
+                str(tmp_path / "served"),
+                "--json",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert asked.returncode == 0, asked.stderr[-2000:]
+        assert json.loads(asked.stdout)["snippets"]
     finally:
         stop_process_group(server)
 
