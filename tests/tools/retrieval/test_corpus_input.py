@@ -257,3 +257,27 @@ def test_cli_index_names_the_file_takes_an_encoding_and_counts_repeats(
     ), summary
     index = open_index(directory)
     assert LATIN1_TEXT in {c.text for c in index.chunks(index.bm25_ids).values()}
+
+
+def test_a_byte_order_mark_before_latin_1_names_the_right_byte(tmp_path: Path) -> None:
+    """utf-8-sig reports offsets after the mark it skipped: the message counts from the file's start."""
+    from ermedrag.tools.retrieval.corpus import CorpusError
+
+    latin = tmp_path / "notes.txt"
+    latin.write_bytes(b"\xef\xbb\xbfCaf\xe9 au lait.")  # a UTF-8 mark, then Latin-1 text
+    with pytest.raises(CorpusError, match=r"byte 0xe9 at offset 6\)"):
+        read_documents([latin])
+
+
+def test_a_hub_dataset_that_cannot_be_reached_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    from ermedrag.tools.retrieval.corpus import CorpusError
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'MedRAG/textbooks' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(CorpusError, match=r"hf://MedRAG/textbooks: cannot load the Hugging Face dataset") as caught:
+        read_documents(["hf://MedRAG/textbooks"])
+    assert "index a local copy instead" in str(caught.value) and "\n" not in str(caught.value)
