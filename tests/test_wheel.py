@@ -80,16 +80,13 @@ def _run(cmd: list[str | Path], what: str, timeout: float = STEP_TIMEOUT_S, **kw
 # --- the lock -------------------------------------------------------------------------------------------------
 
 
-def _locked_extras() -> list[str]:
-    """EXTRAS (what `make install` installs) and SOURCE_EXTRAS (built from source for `make test`): `make lock`
-    pins both."""
+def _makefile_extras(variable: str) -> list[str]:
+    """The extras a Makefile variable names: EXTRAS (what `make install` installs) or SOURCE_EXTRAS (built from
+    source by `make llamacpp`); `make lock` pins both."""
     makefile = (REPO / "Makefile").read_text()
-    extras = []
-    for variable in ("EXTRAS", "SOURCE_EXTRAS"):
-        match = re.search(rf"^{variable}\s*:?=\s*(\S+)\s*$", makefile, re.MULTILINE)
-        assert match, f"the Makefile names no {variable}: the extras that `make test` and `make lock` install"
-        extras += match.group(1).split(",")
-    return extras
+    match = re.search(rf"^{variable}\s*:?=\s*(\S+)\s*$", makefile, re.MULTILINE)
+    assert match, f"the Makefile names no {variable}: the extras that `make install` and `make lock` install"
+    return match.group(1).split(",")
 
 
 def _pins() -> dict[str, str]:
@@ -127,30 +124,46 @@ def _required_closure(requirements: list[str]) -> tuple[dict[str, str], list[str
     return {name: installed[name].version for name in extras_seen}, missing
 
 
-def test_lock_pins_exactly_the_dependencies_of_our_extras_at_the_installed_versions() -> None:
-    """constraints.txt = the dependency closure of ermedrag[EXTRAS], each at the version installed here."""
-    assert LOCK.exists(), f"{LOCK.name} is missing: run `make lock`"
+def _installed_closure(extras: list[str], how: str) -> dict[str, str]:
+    """The installed dependency closure of ermedrag[extras] (name -> version); fails naming what is missing."""
     project = PYPROJECT["project"]
-    extras = _locked_extras()
     requirements = list(project["dependencies"])
     for extra in extras:
-        assert extra in project["optional-dependencies"], f"Makefile EXTRAS names an unknown extra {extra!r}"
+        assert extra in project["optional-dependencies"], f"the Makefile names an unknown extra {extra!r}"
         requirements += project["optional-dependencies"][extra]
     closure, missing = _required_closure(requirements)
-    assert not missing, (
-        f"not installed: {missing}: run `make test` (or `make install` and `make llamacpp`; "
-        "`make lock` for a new dependency)"
-    )
+    assert not missing, f"not installed: {missing}: run {how} (`make lock` for a new dependency)"
     closure.pop("ermedrag", None)
-    pins = _pins()
-    assert "ermedrag" not in pins, f"{LOCK.name} pins the project itself"
-    unneeded = sorted(set(pins) - set(closure))
-    assert not unneeded, f"{LOCK.name} pins packages that ermedrag[{','.join(extras)}] does not need: {unneeded}"
+    return closure
+
+
+def _assert_locked_at_installed_versions(closure: dict[str, str], pins: dict[str, str]) -> None:
     unlocked = sorted(set(closure) - set(pins))
     assert not unlocked, f"dependencies missing from {LOCK.name}: {unlocked}: run `make lock`"
-    assert pins["torch"].startswith("2.13.0"), f"torch must stay 2.13.0 (the CPU build); the lock has {pins['torch']}"
-    differ = {name: (closure[name], pins[name]) for name in pins if closure[name] != pins[name]}
+    differ = {name: (closure[name], pins[name]) for name in closure if closure[name] != pins[name]}
     assert not differ, f"installed version differs from {LOCK.name} (installed, locked): {differ}: run `make install`"
+
+
+def test_lock_pins_the_dependencies_of_the_installed_extras_at_the_installed_versions() -> None:
+    """Every dependency of ermedrag[EXTRAS] (what `make test` installs) is pinned in constraints.txt, at the
+    version installed here. The source-built extras are checked by the `llamacpp` test below."""
+    assert LOCK.exists(), f"{LOCK.name} is missing: run `make lock`"
+    pins = _pins()
+    assert "ermedrag" not in pins, f"{LOCK.name} pins the project itself"
+    assert pins["torch"].startswith("2.13.0"), f"torch must stay 2.13.0 (the CPU build); the lock has {pins['torch']}"
+    _assert_locked_at_installed_versions(_installed_closure(_makefile_extras("EXTRAS"), "`make install`"), pins)
+
+
+@pytest.mark.llamacpp
+def test_lock_pins_exactly_the_dependencies_of_every_extra() -> None:
+    """constraints.txt = the dependency closure of ermedrag[EXTRAS,SOURCE_EXTRAS], each at its installed version:
+    nothing missing, nothing extra."""
+    extras = _makefile_extras("EXTRAS") + _makefile_extras("SOURCE_EXTRAS")
+    closure = _installed_closure(extras, "`make install` and `make llamacpp`")
+    pins = _pins()
+    _assert_locked_at_installed_versions(closure, pins)
+    unneeded = sorted(set(pins) - set(closure))
+    assert not unneeded, f"{LOCK.name} pins packages that ermedrag[{','.join(extras)}] does not need: {unneeded}"
 
 
 # --- the wheel ------------------------------------------------------------------------------------------------
