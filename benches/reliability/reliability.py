@@ -59,6 +59,7 @@ CASE_MODULES = (
     "cases_indexing",
     "cases_durable",
     "cases_misc",
+    "cases_across_runs",
 )
 DEFAULT_OUT = harness.REPO / "benches" / "results" / "reliability.json"
 

@@ -25,8 +25,7 @@ def take(path: Path, what: str, advice: str) -> IO[str]:
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
+        holder = _holder(handle)
         handle.close()
         raise Busy(f"{what} is held by {holder}; {advice}") from None
     handle.seek(0)
@@ -35,6 +34,20 @@ def take(path: Path, what: str, advice: str) -> IO[str]:
     handle.write(f"process {os.getpid()} ({command}, since {time.strftime('%Y-%m-%d %H:%M:%S')})")
     handle.flush()
     return handle
+
+
+HOLDER_WAIT_S = 1.0  # the holder writes its name just after it takes the lock: a contender that came between waits
+
+
+def _holder(handle: IO[str]) -> str:
+    """Who holds the lock, as its file names it; "another process" if it names no one within HOLDER_WAIT_S."""
+    deadline = time.monotonic() + HOLDER_WAIT_S
+    while True:
+        handle.seek(0)
+        holder = handle.read().strip()
+        if holder or time.monotonic() > deadline:
+            return holder or "another process"
+        time.sleep(0.02)
 
 
 @contextlib.contextmanager

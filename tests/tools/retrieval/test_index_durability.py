@@ -11,7 +11,6 @@ time (and never while a child writes); the last check of each test is in a fresh
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -28,11 +27,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO
+from ermedrag.testing.vectors import DIM, HashVectors, hash_vector  # noqa: F401 - other tests import them here
 from ermedrag.tools.retrieval.corpus import Document, chunk_documents, read_documents
 from ermedrag.tools.retrieval.index_files import PAUSE_ENV, IndexUnavailable, writer_lock
 from ermedrag.tools.retrieval.index import _client, build_index, cached_index, open_index, rebuild_bm25
 
-DIM = 384
 DOCS_PER_STEP = 24
 CHILD_TIMEOUT_S = 120
 TOPICS = [
@@ -43,25 +42,6 @@ TOPICS = [
     "salbutamol relieves acute bronchospasm",
     "levothyroxine replaces thyroid hormone",
 ]
-
-
-class HashVectors(dict):
-    """`precomputed` for build_index that knows every chunk: a unit vector seeded by a hash of its id."""
-
-    def __bool__(self) -> bool:
-        return True
-
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __getitem__(self, key: str) -> np.ndarray:
-        return hash_vector(key)
-
-
-def hash_vector(text: str) -> np.ndarray:
-    seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
-    vector = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
-    return vector / np.linalg.norm(vector)
 
 
 # One script, three modes. `build N`: index the first N documents (announcing "building" on stderr first, so
