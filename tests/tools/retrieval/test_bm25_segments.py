@@ -28,7 +28,7 @@ from ermedrag.tools.retrieval.index_files import BM25_PARAMS, chunk_texts
 from ermedrag.tools.retrieval.index import _client, build_index, open_index, rebuild_bm25
 from ermedrag.tools.retrieval.search import bm25_search, query_terms
 from ermedrag.tools.data.starter_kb import PASSAGES
-from tests.tools.retrieval.test_index_durability import HashVectors
+from ermedrag.testing.vectors import HashVectors
 
 QUERIES = [
     "A 45-year-old man with type 2 diabetes, chest pain and an elevated troponin after metformin; which "

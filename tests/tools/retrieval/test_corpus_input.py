@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tools.retrieval.test_index_durability import HashVectors
+from ermedrag.testing.vectors import HashVectors
 from ermedrag.tools.retrieval.corpus import (
     CorpusError,
     Document,

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO
-from ermedrag.testing.vectors import DIM, HashVectors, hash_vector  # noqa: F401 - other tests import them here
+from ermedrag.testing.vectors import HashVectors, hash_vector
 from ermedrag.tools.retrieval.corpus import Document, chunk_documents, read_documents
 from ermedrag.tools.retrieval.index_files import PAUSE_ENV, IndexUnavailable, writer_lock
 from ermedrag.tools.retrieval.index import _client, build_index, cached_index, open_index, rebuild_bm25
@@ -51,7 +51,8 @@ CHILD = r"""
 import json, sys
 from ermedrag.tools.retrieval import index as ix, index_files
 from ermedrag.tools.retrieval.corpus import read_documents
-from tests.tools.retrieval.test_index_durability import HashVectors, index_state, verify
+from ermedrag.testing.vectors import HashVectors
+from tests.tools.retrieval.test_index_durability import index_state, verify
 
 mode, corpus, directory, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ix.ADD_BATCH = 4  # many Chroma adds: kills land between and inside them

@@ -25,10 +25,10 @@ from ermedrag.tools.retrieval.index_files import BM25_PARAMS, PAUSE_ENV, chunk_t
 from ermedrag.tools.retrieval.search import bm25_search
 from tests.conftest import REPO
 from tests.tools.retrieval.test_bm25_segments import reference_scores, weighted_terms
+from ermedrag.testing.vectors import HashVectors
 from tests.tools.retrieval.test_index_durability import (
     CHILD,
     CHILD_TIMEOUT_S,
-    HashVectors,
     _drop_chroma_clients,
     _env,
     _kill,
