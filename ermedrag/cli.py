@@ -92,7 +92,23 @@ def _parser() -> argparse.ArgumentParser:
         "as given; results of order 0 are those of a run without it)",
     )
     _add_batch_args(evaluate)
+    _add_selective_args(evaluate)
     evaluate.set_defaults(handler=commands.evaluate)
+
+    calibrate = sub.add_parser(
+        "calibrate",
+        help="fit a conformal answer-set threshold on answered multiple-choice questions (an eval's results)",
+    )
+    calibrate.add_argument("results", nargs="+", help="folders written by `ermedrag eval` (the calibration questions)")
+    calibrate.add_argument(
+        "--alpha",
+        type=number(0.001, 0.999),
+        default=0.1,
+        help="error rate: sets hold the right option with probability at least 1 - alpha (default 0.1)",
+    )
+    calibrate.add_argument("--system", default=None, help="the graph to calibrate, when the results hold several")
+    calibrate.add_argument("--out", "-o", required=True, help="calibration file to write (JSON)")
+    calibrate.set_defaults(handler=commands.calibrate)
 
     record = sub.add_parser("run", help="record traces for a file of questions (no report): training data")
     record.add_argument("--bench", required=True, help="JSONL questions file in the shared schema, or a benchmark name")
@@ -262,6 +278,24 @@ def _add_context_args(parser: argparse.ArgumentParser, *, replicas: bool) -> Non
     _add_server_args(parser)
 
 
+def _add_selective_args(parser: argparse.ArgumentParser) -> None:
+    """What `ask` and `eval` return beside an answer: its conformal set and whether it is withheld."""
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="a file of `ermedrag calibrate` for this configuration: each answer also gets the set of options that "
+        "holds the right one with probability at least 1 - alpha",
+    )
+    parser.add_argument(
+        "--abstain-below",
+        type=number(0, 1),
+        default=None,
+        metavar="T",
+        help="withhold an answer whose confidence (its option's probability) is below T, saying why",
+    )
+
+
 def _add_batch_args(parser: argparse.ArgumentParser) -> None:
     """What `eval` and `run` share: the context flags, the questions' selection and concurrency."""
     _add_context_args(parser, replicas=True)
@@ -312,6 +346,7 @@ def _add_question_args(parser: argparse.ArgumentParser, default_question: bool) 
         "--graph", default=None, choices=list(GRAPHS), help="the graph that answers (default er_medrag)"
     )
     _add_context_args(parser, replicas=False)
+    _add_selective_args(parser)
     parser.add_argument("--json", action="store_true", help="print the final state as JSON")
     parser.add_argument(
         "--resume",

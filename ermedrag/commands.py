@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 from ermedrag.tools.models import parse_model_spec
+from ermedrag.views import one_line, render_run, render_trace, retrieval_view, when
 
 
 DEMO_QUESTION = (
@@ -58,6 +59,7 @@ def ask(args: argparse.Namespace) -> int:
             # The whole context is recorded with the run, so a resume runs with what the run started with; built
             # (and so checked) before anything is loaded.
             context = dataclasses.asdict(load_graph(graph_name).context_schema(**_ask_overrides(args, graph_name)))
+        selective = _selective(args, graph_name, context)  # a calibration for another configuration fails here
         with run_lock(run_id, checkpoint_db):
             if not args.resume:
                 again = " with the same --checkpoint-db" if args.checkpoint_db else ""
@@ -84,11 +86,23 @@ def ask(args: argparse.Namespace) -> int:
             this_time = time.perf_counter() - started
             if setup is not None:
                 state = state | {"setup": setup}
+    answer = state.get("answer") or {}
+    state = state | {"answer": answer | selective.fields(answer.get("option_probs"), answer.get("confidence"))}
     if args.json:
         print(json.dumps(state, indent=2, default=str))
     else:
         print(render_run(state, this_time, resumed=bool(args.resume)))
     return 0
+
+
+def _selective(args: argparse.Namespace, graph_name: str, context: dict[str, Any]) -> Any:
+    """The answer set and abstention `ask` was asked for; the calibration checked against this run's configuration."""
+    from ermedrag.evals.rows import EvalConfig
+    from ermedrag.evals.runner import selective_for
+
+    calibration = getattr(args, "calibration", None)
+    configs = [EvalConfig.for_graph(graph_name, context)] if calibration else []
+    return selective_for(configs, calibration, getattr(args, "abstain_below", None))
 
 
 def _ask_overrides(args: argparse.Namespace, graph_name: str) -> dict[str, Any]:
@@ -191,70 +205,6 @@ def _parse_options(pairs: list[str]) -> dict[str, str] | None:
     return options or None
 
 
-def render_run(state: dict[str, Any], this_time_s: float, resumed: bool = False) -> str:
-    """What `ask` prints: the question, what the graph's stages produced (the sections its state has), the answer,
-    and the time: the stages' own (over every process that worked on the run) and this process's work."""
-    lines = [f"Question: {state['question']}"]
-    for key, text in (state.get("options") or {}).items():
-        lines.append(f"  {key}. {text}")
-    if "snippets" in state:
-        lines.append(f"\nRetrieved snippets ({len(state['snippets'])}):")
-        for i, s in enumerate(state["snippets"], 1):
-            lines.append(f"  [{i}] {s['id']}  score={s['score']:.3f}  source={s['source']}  title={s['title']!r}")
-            lines.append(f"      {s['text'][:240]}")
-    if "extractions" in state:
-        lines.append("\nExtracted triplets:")
-        for extraction in state["extractions"]:
-            status = "ok" if extraction["ok"] else f"unparsed ({extraction['error']})"
-            lines.append(f"  from {extraction['snippet_id']}: {status}")
-            for t in extraction["triplets"]:
-                lines.append(f"    ({t['condition']}) —[{t['relation']}]→ ({t['conclusion']})")
-    if "searches" in state:
-        lines.append(f"\nSearches ({len(state['searches'])}):")
-        lines.extend(f"  {s['query']!r} → {', '.join(s['snippet_ids']) or 'no results'}" for s in state["searches"])
-    if "specialty" in state:
-        lines.extend(_panel_lines(state))
-    answer = state.get("answer", {})
-    lines.append(f"\nReasoning: {answer.get('reasoning', '')[:400]}")
-    lines.append(
-        f"Answer: {answer.get('answer')}  (parsed={answer.get('ok')}, well-formed={answer.get('well_formed')}"
-        + (", read back from its reasoning" if answer.get("extracted") else "")
-        + (f", error={answer.get('error')}" if answer.get("error") else "")
-        + ")"
-    )
-    setup = state.get("setup") or {}
-    if setup:
-        parts = ", ".join(f"{k.removesuffix('_s')}={v:.2f}s" for k, v in setup.items() if k != "setup_s")
-        lines.append(
-            f"Setup{' of this resume' if resumed else ''}: {setup.get('setup_s', 0):.2f}s ({parts or 'nothing to load'})"
-        )
-    timings = state.get("timings", {})
-    stages = ", ".join(f"{k}={v:.2f}s" for k, v in timings.items())
-    if resumed:
-        lines.append(f"Timings of the run's stages: {stages or 'none recorded'}; this resume took {this_time_s:.2f}s")
-    else:
-        lines.append(f"Timings: {stages}, total={this_time_s:.2f}s")
-    lines.append(f"Run id: {state.get('run_id')} (see `ermedrag traces show {state.get('run_id')}`)")
-    return "\n".join(lines)
-
-
-def _panel_lines(state: dict[str, Any]) -> list[str]:
-    """MMedAgent-RL's triage and the specialists' opinions."""
-    triage = state.get("triage") or {}
-    fell_back = f" (fell back: {triage.get('reason')})" if triage.get("fell_back") else ""
-    lines = [f"\nTriage: {state['specialty']}{fell_back}", "Specialists:"]
-    for o in state.get("opinions", []):
-        lines.append(
-            f"  {o['specialist']} ({o['specialty']}, {o['model']}): answer {o['answer']}  "
-            f"{' '.join(str(o.get('reasoning', '')).split())[:160]}"
-        )
-    lines.append(
-        f"Majority: {state.get('majority')}  bucket: {state.get('bucket')}  "
-        f"attending followed it: {state.get('followed_majority')}"
-    )
-    return lines
-
-
 def index(args: argparse.Namespace) -> int:
     from ermedrag.tools.retrieval.corpus import read_corpus
     from ermedrag.tools.retrieval.index import build_index
@@ -317,6 +267,8 @@ def evaluate(args: argparse.Namespace) -> int:
         samples=args.samples,
         permute_options=args.permute_options,
         progress=True,
+        calibration=args.calibration,
+        abstain_below=args.abstain_below,
         **_context_overrides(args, systems),
         respondent_max_new_tokens=args.max_new_tokens,
     )
@@ -444,6 +396,42 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibrate(args: argparse.Namespace) -> int:
+    """Fit a conformal threshold on one configuration's answered questions in eval results; write it."""
+    from ermedrag.evals.conformal import coverage, fit
+    from ermedrag.evals.runner import RESULTS
+    from ermedrag.tools.records.jsonl import read_records
+
+    rows = [
+        row
+        for folder in args.results
+        for row in read_records(Path(folder) / RESULTS)
+        if isinstance(row.get("config"), dict) and (not args.system or row["config"].get("system") == args.system)
+    ]
+    keys = {r["config_key"]: r for r in rows}
+    if len(keys) != 1:
+        found = ", ".join(sorted({r["config"]["system"] for r in keys.values()})) or "none"
+        raise ValueError(
+            f"the results hold {len(keys)} configurations ({found}): a calibration is for one; "
+            + ("pick one with --system" if keys else "check the folders")
+        )
+    ((key, first),) = keys.items()
+    calibration = fit(rows, args.alpha, {**first["config"], "config_key": key})
+    path = calibration.save(args.out)
+    seen = coverage(rows, calibration.threshold)
+    threshold = (
+        "every option (too few questions for this alpha)"
+        if calibration.threshold == float("inf")
+        else (f"options with probability >= {1 - calibration.threshold:.3f}")
+    )
+    print(
+        f"calibrated {calibration.system} on {calibration.n_calibration} questions "
+        f"({', '.join(calibration.benchmarks)}) at alpha={calibration.alpha:g}: sets keep {threshold}; "
+        f"on these questions they average {seen['mean_set_size']:.2f} options. Wrote {path}"
+    )
+    return 0
+
+
 def report(args: argparse.Namespace) -> int:
     from ermedrag.evals.report import write_report
 
@@ -472,9 +460,9 @@ def traces(args: argparse.Namespace) -> int:
         for run in store.runs(args.limit):
             answer = (run.get("answer") or {}).get("answer")
             outcome = {"finished": f"answer={answer}", "failed": "FAILED"}.get(run["status"], "unfinished")
-            error = f"  error: {_one_line(run['error'], 300)}" if run["status"] == "failed" else ""
+            error = f"  error: {one_line(run['error'], 300)}" if run["status"] == "failed" else ""
             print(
-                f"{run['run_id']}  {_when(run['created_at'])}  "
+                f"{run['run_id']}  {when(run['created_at'])}  "
                 f"{run['graph']}  events={run['n_events']}  retrievals={run['n_retrievals']}  {outcome}  "
                 f"gold={run['gold']}  "
                 f"{run['question']['question'][:60]!r}{error}"
@@ -488,70 +476,8 @@ def traces(args: argparse.Namespace) -> int:
     events = [{k: v for k, v in e.items() if k != "logprobs"} for e in store.events(run_id=args.run_id)]
     retrievals = store.retrievals(args.run_id)
     if args.json:
-        view = {"run": run, "events": events, "retrievals": [_retrieval_view(r) for r in retrievals]}
+        view = {"run": run, "events": events, "retrievals": [retrieval_view(r) for r in retrievals]}
         print(json.dumps(view, indent=2, default=str))
     else:
         print(render_trace(run, events, retrievals))
     return 0
-
-
-def render_trace(run: dict[str, Any], events: list[dict[str, Any]], retrievals: list[dict[str, Any]]) -> str:
-    """A recorded run as a person reads it: the question, each step in the order it ran (retrievals with their
-    snippets; model calls with what they wrote, how they ended, their tokens and time), and the answer."""
-    question = run.get("question") or {}
-    lines = [
-        f"Run {run['run_id']} ({run['graph']}, {run['status']}, {_when(run['created_at'])})",
-        f"Question: {question.get('question')}",
-    ]
-    lines += [f"  {key}. {text}" for key, text in (question.get("options") or {}).items()]
-    if run.get("gold"):
-        lines.append(f"Gold: {run['gold']}")
-    if run.get("setup"):
-        lines.append("Setup: " + ", ".join(f"{k}={v:.2f}s" for k, v in run["setup"].items()))
-    steps = sorted(
-        [("retrieval", r) for r in retrievals] + [("call", e) for e in events],
-        key=lambda step: step[1].get("created_at") or 0,
-    )
-    lines.append(f"\nSteps ({len(steps)}):")
-    for kind, step in steps:
-        if kind == "retrieval":
-            lines.append(f"  [{step['node']}] retrieve {_one_line(step['query'], 120)!r}: {step['latency_s']:.2f}s")
-            lines += [f"      {line}" for line in _retrieval_view(step)["snippets"]]
-            continue
-        usage = step.get("usage") or {}
-        ended = step.get("finish_reason") or "?"
-        if step.get("stop_sequence"):
-            ended += f" at {step['stop_sequence']!r}"
-        lines.append(
-            f"  [{step['node']}] {step['agent']} ({step['model']}): {usage.get('output_tokens', '?')} tokens, "
-            f"{step['latency_s']:.2f}s, ended {ended}"
-        )
-        lines.append(f"      wrote: {_one_line(step['completion'], 300)!r}")
-        for triplet in ((step.get("parsed") or {}).get("triplets") or [])[:8] if step["agent"] == "extractor" else []:
-            lines.append(f"      ({triplet['condition']}) —[{triplet['relation']}]→ ({triplet['conclusion']})")
-    answer = run.get("answer") or {}
-    if answer:
-        lines.append(
-            f"\nAnswer: {answer.get('answer')}  (well-formed={answer.get('well_formed')}, error={answer.get('error')})"
-        )
-    if run.get("error"):
-        lines.append(f"\nFailed: {_one_line(run['error'], 500)}")
-    return "\n".join(lines)
-
-
-def _when(timestamp: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
-
-
-def _one_line(text: Any, limit: int) -> str:
-    flat = " ".join(str(text or "").split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
-
-
-def _retrieval_view(retrieval: dict[str, Any]) -> dict[str, Any]:
-    """A retrieval event with one line per snippet (`id  score`) instead of a block of JSON each."""
-    lines = [
-        f"{s['id']}  {s['score']:.4f}" if isinstance(s.get("score"), (int, float)) else str(s.get("id"))
-        for s in retrieval["snippets"] or []
-    ]
-    return retrieval | {"snippets": lines}

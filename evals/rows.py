@@ -234,6 +234,26 @@ def result_row(
         **token_stats(events),
         **call_seconds(events),
         **panel_fields(state, asking, config.settings.get("specialties")),
+        **evidence_fields(state, keys, asking.order),
+    }
+
+
+def evidence_fields(state: Mapping[str, Any], keys: list[str], order: int) -> dict[str, Any]:
+    """What the answer rests on and how sure it is: its citations (number, shown, doc id), the documents its
+    evidence came from, and its option probabilities in the question's own keys with the chosen one's."""
+    answer = state.get("answer") or {}
+    probs = answer.get("option_probs")
+    if probs and keys:
+        probs = {original_key(keys, shown, order): p for shown, p in probs.items()}
+    shown_docs = [s.get("doc_id") for s in [*(state.get("snippets") or []), *(state.get("documents") or [])]]
+    return {
+        "citations": [
+            {"number": c.get("number"), "shown": bool(c.get("shown")), "doc_id": c.get("doc_id")}
+            for c in answer.get("citations") or []
+        ],
+        "evidence_doc_ids": list(dict.fromkeys(d for d in shown_docs if d)),
+        "option_probs": probs or None,
+        "confidence": answer.get("confidence"),
     }
 
 

@@ -36,6 +36,7 @@ from ermedrag.graphs.durable import arun_durably, describe_target, durable, open
 from ermedrag.graphs.registry import context_fields, graph_spec, load_graph
 from ermedrag.tools.records.jsonl import AppendLog
 from ermedrag.tools.records.traces import TraceStore, default_trace_db
+from ermedrag.evals.conformal import Selective, load_calibration
 from ermedrag.evals.servers import ServerPool, server_list
 from ermedrag.tools.records import locks
 from ermedrag.evals.rows import (
@@ -54,6 +55,8 @@ BAD_ROWS = "bad_rows.jsonl"
 FAILURES = "failures.jsonl"
 LOCK = ".lock"
 CHECKPOINTS = "checkpoints.sqlite"
+
+NOTHING_BESIDE = Selective()  # no answer sets, no abstention
 
 
 @dataclass
@@ -150,6 +153,7 @@ async def answer_config(
     trace_db: str | None,
     checkpoint_db: str | None,
     permute_options: int,
+    selective: Selective = NOTHING_BESIDE,
 ) -> Outcome:
     """`run_questions` without printing, moving `bar` (shared by the eval's configurations)."""
     checkpoint_db = checkpoint_db or str(out_dir / CHECKPOINTS)
@@ -164,6 +168,7 @@ async def answer_config(
             base_url=base_url,
             trace_db=trace_db,
             permute_options=permute_options,
+            selective=selective,
         )
 
 
@@ -178,6 +183,7 @@ async def _answer_config(
     base_url: str | Sequence[str] | None,
     trace_db: str | None,
     permute_options: int,
+    selective: Selective = NOTHING_BESIDE,
 ) -> Outcome:
     graph = durable(load_graph(config.system), saver)
     graph_inputs = set(graph.get_input_jsonschema().get("properties", {}))
@@ -226,7 +232,8 @@ async def _answer_config(
                     record_failure(asking, thread_id, err)
                 else:
                     answered = True
-                    writer.write(result_row(config, asking, state, store, time.perf_counter() - started))
+                    row = result_row(config, asking, state, store, time.perf_counter() - started)
+                    writer.write(row | selective.fields(row.get("option_probs"), row.get("confidence")))
                     # The row holds the result (the trace store the run): the checkpoints are spent. A kill right
                     # here leaves the thread behind, unused (the row makes reruns skip the question).
                     await saver.adelete_thread(thread_id)
@@ -295,6 +302,8 @@ def run_eval(
     samples: int = 1,
     permute_options: int = 1,
     progress: bool = True,
+    calibration: str | os.PathLike[str] | None = None,
+    abstain_below: float | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Load the benchmarks (names, or paths of JSONL question files), report bad rows, run every system.
@@ -304,7 +313,9 @@ def run_eval(
     `data_dir`: the data root holding `benchmarks/`, or the benchmarks folder (None: ERMEDRAG_SHARED_DATA, else
     upstream). `checkpoint_db`: where questions in flight keep their checkpoints (None: `OUT/checkpoints.sqlite`).
     `permute_options`: ask each question in that many cyclic option orders (`evals.position_bias`); 1 = as given.
-    `progress`: one progress bar on stderr for the whole eval."""
+    `progress`: one progress bar on stderr for the whole eval. `calibration` (a file of `ermedrag calibrate`, for
+    the one configuration run) gives each answer its conformal set; `abstain_below` withholds answers whose
+    confidence is below it (`evals.conformal`): both are written beside the answer, which they never change."""
     systems = list(systems)
     for system in systems:
         graph_spec(system)  # an unknown name fails before anything runs
@@ -323,6 +334,7 @@ def run_eval(
     if unused:
         raise ValueError(f"setting(s) {unused} belong to none of the graphs {systems}")
     configs = [EvalConfig.for_graph(system, overrides, samples) for system in systems]
+    selective = selective_for(configs, calibration, abstain_below)
     out_dir = Path(out_dir)
     with results_folder_lock(out_dir):
         return _run_configs(
@@ -338,7 +350,21 @@ def run_eval(
             checkpoint_db=checkpoint_db,
             permute_options=permute_options,
             progress=progress,
+            selective=selective,
         )
+
+
+def selective_for(
+    configs: list[EvalConfig], calibration: str | os.PathLike[str] | None, abstain_below: float | None
+) -> Selective:
+    """The answer sets and abstention asked for, the calibration checked against the configuration it is for."""
+    fitted = None
+    if calibration is not None:
+        fitted = load_calibration(calibration)
+        if len(configs) != 1:
+            raise ValueError("--calibration belongs to one configuration: run one graph with it")
+        fitted.check(configs[0])
+    return Selective(fitted, abstain_below)
 
 
 ResultsFolderBusy = locks.Busy  # another eval is writing the same results folder
@@ -385,6 +411,7 @@ def _run_configs(
     checkpoint_db: str | None,
     permute_options: int,
     progress: bool,
+    selective: Selective = NOTHING_BESIDE,
 ) -> dict[str, Any]:
     questions = load_questions(benchmarks, out_dir, data_dir=data_dir, limit=limit, seed=seed)
     trace_db = trace_db or default_trace_db()
@@ -407,6 +434,7 @@ def _run_configs(
                     trace_db=trace_db,
                     checkpoint_db=checkpoint_db,
                     permute_options=permute_options,
+                    selective=selective,
                 )
             )
             outcomes.append(outcome)

@@ -11,6 +11,7 @@ from typing import Any
 from langgraph.graph import END, START, StateGraph
 from langgraph.runtime import Runtime
 
+from ermedrag.agents.citations import snippet_items
 from ermedrag.agents.respondent import render_snippets
 from ermedrag.graphs.context import Context
 from ermedrag.graphs.steps import begin_run, respond_with, retrieve_evidence
@@ -31,7 +32,8 @@ def rag_retrieve(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
 
 
 def rag_respond(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
-    return respond_with(state, runtime.context, render_snippets(state.get("snippets", [])))
+    snippets = state.get("snippets", [])
+    return respond_with(state, runtime.context, render_snippets(snippets), snippet_items(snippets))
 
 
 cot_builder = StateGraph(State, context_schema=Context, input_schema=InputState)

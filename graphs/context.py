@@ -28,6 +28,8 @@ class Context:
     extractor_max_new_tokens: int = context_field("ERMEDRAG_EXTRACTOR_MAX_NEW_TOKENS")
     respondent_max_new_tokens: int = context_field("ERMEDRAG_RESPONDENT_MAX_NEW_TOKENS")
     answer_extraction: bool = context_field("ERMEDRAG_ANSWER_EXTRACTION")
+    # Adds a confidence to an answer, never changes it: not part of any graph's settings (graphs.registry).
+    answer_scores: bool = context_field("ERMEDRAG_ANSWER_SCORES")
     trace_db: str = context_field("ERMEDRAG_TRACE_DB")
     # How long a model server (openai: models) may take. They change when an answer arrives, never which one:
     # not part of any graph's settings (graphs.registry), so results do not split on them.

@@ -16,6 +16,7 @@ from langgraph.types import Send
 from typing_extensions import TypedDict
 
 from ermedrag.agents import extractor, respondent
+from ermedrag.agents.citations import triplet_items
 from ermedrag.graphs.context import Context
 from ermedrag.graphs.steps import begin_run, record_call, respond_with, retrieve_evidence
 from ermedrag.graphs.state import InputState, RunState, per_question
@@ -79,7 +80,8 @@ def respond(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
     by_snippet = {e["snippet_id"]: e for e in state.get("extractions", [])}
     # Keep retrieval order (the fan-out finishes in any order).
     triplets = [t for s in state.get("snippets", []) for t in by_snippet.get(s["id"], {}).get("triplets", [])]
-    update = respond_with(state, runtime.context, extractor.render_triplets(triplets))
+    shown = triplet_items(triplets, state.get("snippets", []))
+    update = respond_with(state, runtime.context, extractor.render_triplets(triplets), shown)
     return update | {"timings": update["timings"] | {"extract_s": extract_s}}
 
 

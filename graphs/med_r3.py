@@ -24,9 +24,18 @@ from langgraph.runtime import Runtime
 from typing_extensions import TypedDict
 
 from ermedrag.agents import reasoner
+from ermedrag.agents.citations import EvidenceItem, cite, snippet_items
 from ermedrag.agents.respondent import Answer
 from ermedrag.graphs.context import Context
-from ermedrag.graphs.steps import begin_run, extract_if_unparsed, record_call, retrieve_recorded, trace_store
+from ermedrag.agents.confidence import answer_prefix
+from ermedrag.graphs.steps import (
+    begin_run,
+    extract_if_unparsed,
+    record_call,
+    retrieve_recorded,
+    trace_store,
+    with_confidence,
+)
 from ermedrag.graphs.state import InputState, RunState, per_question
 from ermedrag.tools.settings import context_field
 from ermedrag.tools.retrieval.search import coarse_k_for
@@ -52,6 +61,7 @@ class State(RunState, total=False):
     transcript: str  # the segments' text, as the model reads it (for Studio and the trace)
     segments: Annotated[list[reasoner.Segment], per_question(operator.add)]
     searches: Annotated[list[Search], per_question(operator.add)]
+    documents: Annotated[list[EvidenceItem], per_question(operator.add)]  # every document shown, numbered on
     pending_query: str | None
     next_action: reasoner.LoopAction
     forced_answer: reasoner.ForceReason | None  # why the system had to ask for the answer (None: the model gave it)
@@ -65,7 +75,7 @@ def _model_spec(ctx: MedR3Context) -> str:
 
 
 def start(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
-    fresh = ("timings", "segments", "searches")
+    fresh = ("timings", "segments", "searches", "documents")
     return begin_run(state, runtime.context, GRAPH_NAME, fresh) | {
         "transcript": "",
         "generated_tokens": 0,
@@ -143,11 +153,13 @@ def search(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
         k=ctx.search_k,
         coarse_k=coarse_k_for(ctx.search_k, ctx.coarse_k),
     )
-    documents = reasoner.render_documents(snippets)
+    first = len(state.get("documents", [])) + 1
+    documents = reasoner.render_documents(snippets, first)
     return {
         "transcript": state["transcript"] + documents,
         "segments": [reasoner.Segment(kind="document", text=documents)],
         "searches": [Search(query=query, snippet_ids=[s["id"] for s in snippets])],
+        "documents": snippet_items(snippets, first, kind="document"),
         "pending_query": None,
         "timings": {"search_s": state.get("timings", {}).get("search_s", 0.0) + seconds},
     }
@@ -176,6 +188,15 @@ def finish(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
     if state.get("forced_answer") or state.get("forged_document"):
         answer = {**answer, "well_formed": False}  # the answer stands, the format was not the model's own
     answer = extract_if_unparsed(state, ctx, _model_spec(ctx), answer, reasoner.model_text(segments))
+    answer = with_confidence(
+        state,
+        ctx,
+        _model_spec(ctx),
+        reasoner.build_messages(state["question"], state.get("options"), ""),
+        answer_prefix(state["transcript"], answer["reasoning"]),
+        answer,
+    )
+    answer = {**answer, "citations": cite(answer["reasoning"], state.get("documents", []))}
     trace_store(ctx).finish_run(
         state["run_id"],
         dict(answer)

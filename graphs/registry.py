@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:  # importing the registry stays cheap: a graph's module loads when it is asked for
     from langgraph.graph.state import CompiledStateGraph
 
-RESPONDENT = ("respondent_model", "temperature", "respondent_max_new_tokens", "answer_extraction")
+# `answer_scores`: whether the answer's option probabilities (confidence, answer sets) are asked for and recorded.
+RESPONDENT = ("respondent_model", "temperature", "respondent_max_new_tokens", "answer_extraction", "answer_scores")
 RETRIEVAL = ("index_dir", "snippets_k", "coarse_k", "reranker")
 EXTRACTOR = ("extractor_model", "extractor_max_new_tokens")
 SEARCH_LOOP = ("reasoner_model", "max_searches", "search_k", "step_max_new_tokens", "max_total_tokens")
@@ -43,7 +44,7 @@ PANEL = (
 )
 # The version of each agent's prompts (`ermedrag.agents.<name>`): bump one and the results of every graph calling
 # that agent split from the old ones.
-PROMPT_VERSIONS: dict[str, int] = {"respondent": 1, "extractor": 1, "reasoner": 1, "mmedagent": 1}
+PROMPT_VERSIONS: dict[str, int] = {"respondent": 2, "extractor": 1, "reasoner": 2, "mmedagent": 2}
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,15 @@ GRAPHS: dict[str, GraphSpec] = {
     "med_r3": GraphSpec(
         "med_r3:graph",
         "reason, searching mid-reasoning in a bounded loop, then answer",
-        ("respondent_model", "temperature", "answer_extraction", "index_dir", "coarse_k", "reranker") + SEARCH_LOOP,
+        ("respondent_model", "temperature", "answer_extraction", "answer_scores", "index_dir", "coarse_k", "reranker")
+        + SEARCH_LOOP,
         ("reasoner", "respondent"),
     ),
     # Specialists use the respondent's template, example and answer extraction; triage and attending their own.
     "mmedagent": GraphSpec(
         "mmedagent.graph:graph",
         "triage picks a specialty → N specialists answer → an attending decides",
-        ("respondent_model", "temperature", "answer_extraction") + RETRIEVAL + PANEL,
+        ("respondent_model", "temperature", "answer_extraction", "answer_scores") + RETRIEVAL + PANEL,
         ("mmedagent", "respondent"),
     ),
 }

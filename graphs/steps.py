@@ -9,12 +9,14 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import BaseMessage
 
 from ermedrag.agents import respondent
+from ermedrag.agents.citations import EvidenceItem, cite
+from ermedrag.agents.confidence import answer_prefix
 from ermedrag.graphs.context import Context, sampling, server_policy
 from ermedrag.graphs.state import validate_question
 from ermedrag.tools.agent_calls import call_agent
@@ -184,6 +186,7 @@ def record_call(
     gold: str | None = None,
     stop: list[str] | None = None,
     inputs: dict[str, Any] | None = None,
+    invoke_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Parsed, TraceEvent]:
     """Call an agent's model once (the context's model `model_spec`, with its sampling, timeouts and retries)
     and record the call as an event of the run: how every graph node calls a model. A call that fails (a model
@@ -200,6 +203,7 @@ def record_call(
             gold=gold,
             stop=stop,
             inputs=inputs,
+            invoke_kwargs=invoke_kwargs,
         )
     except Exception as err:
         trace_store(ctx).fail_run(run_id, f"{node}: {type(err).__name__}: {err}")
@@ -209,6 +213,21 @@ def record_call(
 
 
 REQUEST_REJECTED = ("http_4xx:400", "http_4xx:422")  # a server refusing the request's shape, not failing
+
+
+def soft_failure(err: Exception, setting: str) -> str:
+    """Why an optional call (answer extraction, answer scoring) gave nothing, in one line; re-raises a server that is
+    down (the run stops there, naming it). A server refusing the call's shape is told to set `setting` false."""
+    if isinstance(err, ModelServerError) and err.server_down:
+        raise err
+    if getattr(err, "cause", "") in REQUEST_REJECTED:
+        # E.g. a server that takes no continued assistant turn (only vLLM's takes `continue_final_message`: HTTP
+        # 400/422 elsewhere) or a chat template that rewrites it.
+        return (
+            "the server refused the request: it continues an assistant turn, which vLLM's server supports; set "
+            f"{setting}=false for this server"
+        )
+    return " ".join(f"{type(err).__name__}: {err}".split())[:300]
 
 
 def extract_if_unparsed(
@@ -237,21 +256,71 @@ def extract_if_unparsed(
             inputs={"question": state["question"], "options": options, "reasoning": reasoning},
         )
     except Exception as err:  # noqa: BLE001 - the reply stands; only a server that is down stops the run
-        if isinstance(err, ModelServerError) and err.server_down:
-            raise
-        # E.g. a server that takes no continued assistant turn (only vLLM's takes `continue_final_message`: HTTP
-        # 400/422 elsewhere) or a chat template that rewrites it: the reply stands, unparsed, and says why it was
-        # not read back; the run finishes (finish_run clears the failure mark record_call set).
-        why = (
-            (
-                "the server refused the request: it continues an assistant turn, which vLLM's server supports; set "
-                "answer_extraction=false for this server"
-            )
-            if getattr(err, "cause", "") in REQUEST_REJECTED
-            else " ".join(f"{type(err).__name__}: {err}".split())[:300]
-        )
+        # The reply stands, unparsed, and says why it was not read back; the run finishes (finish_run clears the
+        # failure mark record_call set).
+        why = soft_failure(err, "answer_extraction")
         return {**reply, "extracted": False, "error": f"{reply['error']}; answer extraction failed ({why})"}
     return extracted
+
+
+SCORER_AGENT = "answer_scorer"  # its calls are never a reply: training and answer counts skip them
+
+
+def with_confidence(
+    state: Mapping[str, Any],
+    ctx: Context,
+    model_spec: str,
+    messages: list[BaseMessage],
+    prefix: str,
+    answer: respondent.Answer,
+) -> respondent.Answer:
+    """`answer` with how sure it is (`agents.confidence`): one recorded one-token call continuing `messages` with
+    what the agent wrote up to its `<answer>` (`prefix`) reads the option letters' log-probabilities there. For
+    multiple-choice questions, when `ctx.answer_scores` is on; an answer without scores says why."""
+    from langchain_core.messages import AIMessage
+
+    from ermedrag.agents.confidence import confidence, option_probabilities
+
+    options = state.get("options")
+    if not options or not ctx.answer_scores:
+        return answer
+    can_score = getattr(chat_model(ctx, model_spec, 1), "scores_answer_tokens", None)
+    if not callable(can_score) or not can_score():
+        why = (
+            "none: this backend cannot score the option letters where the answer starts (hf, llamacpp and vLLM's "
+            "server can); eval --samples N gives sampled frequencies"
+        )
+        return {**answer, "option_probs": None, "confidence": None, "confidence_source": why}
+    try:
+        _, event = record_call(
+            ctx,
+            model_spec,
+            1,
+            [*messages, AIMessage(content=prefix)],
+            lambda completion: None,
+            agent=SCORER_AGENT,
+            node="score_answer",
+            run_id=state["run_id"],
+            gold=state.get("gold"),
+            inputs={"question": state["question"], "options": options, "answer_prefix": prefix},
+            invoke_kwargs={"score_tokens": list(options)},
+        )
+    except Exception as err:  # noqa: BLE001 - the answer stands; only a server that is down stops the run
+        why = f"none: scoring failed ({soft_failure(err, 'answer_scores')})"
+        return {**answer, "option_probs": None, "confidence": None, "confidence_source": why}
+    first = (event.logprobs or [{}])[0]
+    probs = option_probabilities(first.get("top_logprobs"), options)
+    source = (
+        "option_logprobs"
+        if probs is not None
+        else "none: the backend gave no log-probabilities of the option letters; eval --samples N gives frequencies"
+    )
+    return {
+        **answer,
+        "option_probs": probs,
+        "confidence": confidence(probs, answer["answer"]),
+        "confidence_source": source,
+    }
 
 
 def answer_call(
@@ -264,12 +333,15 @@ def answer_call(
     agent: str,
     node: str,
     inputs: dict[str, Any],
+    shown: Sequence[EvidenceItem] = (),
+    score: bool = False,
 ) -> respondent.Answer:
     """One recorded call whose reply is an answer in `<think>…</think><answer>…</answer>` (the respondent, a
-    specialist, the attending): parsed, and read back once when it names no option (`extract_if_unparsed`).
-    `state` holds the run id, question, options and gold."""
+    specialist, the attending): parsed, read back once when it names no option (`extract_if_unparsed`), with the
+    citations of its reasoning resolved against the evidence items it was `shown` (numbered as in its prompt), and
+    with `score`, its confidence (`with_confidence`). `state` holds the run id, question, options and gold."""
     options = state.get("options")
-    reply, _ = record_call(
+    reply, event = record_call(
         ctx,
         model_spec,
         max_new_tokens,
@@ -282,12 +354,18 @@ def answer_call(
         stop=respondent.STOP,
         inputs=inputs,
     )
-    return extract_if_unparsed(state, ctx, model_spec, reply, reply["reasoning"])
+    answer = extract_if_unparsed(state, ctx, model_spec, reply, reply["reasoning"])
+    if score:
+        prefix = answer_prefix(event.completion, answer["reasoning"])
+        answer = with_confidence(state, ctx, model_spec, messages, prefix, answer)
+    return {**answer, "citations": cite(answer["reasoning"], shown)}
 
 
-def respond_with(state: Mapping[str, Any], ctx: Context, evidence: str) -> dict[str, Any]:
-    """Call the respondent on `evidence` (and extract its answer when it names none), record the calls, close
-    the run; the state update."""
+def respond_with(
+    state: Mapping[str, Any], ctx: Context, evidence: str, shown: Sequence[EvidenceItem] = ()
+) -> dict[str, Any]:
+    """Call the respondent on `evidence` (and extract its answer when it names none), resolve its citations
+    against the `shown` items `evidence` renders, record the calls, close the run; the state update."""
     started = time.perf_counter()
     answer = answer_call(
         ctx,
@@ -298,6 +376,8 @@ def respond_with(state: Mapping[str, Any], ctx: Context, evidence: str) -> dict[
         agent="respondent",
         node="respond",
         inputs={"question": state["question"], "options": state.get("options"), "evidence": evidence},
+        shown=shown,
+        score=True,
     )
     trace_store(ctx).finish_run(state["run_id"], dict(answer))
     return {"answer": answer, "timings": {"respond_s": time.perf_counter() - started}}

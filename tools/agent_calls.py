@@ -41,15 +41,16 @@ def call_agent(
     gold: str | None = None,
     stop: list[str] | None = None,
     inputs: dict[str, Any] | None = None,
+    invoke_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Parsed, TraceEvent]:
-    """Invoke `model` once, parse its completion (parsers never raise) and describe the call as an event.
+    """Invoke `model` once (with `invoke_kwargs`, e.g. `score_tokens`), parse its completion (parsers never raise) and describe the call as an event.
 
     The event's `latency_s` is the call's wall time. `queue_s` (waiting for the model) and `compute_s` (the
     call's own compute) come from the backend when it can tell them apart (hf: its batching generator).
     Others cannot: an OpenAI-compatible server's own queue is invisible to its client, so there `compute_s` is
     the call's wall time and `queue_s` is None (unknown, not zero)."""
     started = time.perf_counter()
-    reply = model.invoke(messages, stop=stop)
+    reply = model.invoke(messages, stop=stop, **(invoke_kwargs or {}))
     latency = time.perf_counter() - started
     completion = text_with_stop(reply, stop)
     parsed = parse(completion)

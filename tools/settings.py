@@ -77,6 +77,14 @@ SETTINGS: tuple[Setting, ...] = (
         "models",
     ),
     _s(
+        "ERMEDRAG_ANSWER_SCORES",
+        "bool",
+        True,
+        "Score each multiple-choice answer: one extra one-token call reads the option letters' "
+        "log-probabilities where the answer was written (its `confidence`; conformal sets and abstention use it).",
+        "models",
+    ),
+    _s(
         "ERMEDRAG_DEVICE",
         "str",
         "cpu",

@@ -253,7 +253,7 @@ def forged_triplets(workspace: Workspace) -> Verdict:
     timeout_s=600,
 )
 def offline_model(workspace: Workspace) -> Verdict:
-    from ermedrag.agents.respondent import parse_answer
+    from ermedrag.agents.respondent import ANSWER_OPEN, parse_answer
     from ermedrag.graphs.registry import load_graph
 
     ctx = context(workspace, "vanilla_rag", "offline:gemma3-270m") | {"respondent_max_new_tokens": 64}
@@ -261,10 +261,15 @@ def offline_model(workspace: Workspace) -> Verdict:
     answer = state.get("answer") or {}
     if answer.get("ok") != (answer.get("error") is None):
         return silent_wrong(f"ok={answer.get('ok')} but error={answer.get('error')!r}")
-    (event,) = [e for e in workspace.trace_events(state["run_id"]) if e["agent"] == "respondent"]
-    if parse_answer(event["completion"], state.get("options"))["answer"] != answer.get("answer"):
+    # An answer read back from the reasoning (answer extraction) is what the extractor's completion says.
+    agent = "answer_extractor" if answer.get("extracted") else "respondent"
+    (event,) = [e for e in workspace.trace_events(state["run_id"]) if e["agent"] == agent]
+    prefix = ANSWER_OPEN if answer.get("extracted") else ""  # the extractor writes on from the prompt's `<answer>`
+    said = parse_answer(prefix + event["completion"], state.get("options"))["answer"]
+    if said != answer.get("answer"):
         return silent_wrong(
-            f"answer {answer.get('answer')!r} is not what the completion says: {one_line(event['completion'], 200)}"
+            f"answer {answer.get('answer')!r} is not what the {agent}'s completion says: "
+            f"{one_line(event['completion'], 200)}"
         )
     live = live_markup_in_prompts(state, workspace)
     if live:

@@ -141,7 +141,7 @@ bad_setting_case("budget_negative", "respondent_max_new_tokens", -5)
     "protocol_vllm_continues_its_turn",
     "protocol",
     "med_r3 through a vLLM server: the calls that continue the reasoner's turn ask it to "
-    "(continue_final_message, add_generation_prompt false) and keep the stop string (include_stop_str_in_output)",
+    "(continue_final_message, add_generation_prompt false) and keep any stop string (include_stop_str_in_output)",
     quick=True,
     timeout_s=60,
 )
@@ -159,7 +159,7 @@ def vllm_continuation(workspace: Workspace) -> Verdict:
         if not (
             b.get("continue_final_message")
             and b.get("add_generation_prompt") is False
-            and b.get("include_stop_str_in_output")
+            and (b.get("include_stop_str_in_output") or not b.get("stop"))  # the answer scorer sends no stop
         )
     ]
     if not continued or wrong:

@@ -28,6 +28,7 @@ from ermedrag.evals.report.results import (
     shown_value,
 )
 from ermedrag.evals.report.plots import plot_report, unplotted
+from ermedrag.evals.report.evidence import evidence_section, evidence_summary, plot_risk_coverage
 
 LATENCY_NOTE = (
     "Stage time = wall time of a graph node, including time spent waiting for a batch; model time = "
@@ -297,14 +298,25 @@ def write_report(
     bias_text, bias_summary = position_bias(rows)
     if bias_text:
         text += "\n" + bias_text.rstrip("\n") + "\n"
-    text += panel_section(rows, {c.key: c.label for c in comparison.configurations})
+    labels = {c.key: c.label for c in comparison.configurations}
+    text += panel_section(rows, labels)
+    main_rows = original_order_rows(rows)
+    evidence = evidence_summary(main_rows, qrels, corpus_dir)
+    text += evidence_section(evidence, labels)
     if trace_db:
         text += rag_quality_section(result_dirs, trace_db, corpus_dir, qrels, judge, base_url, out)
     (out / "report.md").write_text(text, encoding="utf-8")
     sums = summaries(original_order_rows(rows), comparison)
-    record = {**summary_record(comparison, sums, loaded), "position_bias": bias_summary, "panel": panel_summary(rows)}
+    record = {
+        **summary_record(comparison, sums, loaded),
+        "position_bias": bias_summary,
+        "panel": panel_summary(rows),
+        "evidence": evidence,
+    }
     (out / "summary.json").write_text(json.dumps(record, indent=2, default=str), encoding="utf-8")
     plots = plot_report(rows, out, comparison)
+    risk_plot = plot_risk_coverage(main_rows, labels, out)
+    plots += [risk_plot] if risk_plot else []
     return {
         "report": str(out / "report.md"),
         "plots": [str(p) for p in plots],

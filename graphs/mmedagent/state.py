@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from typing_extensions import TypedDict
 
 from ermedrag.agents import attending as attending_role
+from ermedrag.agents.citations import EvidenceItem
 from ermedrag.agents.specialist import Opinion
 from ermedrag.agents.triage import Triage
 from ermedrag.agents.respondent import Answer
@@ -38,6 +39,7 @@ def by_sample(current: list[AttendingSample], new: list[AttendingSample]) -> lis
 class State(MMedAgentInput, RunState, total=False):
     snippets: list[dict[str, Any]]  # the specialists' evidence (specialist_retrieval only)
     evidence: str | None
+    shown: list[EvidenceItem]  # the evidence's snippets, numbered as the specialists see them
     specialty: str  # the chosen specialty
     triage: Triage
     opinions: Annotated[list[Opinion], per_question(by_specialist)]
@@ -58,6 +60,7 @@ class SpecialistTask(TypedDict):
     specialty: str
     specialist: int
     evidence: str | None
+    shown: list[EvidenceItem]
     images: list[str]  # as the state holds them after intake: paths and URLs, never a data URI's base64
 
 

@@ -10,6 +10,7 @@ from langgraph.runtime import Runtime
 from langgraph.types import Send
 
 from ermedrag.agents import attending as attending_role, specialist as specialist_role, triage as triage_role
+from ermedrag.agents.citations import opinion_items, snippet_items
 from ermedrag.agents.respondent import render_snippets
 from ermedrag.graphs.steps import answer_call, begin_run, record_call, retrieve_evidence, trace_store
 from ermedrag.tools.images import cache_data_uris, validate_images
@@ -38,7 +39,7 @@ def intake(state: State, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]:
     images = _check_extra_input(state)
     check_models_see(runtime.context, images)
     # Written once, passed on as paths: the tasks of each fan-out and every later checkpoint stay small.
-    fresh = ("timings", "opinions", "attending_answers")
+    fresh = ("timings", "opinions", "attending_answers", "evidence", "shown")  # nothing of an earlier question
     return begin_run(state, runtime.context, GRAPH_NAME, fresh) | {"images": cache_data_uris(images)}
 
 
@@ -49,7 +50,7 @@ def after_intake(state: State, runtime: Runtime[MMedAgentContext]) -> Literal["r
 def retrieve(state: State, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]:
     """The question's evidence, retrieved once for all specialists (recorded as a retrieval event)."""
     update = retrieve_evidence(runtime.context, state["question"], run_id=state["run_id"], node="retrieve")
-    return update | {"evidence": render_snippets(update["snippets"])}
+    return update | {"evidence": render_snippets(update["snippets"]), "shown": snippet_items(update["snippets"])}
 
 
 def triage(state: State, runtime: Runtime[MMedAgentContext]) -> dict[str, Any]:
@@ -95,6 +96,7 @@ def consult_specialists(state: State, runtime: Runtime[MMedAgentContext]) -> lis
                 specialty=state["specialty"],
                 specialist=i,
                 evidence=state.get("evidence"),
+                shown=state.get("shown") or [],
                 images=state.get("images") or [],
             ),
         )
@@ -122,6 +124,7 @@ def specialist(task: SpecialistTask, runtime: Runtime[MMedAgentContext]) -> dict
             "specialist": task["specialist"],
             "evidence": task["evidence"],
         },
+        shown=task.get("shown") or [],
     )
     return {"opinions": [specialist_role.opinion(task["specialist"], task["specialty"], model, answer)]}
 
@@ -174,6 +177,8 @@ def attending(task: AttendingTask, runtime: Runtime[MMedAgentContext]) -> dict[s
             "opinions": task["opinions"],
             "sample": task["sample"],
         },
+        shown=opinion_items(task["opinions"]),
+        score=True,
     )
     return {"attending_answers": [AttendingSample(sample=task["sample"], answer=answer)]}
 

@@ -28,7 +28,12 @@ def test_runs_end_to_end_and_records_every_call(scripted_context):
         "ok": True,
         "well_formed": True,
         "error": None,
+        "citations": [],
+        "option_probs": None,
+        "confidence": None,
+        "confidence_source": state["answer"]["confidence_source"],
     }
+    assert state["answer"]["confidence_source"].startswith("none: this backend cannot score")
     assert set(state["timings"]) == {"retrieve_s", "extract_s", "respond_s"}
 
     store = TraceStore(scripted_context["trace_db"])

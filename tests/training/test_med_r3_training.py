@@ -417,9 +417,10 @@ def test_rollout_masks_exactly_the_inserted_documents(tiny_model, tiny_index, tm
     out = rollout(prompts, trainer)
 
     assert out["prompt_ids"] == prompt_ids and out["logprobs"] is None
-    expected_docs = [
-        render_documents([s.to_dict() for s in retrieve(index, q, k=SEARCH_K, coarse_k=8)]) for q in QUERIES
-    ]
+    # numbered on across the searches: the second block's first document is number SEARCH_K + 1
+    results = [[s.to_dict() for s in retrieve(index, q, k=SEARCH_K, coarse_k=8)] for q in QUERIES]
+    firsts = [1 + sum(len(r) for r in results[:i]) for i in range(len(results))]
+    expected_docs = [render_documents(r, first) for r, first in zip(results, firsts)]
     # every script ends at </answer>: the rollout closes it with EOS, so TRL counts it terminated, not truncated
     assert all(
         ids[-1] == tokenizer.eos_token_id and m[-1] == 1 for ids, m in zip(out["completion_ids"], out["env_mask"])

@@ -107,6 +107,9 @@ def refused_fields(status: int, detail: str, body: dict[str, Any]) -> set[str]:
     return neutral if named in NEUTRAL_SAMPLING else {named}
 
 
+SCORED_TOP_LOGPROBS = 20  # the most the OpenAI API returns; a call scoring option letters reads them among these
+
+
 def request_body(
     model: str,
     messages: Sequence[BaseMessage],
@@ -118,6 +121,7 @@ def request_body(
     seed: int | None,
     logprobs: bool,
     traits: ServerTraits,
+    top_logprobs: int = 0,
 ) -> dict[str, Any]:
     """The JSON a server gets for one call (see the module's docstring for why each field is there)."""
     body: dict[str, Any] = {
@@ -139,8 +143,10 @@ def request_body(
     }  # llama.cpp's name
     if seed is not None:
         body["seed"] = seed
-    if logprobs:
+    if logprobs or top_logprobs:
         body["logprobs"] = True
+    if top_logprobs:
+        body["top_logprobs"] = top_logprobs
     if traits.vllm:
         if stops:
             body["stop"] = list(stops)
@@ -374,6 +380,12 @@ class ServerChatModel(BaseChatModel):
     def _llm_type(self) -> str:
         return "ermedrag-openai-server"
 
+    def scores_answer_tokens(self) -> bool:
+        """Whether it can score an answer's option letters (`graphs.steps.with_confidence`): the conversation must
+        be continued where the answer starts, which only vLLM's server does (`continue_final_message`; others answer
+        a final assistant message with a new turn). Known once the server has answered a call."""
+        return server_traits(self.base_url).vllm
+
     @property
     def chat_url(self) -> str:
         return self.base_url.rstrip("/") + "/chat/completions"
@@ -454,6 +466,7 @@ class ServerChatModel(BaseChatModel):
                 seed=self.seed,
                 logprobs=self.logprobs,
                 traits=traits,
+                top_logprobs=SCORED_TOP_LOGPROBS if kwargs.get("score_tokens") else 0,
             )
             assembler = ReplyAssembler(stops, max_tokens)
             try:

@@ -284,8 +284,15 @@ class ReplyAssembler:
             return
         kept = self.logprobs if self.logprobs is not None else []
         for entry in entries[: max(0, self.max_tokens + 1 - len(kept))]:
-            if isinstance(entry, dict) and isinstance(entry.get("token"), str) and _finite(entry.get("logprob")):
+            if _token_logprob(entry):
                 kept.append({"token": entry["token"][: MAX_CHARS_PER_TOKEN * 4], "logprob": float(entry["logprob"])})
+                top = entry.get("top_logprobs")
+                if isinstance(top, list) and top:
+                    kept[-1]["top_logprobs"] = [
+                        {"token": t["token"][: MAX_CHARS_PER_TOKEN * 4], "logprob": float(t["logprob"])}
+                        for t in top[:MAX_TOP_LOGPROBS]
+                        if _token_logprob(t)
+                    ]
         self.logprobs = kept
 
     # ------------------------------------------------------------------------------------------- output
@@ -358,6 +365,14 @@ def _optional_str(value: Any, name: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise ReplyShapeError(f"{name} is a {type(value).__name__}, not a string")
+
+
+MAX_TOP_LOGPROBS = 20  # alternatives kept per token (the OpenAI API's maximum)
+
+
+def _token_logprob(entry: Any) -> bool:
+    """A `{"token": str, "logprob": finite number}` entry, as a server's logprobs are read (untrusted JSON)."""
+    return isinstance(entry, dict) and isinstance(entry.get("token"), str) and _finite(entry.get("logprob"))
 
 
 def _finite(value: Any) -> bool:

@@ -132,7 +132,11 @@ def load_chat_model(
         raise ModelSpecError(f"model {spec!r}: module {module_name!r} has no reply(messages) function")
     vision = options.get("vision", "1" if getattr(module, "ACCEPTS_IMAGES", False) else "0") == "1"
     return ScriptedChatModel(
-        reply=module.reply, delay_s=float(options.get("delay", delay_s)), spec=spec, accepts_images=vision
+        reply=module.reply,
+        token_logprobs=getattr(module, "token_logprobs", None),
+        delay_s=float(options.get("delay", delay_s)),
+        spec=spec,
+        accepts_images=vision,
     )
 
 

@@ -16,7 +16,8 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from dataclasses import replace
+from typing import Any, ClassVar, Iterator, Sequence
 
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
@@ -257,6 +258,27 @@ def _processor_conversation(messages: list[BaseMessage]) -> list[dict[str, Any]]
     ]
 
 
+def single_token_ids(tokenizer: Any, texts: Sequence[str]) -> dict[str, int]:
+    """The token id of each text that is one token on its own (an option letter), to score at the first step."""
+    ids = {}
+    for text in texts:
+        encoded = tokenizer.encode(str(text), add_special_tokens=False)
+        if len(encoded) == 1:
+            ids[str(text)] = encoded[0]
+    return ids
+
+
+def with_top_logprobs(
+    content: list[dict[str, Any]], scored: dict[str, int] | None, first_scores: dict[int, float] | None
+) -> list[dict[str, Any]]:
+    """The per-token log-probabilities, the first token's with `top_logprobs` for the scored texts (OpenAI's shape:
+    what a server returns for `top_logprobs`, here exactly the tokens asked for)."""
+    if not scored or not first_scores or not content:
+        return content
+    top = [{"token": text, "logprob": first_scores[i]} for text, i in scored.items() if i in first_scores]
+    return [{**content[0], "top_logprobs": top}, *content[1:]]
+
+
 class HFChatModel(BaseChatModel):
     """A transformers causal LM behind the chat interface, on CPU or GPU."""
 
@@ -294,8 +316,13 @@ class HFChatModel(BaseChatModel):
         prompt_ids = generator.tokenizer.apply_chat_template(
             to_chat(messages), tokenize=True, return_dict=False, **continuation(messages)
         )
-        out = generator.generate(list(prompt_ids), params)
-        return self._result(out, len(prompt_ids), generator.tokenizer, stop, {})
+        scored = single_token_ids(generator.tokenizer, kwargs.get("score_tokens") or ())
+        out = generator.generate(list(prompt_ids), replace(params, scored_ids=tuple(scored.values())))
+        return self._result(out, len(prompt_ids), generator.tokenizer, stop, {}, scored)
+
+    def scores_answer_tokens(self) -> bool:
+        """Option letters are scored exactly at the first step (`score_tokens`); not through a vision processor."""
+        return not self._is_vision_model()
 
     def warm_up(self) -> None:
         """Load the weights now (the eval does, before its progress bar), through the loader a call would use."""
@@ -317,7 +344,13 @@ class HFChatModel(BaseChatModel):
             return False
 
     def _result(
-        self, out: Generated, n_prompt: int, tokenizer: Any, stop: list[str] | None, extra: dict[str, Any]
+        self,
+        out: Generated,
+        n_prompt: int,
+        tokenizer: Any,
+        stop: list[str] | None,
+        extra: dict[str, Any],
+        scored: dict[str, int] | None = None,
     ) -> ChatResult:
         text, matched_stop = cut_at_stop(tokenizer.decode(out.token_ids, skip_special_tokens=True), stop)
         n_new = len(out.token_ids)
@@ -325,7 +358,7 @@ class HFChatModel(BaseChatModel):
             "model_name": self.spec or self.model_path,
             "finish_reason": "stop" if (out.hit_eos or matched_stop) else "length",
             "stop_sequence": matched_stop,
-            "logprobs": {"content": out.logprobs},
+            "logprobs": {"content": with_top_logprobs(out.logprobs, scored, out.first_scores)},
             # Waiting for the model vs this call's share of its batch's compute (tools.hf_batching).
             "queue_s": out.queue_s,
             "compute_s": out.compute_s,

@@ -38,6 +38,7 @@ class GenerationParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    scored_ids: tuple[int, ...] = ()  # tokens whose first-step log-probabilities come back (`Generated.first_scores`)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Generated:
     queue_s: float | None = None  # waiting for the model: from `generate` until this request's batch started
     compute_s: float | None = None  # this request's share of its batch's compute time
     batch_size: int = 1
+    first_scores: dict[int, float] | None = None  # log-probability of each `scored_ids` token at the first step
 
 
 @dataclass(eq=False)  # one call is one request: `in` compares identity, not prompt lists
@@ -92,7 +94,9 @@ class StepStatistics:
     Temperature and top-p run after, so the statistics are those of the model's own distribution.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, scored_ids: tuple[int, ...] = ()) -> None:
+        self.scored_ids = scored_ids
+        self.first_scores: list[list[float]] | None = None  # [batch][len(scored_ids)], from the first step
         self.chosen: list[Any] = []  # [batch] tensors: log-probability of the chosen token, per step
         self.entropy: list[Any] = []  # [batch] tensors: entropy of the next-token distribution, per step
         self.first_step_at: float | None = None  # when the prompt pass ended (the first step's scores arrived)
@@ -101,11 +105,14 @@ class StepStatistics:
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import torch
 
-        if self._current is None:
+        first = self._current is None
+        if first:
             self.first_step_at = time.perf_counter()
         else:
             self.chosen.append(self._current.gather(1, input_ids[:, -1:]).squeeze(1))
         logp = torch.log_softmax(scores.float(), dim=-1)
+        if first and self.scored_ids:
+            self.first_scores = logp[:, list(self.scored_ids)].tolist()
         self.entropy.append(-(logp.exp() * torch.nan_to_num(logp, neginf=0.0)).sum(-1))
         self._current = logp
         return scores
@@ -242,7 +249,7 @@ class BatchingGenerator:
             shared = 0
         rows_ids, rows_mask = padded_rows(prompts, shared, pad)
         width = len(rows_ids[0])
-        stats = StepStatistics()
+        stats = StepStatistics(params.scored_ids)
         gen = generation_kwargs(params, stats, self.tokenizer, pad)
         with torch.inference_mode():
             if shared:  # one prompt pass for what every row starts with, its cache copied to every row
@@ -260,6 +267,8 @@ class BatchingGenerator:
             new = sequences[:, width:]
             chosen, entropy = stats.finish(new)
         rows = [self._row(new[b].tolist(), chosen[b], entropy[b]) for b in range(len(batch))]
+        for b, row in enumerate(rows):
+            row.first_scores = scored(params.scored_ids, stats.first_scores[b] if stats.first_scores else None)
         return self._timed(batch, rows, started, stats.first_step_at)
 
     def _timed(
@@ -281,6 +290,11 @@ class BatchingGenerator:
 
     def _row(self, ids: list[int], logprobs: list[float], entropies: list[float]) -> Generated:
         return trimmed_completion(ids, logprobs, entropies, self.tokenizer, self.model.generation_config.eos_token_id)
+
+
+def scored(ids: tuple[int, ...], logprobs: Sequence[float] | None) -> dict[int, float] | None:
+    """`Generated.first_scores` from the first step's log-probabilities of `ids` (None when none were asked)."""
+    return dict(zip(ids, (float(lp) for lp in logprobs))) if ids and logprobs is not None else None
 
 
 def trimmed_completion(

@@ -45,6 +45,7 @@ from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.models.hf import HFChatModel
 from ermedrag.tools.models.hf_batching import (
     BatchingGenerator,
+    scored,
     GenerationParams,
     Generated,
     Request,
@@ -231,11 +232,13 @@ class LlamaCppGenerator(BatchingGenerator):
         for group in self._fitting_groups(batch):
             started = time.perf_counter()
             try:
-                decoded, prefill_end = self._decode([r.prompt_ids for r in group], group[0].params)
+                decoded, prefill_end, first_scores = self._decode([r.prompt_ids for r in group], group[0].params)
             except BaseException:
                 self._cached = []  # what sequence 0 holds is unknown now: the next batch reads its prompt whole
                 raise
             generated = [trimmed_completion(*row, self.tokenizer, list(self.eos_ids)) for row in decoded]
+            for row, first in zip(generated, first_scores):
+                row.first_scores = scored(group[0].params.scored_ids, first)
             rows += self._timed(group, generated, started, prefill_end)
         return rows
 
@@ -254,8 +257,9 @@ class LlamaCppGenerator(BatchingGenerator):
 
     def _decode(
         self, prompts: list[list[int]], params: GenerationParams
-    ) -> tuple[list[tuple[list[int], list[float], list[float]]], float]:
-        """Each prompt's new tokens with their log-probabilities and entropies, and when the prompts were read.
+    ) -> tuple[list[tuple[list[int], list[float], list[float]]], float, list[list[float] | None]]:
+        """Each prompt's new tokens with their log-probabilities and entropies, when the prompts were read, and each
+        prompt's first-step log-probabilities of `params.scored_ids`.
 
         Sequence 0 keeps what it shares with the previous batch's first prompt; the prefix every prompt shares is
         evaluated on it and shared with the others; each prompt's rest follows on its own sequence. Every prompt's
@@ -285,6 +289,7 @@ class LlamaCppGenerator(BatchingGenerator):
         rng = np.random.default_rng(params.seed)
         longest_stop = max((len(s.encode()) for s in params.stop), default=0)  # bytes: a token holds at least one
         rows: list[tuple[list[int], list[float], list[float]]] = [([], [], []) for _ in prompts]
+        first_scores: list[list[float] | None] = [None] * len(prompts)
         steps = [(prompt[-1], len(prompt) - 1, sequence) for sequence, prompt in enumerate(prompts)]
         prefill_end = None
         while steps:
@@ -294,6 +299,8 @@ class LlamaCppGenerator(BatchingGenerator):
             for (_, position, sequence), logits in zip(steps, logits_rows):
                 ids, logprobs, entropies = rows[sequence]
                 log_normaliser, entropy = step_statistics(logits)
+                if not ids and params.scored_ids:
+                    first_scores[sequence] = [float(logits[t]) - log_normaliser for t in params.scored_ids]
                 token = choose_token(logits, params.temperature, params.top_p, rng)
                 ids.append(token)
                 logprobs.append(float(logits[token]) - log_normaliser)
@@ -308,7 +315,7 @@ class LlamaCppGenerator(BatchingGenerator):
             if steps[0][2] == 0:  # sequence 0 took its step: its cache holds that token
                 self._cached.append(steps[0][0])
             steps = next_steps
-        return rows, prefill_end or time.perf_counter()
+        return rows, prefill_end or time.perf_counter(), first_scores
 
     def _stopped(self, ids: list[int], stop: tuple[str, ...], longest_stop: int) -> bool:
         """Whether a stop string ends the text so far. Only the tail is decoded, as many tokens as the longest

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
@@ -22,6 +22,9 @@ class ScriptedChatModel(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     reply: Callable[[list[BaseMessage]], str]
+    # The module's `token_logprobs(messages, tokens) -> {token: logprob}`: the first token's log-probabilities of the
+    # tokens a call asks to score (`score_tokens`), as the in-process backends give them. None: scores nothing.
+    token_logprobs: Callable[[list[BaseMessage], Sequence[str]], dict[str, float]] | None = None
     delay_s: float = 0.0
     spec: str = "scripted"
     accepts_images: bool = False  # declared by the spec (`?vision=1`) or the module (`ACCEPTS_IMAGES = True`)
@@ -32,7 +35,12 @@ class ScriptedChatModel(BaseChatModel):
     def _llm_type(self) -> str:
         return "ermedrag-scripted"
 
-    def _result(self, messages: list[BaseMessage], stop: list[str] | None) -> ChatResult:
+    def scores_answer_tokens(self) -> bool:
+        return self.token_logprobs is not None
+
+    def _result(
+        self, messages: list[BaseMessage], stop: list[str] | None, score_tokens: Sequence[str] = ()
+    ) -> ChatResult:
         if images_in(messages) and not self.accepts_images:
             raise ImagesNotSupportedError(
                 f"model {self.spec} cannot see images: it is a scripted model that does "
@@ -48,6 +56,9 @@ class ScriptedChatModel(BaseChatModel):
             "total_tokens": prompt_words + len(text.split()),
         }
         metadata = {"model_name": self.spec, "finish_reason": "stop", "stop_sequence": matched}
+        if score_tokens and self.token_logprobs is not None:
+            top = [{"token": t, "logprob": lp} for t, lp in self.token_logprobs(messages, score_tokens).items()]
+            metadata["logprobs"] = {"content": [{"token": text[:1], "logprob": 0.0, "top_logprobs": top}]}
         return ChatResult(
             generations=[
                 ChatGeneration(message=AIMessage(content=text, usage_metadata=usage, response_metadata=metadata))
@@ -56,8 +67,8 @@ class ScriptedChatModel(BaseChatModel):
 
     def _generate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
         time.sleep(self.delay_s)
-        return self._result(messages, stop)
+        return self._result(messages, stop, kwargs.get("score_tokens") or ())
 
     async def _agenerate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
         await asyncio.sleep(self.delay_s)
-        return self._result(messages, stop)
+        return self._result(messages, stop, kwargs.get("score_tokens") or ())

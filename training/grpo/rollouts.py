@@ -237,7 +237,8 @@ def run_search_rollouts(
                 _end(rollout, why, eos_id)
             elif action == "search":
                 snippets = search(step["query"])
-                documents = render_documents(snippets)
+                shown_before = sum(len(s["snippet_ids"]) for s in rollout.searches)
+                documents = render_documents(snippets, shown_before + 1)
                 rollout.add("document", _inserted_ids(tokenizer, documents), documents)
                 rollout.searches.append(
                     {

@@ -67,6 +67,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from ermedrag.agents.citations import cited_numbers
 from ermedrag.agents.extractor import FIELDS
 from ermedrag.agents.respondent import normalise_answer, parse_answer
 from ermedrag.training.rewards.text import MAX_TEXT_CHARS, answer_source, column, content_tokens, own_text
@@ -249,12 +250,6 @@ MIN_SHARED_TOKENS = 2  # one shared word is often a coincidence ("patient", "ris
 # A named triplet (its number or id) needs one of its own words beside the name: the name and a word together
 # rarely coincide, while a name alone is what a model copies from its worked example whatever it points at.
 MIN_NAMED_TOKENS = 1
-# "evidence 2", "triplets #3", "fact no. 1", "[2]": a number the reasoning gives an evidence line. Only words that
-# name the evidence list: a model numbering its own thoughts ("Point 1:", "Finding 2:") cites nothing. Bounded
-# digits and literal alternatives: linear in the reasoning's length.
-NUMBERED_REFERENCE = re.compile(
-    r"(?:\b(?:triplet|evidence|fact)s?\s{0,3}(?:#|no\.?|number)?\s{0,3}|\[)(\d{1,3})\b", re.IGNORECASE
-)
 
 
 def _cites(reasoning: str, snippet_id: str) -> bool:
@@ -262,11 +257,7 @@ def _cites(reasoning: str, snippet_id: str) -> bool:
     return bool(sid) and re.search(rf"(?<![\w-]){re.escape(sid)}(?![\w-])", reasoning, re.IGNORECASE) is not None
 
 
-def cited_numbers(reasoning: str) -> set[int]:
-    return {int(number) for number in NUMBERED_REFERENCE.findall(reasoning)}
-
-
-def _cited(triplet: dict[str, Any], numbers: set[int], reasoning: str) -> bool:
+def _cited(triplet: dict[str, Any], numbers: list[int], reasoning: str) -> bool:
     """The reasoning names this triplet: its number in the evidence list or its snippet id."""
     return triplet["number"] in numbers or _cites(reasoning, triplet["snippet_id"])
 

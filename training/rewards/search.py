@@ -38,7 +38,7 @@ from ermedrag.training.rewards.text import (
 
 logger = logging.getLogger(__name__)
 
-_SNIPPET_LINE = re.compile(r"^\[([^\[\]\s]+)\]", re.MULTILINE)
+_SNIPPET_LINE = re.compile(r"^(?:\d{1,4}\. )?\[([^\[\]\s]+)\]", re.MULTILINE)  # "3. [id] text" (or "[id] text")
 _SEARCH_OPEN = re.compile(r"<search>", re.IGNORECASE)
 _SEARCH_CLOSE = re.compile(r"</search>", re.IGNORECASE)
 _THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL | re.IGNORECASE)

@@ -455,3 +455,33 @@ def test_streamed_statistics_equal_the_full_logits_ones_on_the_offline_model():
         new = generator.generate_many([list(p) for p in prompts], params)
         assert_same_generation(new, reference_generate(generator, [list(p) for p in prompts], params))
         assert all(g.token_ids for g in new)
+
+
+def test_scored_tokens_get_the_first_steps_exact_log_probabilities(tiny_generator):
+    """Scoring option letters (`GenerationParams.scored_ids`): in a batch, each row's first-step log-probabilities of
+    the asked ids equal a plain forward pass over that prompt alone."""
+    import dataclasses
+
+    import torch
+
+    prompts = tiny_prompts(tiny_generator)
+    ids = (5, 17, 300)
+    out = tiny_generator.generate_many(prompts, dataclasses.replace(GREEDY, max_new_tokens=1, scored_ids=ids))
+    for prompt, generated in zip(prompts, out):
+        with torch.inference_mode():
+            logits = tiny_generator.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+        expected = torch.log_softmax(logits, dim=-1)[list(ids)].tolist()
+        assert list(generated.first_scores) == list(ids)
+        assert list(generated.first_scores.values()) == pytest.approx(expected, abs=1e-4)
+    assert tiny_generator.generate(prompts[0], GREEDY).first_scores is None  # nothing asked, nothing scored
+
+
+def test_the_chat_model_scores_single_token_texts_in_openais_shape(tiny_path):
+    from langchain_core.messages import HumanMessage
+
+    model = HFChatModel(model_path=tiny_path, spec=f"hf:{tiny_path}", max_new_tokens=1)
+    reply = model.invoke([HumanMessage(content="Which letter?")], score_tokens=["A", "B", "not one token at all"])
+    first = reply.response_metadata["logprobs"]["content"][0]
+    assert [t["token"] for t in first["top_logprobs"]] == ["A", "B"]
+    assert all(t["logprob"] < 0 for t in first["top_logprobs"])
+    assert model.scores_answer_tokens()

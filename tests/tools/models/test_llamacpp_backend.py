@@ -349,3 +349,27 @@ def test_sampling_with_a_seed_repeats_and_greedy_is_the_default(generator):
 def test_a_prompt_past_the_context_gets_one_clear_error(generator):
     with pytest.raises(ContextTooSmallError, match=CONTEXT_ENV):
         generator.generate(chat_ids(generator, "Hi"), GenerationParams(max_new_tokens=DEFAULT_CONTEXT_TOKENS))
+
+
+@needs_llamacpp
+@needs_offline_gguf
+def test_scored_tokens_get_first_step_log_probabilities_as_the_hf_model_gives_them(generator):
+    """Option letters scored where the answer starts (`scored_ids`): renormalised over the letters (what
+    `agents.confidence` reads), llama.cpp's first-step probabilities are the hf model's on the same prompt within
+    their arithmetic's difference (4-bit weights with 8-bit activations against bfloat16: unlikely tokens differ by
+    up to ~0.4 nats, the letters' shares by a few hundredths, when measured)."""
+    import torch
+
+    from ermedrag.tools.models.hf import load_hf_model
+    from ermedrag.tools.models.offline import offline_model_dir
+
+    letters = [generator.tokenizer.encode(k, add_special_tokens=False)[0] for k in "ABCD"]
+    prompts = [chat_ids(generator, f"{p} Options: A, B, C or D. Answer with a letter.") for p in PROMPTS]
+    outputs = generator.generate_many(prompts, GenerationParams(max_new_tokens=1, scored_ids=tuple(letters)))
+    _, hf_model = load_hf_model(str(offline_model_dir()))
+    for ids, out in zip(prompts, outputs):
+        with torch.inference_mode():
+            expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)[letters]
+        assert list(out.first_scores) == letters
+        ours = torch.softmax(torch.tensor(list(out.first_scores.values())), dim=0)
+        assert torch.max(torch.abs(ours - torch.softmax(expected, dim=0))) < 0.1, (ours, expected)
