@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed,
             concurrency=args.concurrency,
             trace_db=str(out_dir / "traces.sqlite"),
+            index_dir=args.index_dir,
         )
         answered = [r for r in read_records(out_dir / RESULTS) if (r.get("config") or {}).get("system") == system]
         for benchmark in args.benchmarks:
@@ -120,7 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "n_test": args.n_test,
             "seed": args.seed,
             "concurrency": args.concurrency,
-            "graph settings": "the defaults (answer_scores on)",
+            "index_dir": args.index_dir or "the default (the starter knowledge base)",
+            "graph settings": "the defaults otherwise (answer_scores on)",
         },
         "machine": describe_machine(),
         "load_average": {"before": load_before, "after": os.getloadavg()},
@@ -153,6 +155,7 @@ def main() -> None:
     parser.add_argument("--alphas", type=lambda s: [float(a) for a in s.split(",")], default=[0.1, 0.2])
     parser.add_argument("--n-calibration", type=int, default=200)
     parser.add_argument("--n-test", type=int, default=200)
+    parser.add_argument("--index-dir", default=None, help="the retrieving systems' index (default: the graph's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--work", default=str(REPO / "benches" / "results" / "conformal_work"))
