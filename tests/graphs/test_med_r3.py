@@ -149,7 +149,8 @@ def test_loop_runs_on_the_real_offline_model(tmp_path):
         {"answer", "reasoning", "ok", "well_formed", "error"}
         <= set(state["answer"])
         <= {"answer", "reasoning", "ok", "well_formed", "error", "extracted"}
-    )  # `extracted`: read back (extraction)
+        | {"citations", "option_probs", "confidence", "confidence_source"}
+    )  # `extracted`: read back (extraction); the rest: issue 41's cited evidence and confidence
     assert state["answer"]["ok"] == (state["answer"]["error"] is None)
     run = TraceStore(_context(tmp_path)["trace_db"]).run(state["run_id"])
     assert json.dumps(run["answer"]) and run["answer"]["transcript"] == state["transcript"]
