@@ -10,7 +10,9 @@ import pytest
 from tests.conftest import LLAMACPP_MARKS
 from langchain_core.messages import HumanMessage
 
+from ermedrag.agents.respondent import Answer
 from ermedrag.graphs.er_medrag import graph
+from ermedrag.graphs.steps import SCORER_AGENT
 from ermedrag.tools.models import ModelSpecError, load_chat_model, parse_model_spec
 from ermedrag.tools.models.hf import hf_generator
 from ermedrag.tools.records.traces import TraceStore
@@ -142,12 +144,11 @@ def test_whole_graph_on_the_real_offline_model(tmp_path, model):
         context=context,
     )
     assert len(state["snippets"]) == 2 and len(state["extractions"]) == 2
-    # Issue 41's fields: the cited evidence and the answer's confidence (None, with its source, where not scored).
-    answer_fields = {"answer", "reasoning", "ok", "well_formed", "error"}
-    evidence_fields = {"citations", "option_probs", "confidence", "confidence_source"}
-    assert answer_fields <= set(state["answer"]) <= answer_fields | evidence_fields | {"extracted"}
+    # Every field `Answer` declares: the graph sets the cited evidence and the confidence (None, with its source,
+    # where not scored), `extracted` only when the answer was read back.
+    assert set(Answer.__annotations__) - {"extracted"} <= set(state["answer"]) <= set(Answer.__annotations__)
     events = list(TraceStore(context["trace_db"]).events(run_id=state["run_id"]))
-    replies = [e["agent"] for e in events if e["agent"] != "answer_scorer"]  # the scorer's call is no reply
+    replies = [e["agent"] for e in events if e["agent"] != SCORER_AGENT]  # the scorer's call is no reply
     assert replies.count("extractor") == 2 and replies[-1] in ("respondent", "answer_extractor")
     for event in events:
         assert event["model"] == model and event["usage"]["output_tokens"] <= 48
