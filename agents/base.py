@@ -3,7 +3,7 @@ LangChain messages and chat-format dicts. No I/O here: the call itself is `ermed
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
@@ -110,6 +110,14 @@ def to_chat(messages: Iterable[BaseMessage | Mapping[str, Any]]) -> list[dict[st
             role, content = message["role"], message["content"]
         chat.append({"role": _chat_role(role), "content": content})
     return chat
+
+
+def continuation(messages: Sequence[BaseMessage]) -> dict[str, bool]:
+    """Chat-template flags: a conversation ending in an assistant message is continued, not answered anew
+    (Med-R³ resumes its own turn after the search results are inserted)."""
+    if messages and messages[-1].type == "ai":
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": True}
 
 
 def _chat_role(role: str) -> str:

@@ -149,6 +149,7 @@ def main() -> None:
         workdir = Path(tmp)
         for kind in kinds:
             with real_server(kind, workdir, threads=args.threads) as server:
+                os.environ["ERMEDRAG_SERVER_TOKENIZER"] = server.tokenizer  # what a user of this server would set
                 twin_label = TWIN_NAMES[server.in_process]
                 for graph in graphs:
                     twin = run_backend(graph, server.in_process, None, questions, workdir, twin_label)

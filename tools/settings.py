@@ -160,6 +160,14 @@ SETTINGS: tuple[Setting, ...] = (
         "servers",
     ),
     _s(
+        "ERMEDRAG_SERVER_TOKENIZER",
+        "str",
+        "",
+        "Tokenizer (folder, hub id, GGUF file or offline:NAME) with the served model's chat template: lets "
+        "servers other than vLLM continue an assistant turn. Empty = the served model's name, if found here.",
+        "servers",
+    ),
+    _s(
         "ERMEDRAG_REQUEST_TIMEOUT_S",
         "float",
         60.0,

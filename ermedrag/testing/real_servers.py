@@ -3,6 +3,7 @@
 
     with real_server("llamacpp_server", workdir) as server:
         load_chat_model(f"openai:{server.model}", base_url=server.base_url)   # server.in_process: the same weights
+        # with ERMEDRAG_SERVER_TOKENIZER set to server.tokenizer, so that assistant turns are continued
 
 Kinds (`SERVER_KINDS`), each beside the in-process backend that runs the same weights:
     llamacpp_server     llama-cpp-python's own server (`ermedrag.testing.llamacpp_server`, the `llamacpp` extra) on
@@ -28,6 +29,9 @@ from ermedrag.testing.processes import free_port, log_tail, stop_process_group
 
 SERVER_KINDS = ("llamacpp_server", "transformers_serve")
 IN_PROCESS_TWIN = {"llamacpp_server": "llamacpp:gemma3-270m", "transformers_serve": "offline:gemma3-270m"}
+# ERMEDRAG_SERVER_TOKENIZER for each: the GGUF carries no chat template (the server is given the offline model's),
+# while `transformers serve` answers to the converted folder, whose tokenizer has it.
+SERVER_TOKENIZER = {"llamacpp_server": "offline:gemma3-270m", "transformers_serve": ""}
 STARTUP_TIMEOUT_S = 300  # transformers serve loads the model in ~10 s on idle cores; a busy machine takes longer
 
 
@@ -41,6 +45,7 @@ class RealServer:
     base_url: str  # ends in /v1
     model: str  # the model name the server answers to (`openai:<model>`)
     in_process: str  # the in-process model spec with the same weights
+    tokenizer: str  # what ERMEDRAG_SERVER_TOKENIZER must name for assistant turns to be continued ("" = the model)
     log: Path
     pid: int
 
@@ -132,6 +137,6 @@ def real_server(
             if time.monotonic() > deadline:
                 raise ServerStartError(f"{kind} not ready at {base} within {startup_timeout_s:.0f} s:\n{log_tail(log)}")
             time.sleep(0.5)
-        yield RealServer(kind, f"{base}/v1", model, IN_PROCESS_TWIN[kind], log, proc.pid)
+        yield RealServer(kind, f"{base}/v1", model, IN_PROCESS_TWIN[kind], SERVER_TOKENIZER[kind], log, proc.pid)
     finally:
         stop_process_group(proc)

@@ -1,5 +1,6 @@
 """Talking to OpenAI-compatible model servers: the `openai:` backend (`client`), how it reads replies (`replies`),
-and what a call may do and how it fails (`policy`)."""
+what a call may do and how it fails (`policy`), and how a server that is not vLLM's continues an assistant turn
+(`continuation`)."""
 
 from ermedrag.tools.model_server.client import ServerChatModel, background, server_traits
 from ermedrag.tools.model_server.policy import (

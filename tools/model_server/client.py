@@ -18,7 +18,13 @@ What reaches the server, per server (`ServerTraits`, learnt from its own replies
 - for vLLM (recognised by the `stop_reason` its choices carry): `stop` with `include_stop_str_in_output`, so it
   stops generating at once and keeps the string, and `continue_final_message` when the conversation ends in an
   assistant turn (Med-R³ resuming after a search). Other servers reject those fields (`transformers serve`: HTTP
-  422) or ignore them (llama.cpp's server would then cut the stop string off again), so they never get them.
+  422) or ignore them (llama.cpp's server would then cut the stop string off again), so they never get them;
+- for every other server, a conversation that ends in an assistant turn (answer extraction, Med-R³ after a search)
+  goes to the completions endpoint as one prompt rendered by the model's own chat template, continued where the
+  turn stops (`tools.model_server.continuation`; the template from `ERMEDRAG_SERVER_TOKENIZER`, else the served model's name
+  when its tokenizer is cached here). A chat request would have the server close that turn and open a new one, so
+  the model never wrote what the prefilled turn asks for (measured: 1 of 3 questions answered through llama.cpp's
+  server and `transformers serve`, 3 of 3 in process).
 
 Every failure is one `ModelServerError` with a one-line message naming the URL, what went wrong and the setting to
 change; retries (exponential backoff, bounded) happen here. Calls from synchronous code run on one background event
@@ -40,6 +46,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field
 
 from ermedrag.agents.base import CHAT_ROLES, block_image_url
+from ermedrag.tools.model_server.continuation import continuation_prompt, template_tokenizer
 from ermedrag.tools.model_server.policy import (
     ModelServerError,
     ServerPolicy,
@@ -122,18 +129,23 @@ def request_body(
     logprobs: bool,
     traits: ServerTraits,
     top_logprobs: int = 0,
+    prompt: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON a server gets for one call (see the module's docstring for why each field is there)."""
+    """The JSON a server gets for one call (see the module's docstring for why each field is there): a chat
+    request, or with `prompt` (a rendered continuation) a request to the completions endpoint."""
     body: dict[str, Any] = {
         "model": model,
-        "messages": openai_messages(messages),
+        **({"prompt": prompt} if prompt is not None else {"messages": openai_messages(messages)}),
         "stream": True,
         "temperature": temperature,
         "top_p": top_p,
     }
-    for name in ("max_tokens", "max_completion_tokens"):
-        if name not in traits.refused:
-            body[name] = max_tokens
+    if prompt is not None:
+        body["max_tokens"] = max_tokens  # the completions endpoint's only limit field
+    else:
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name not in traits.refused:
+                body[name] = max_tokens
     if "stream_options" not in traits.refused:
         body["stream_options"] = {"include_usage": True}
     body |= {
@@ -143,6 +155,10 @@ def request_body(
     }  # llama.cpp's name
     if seed is not None:
         body["seed"] = seed
+    if prompt is not None:
+        if logprobs or top_logprobs:
+            body["logprobs"] = max(top_logprobs, 1)  # the completions endpoint: how many alternatives a token
+        return body  # a continued prompt: no chat-template fields
     if logprobs or top_logprobs:
         body["logprobs"] = True
     if top_logprobs:
@@ -375,6 +391,7 @@ class ServerChatModel(BaseChatModel):
     logprobs: bool = False
     policy: ServerPolicy = Field(default_factory=ServerPolicy)
     image_refusal: str | None = None  # why images are refused (a model declared text-only), or None: it sees them
+    tokenizer: str = ""  # ERMEDRAG_SERVER_TOKENIZER: whose chat template renders continuations; "" = model_name's
 
     @property
     def _llm_type(self) -> str:
@@ -389,6 +406,20 @@ class ServerChatModel(BaseChatModel):
     @property
     def chat_url(self) -> str:
         return self.base_url.rstrip("/") + "/chat/completions"
+
+    @property
+    def completions_url(self) -> str:
+        return self.base_url.rstrip("/") + "/completions"
+
+    def continued_prompt(self, messages: list[BaseMessage], traits: ServerTraits) -> str | None:
+        """The prompt continuing `messages`' final assistant turn, for a server that cannot continue it in a chat
+        request (all but vLLM's); None when a chat request serves (or no chat template is known: then logged)."""
+        from ermedrag.tools.images import images_in
+
+        if traits.vllm or not messages or messages[-1].type != "ai" or images_in(messages):
+            return None
+        tokenizer = template_tokenizer(self.tokenizer or self.model_name, bool(self.tokenizer))
+        return continuation_prompt(tokenizer, messages) if tokenizer is not None else None
 
     # ---------------------------------------------------------------------------------------- LangChain
 
@@ -446,6 +477,8 @@ class ServerChatModel(BaseChatModel):
                 emit(reply)
             return reply
         traits = server_traits(self.base_url)
+        prompt = self.continued_prompt(messages, traits)
+        url = self.chat_url if prompt is None else self.completions_url
         shown = False
 
         def show(text: str) -> None:
@@ -467,12 +500,13 @@ class ServerChatModel(BaseChatModel):
                 logprobs=self.logprobs,
                 traits=traits,
                 top_logprobs=SCORED_TOP_LOGPROBS if kwargs.get("score_tokens") else 0,
+                prompt=prompt,
             )
             assembler = ReplyAssembler(stops, max_tokens)
             try:
                 reply = await read_reply(
                     background().client(),
-                    self.chat_url,
+                    url,
                     self._headers(),
                     body,
                     assembler,

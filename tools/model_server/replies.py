@@ -184,6 +184,10 @@ class ReplyAssembler:
         choice = self._first_choice(chunk, allow_none=True)
         if choice is None:
             return ""
+        if "text" in choice and "delta" not in choice:  # the completions endpoint (`prompt` in, `text` out)
+            released = self._content(_optional_str(choice["text"], "choices[0].text"))
+            self._choice_end(choice)
+            return released
         delta = choice.get("delta")
         if delta is None:
             delta = {}
@@ -194,9 +198,16 @@ class ReplyAssembler:
         return released
 
     def add_completion(self, body: dict[str, Any]) -> str:
-        """A whole (non-streamed) chat completion."""
+        """A whole (non-streamed) chat completion, or a completion of the completions endpoint (`text`)."""
         self._common(body)
         choice = self._first_choice(body, allow_none=False)
+        if "text" in choice and "message" not in choice:
+            text = _optional_str(choice["text"], "choices[0].text")
+            if text is None:
+                raise ReplyShapeError("choices[0].text is null: the reply has no text")
+            released = self._content(text)
+            self._choice_end(choice)
+            return released
         message = choice.get("message")
         if not isinstance(message, dict):
             raise ReplyShapeError(
@@ -279,8 +290,8 @@ class ReplyAssembler:
         return released
 
     def _logprobs(self, logprobs: Any) -> None:
-        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
-        if not isinstance(entries, list):
+        entries = _logprob_entries(logprobs)
+        if entries is None:
             return
         kept = self.logprobs if self.logprobs is not None else []
         for entry in entries[: max(0, self.max_tokens + 1 - len(kept))]:
@@ -368,6 +379,27 @@ def _optional_str(value: Any, name: str) -> str | None:
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives kept per token (the OpenAI API's maximum)
+
+
+def _logprob_entries(logprobs: Any) -> list[Any] | None:
+    """A choice's `logprobs` as chat-completion entries (`[{"token", "logprob", "top_logprobs": [...]}]`): the chat
+    endpoint's `{"content": [...]}`, or the completions endpoint's parallel lists (`tokens`, `token_logprobs`,
+    `top_logprobs` as `{token: logprob}` maps). None when it is neither (entries are checked one by one later)."""
+    if not isinstance(logprobs, dict):
+        return None
+    if isinstance(logprobs.get("content"), list):
+        return logprobs["content"]
+    tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
+    if not isinstance(tokens, list) or not isinstance(values, list):
+        return None
+    tops = logprobs.get("top_logprobs")
+    tops = tops if isinstance(tops, list) else []
+    entries = []
+    for index, (token, value) in enumerate(zip(tokens, values)):
+        top = tops[index] if index < len(tops) and isinstance(tops[index], dict) else {}
+        alternatives = [{"token": t, "logprob": lp} for t, lp in list(top.items())[:MAX_TOP_LOGPROBS]]
+        entries.append({"token": token, "logprob": value, "top_logprobs": alternatives})
+    return entries
 
 
 def _token_logprob(entry: Any) -> bool:

@@ -140,6 +140,21 @@ def load_chat_model(
     )
 
 
+def server_tokenizer() -> str:
+    """ERMEDRAG_SERVER_TOKENIZER, with `offline:NAME` as the offline model's folder (its tokenizer has the
+    template); a tokenizer named there is loaded now, so that one that does not load fails before any call."""
+    from ermedrag.tools.model_server.continuation import template_tokenizer
+
+    source = settings.read("ERMEDRAG_SERVER_TOKENIZER")
+    if source.startswith("offline:"):
+        from ermedrag.tools.models.offline import offline_model_dir
+
+        source = str(offline_model_dir(source.removeprefix("offline:")))
+    if source:
+        template_tokenizer(source, True)
+    return source
+
+
 def _server_model(
     name: str, base_url: str | None, logprobs: bool, policy: ServerPolicy, sampling: dict[str, Any]
 ) -> BaseChatModel:
@@ -164,6 +179,7 @@ def _server_model(
         logprobs=logprobs,
         policy=policy,
         image_refusal=refusal,
+        tokenizer=server_tokenizer(),
         top_p=sampling["top_p"],
         temperature=sampling["temperature"],
         max_new_tokens=sampling["max_new_tokens"],

@@ -9,7 +9,6 @@ import importlib
 from typing import Sequence
 
 from langchain_core.language_models.chat_models import BaseChatModel
-from langchain_core.messages import BaseMessage
 
 from ermedrag.tools import settings
 from ermedrag.tools.images import ImagesNotSupportedError, is_url
@@ -125,14 +124,6 @@ def require_image_support(spec: str, images: Sequence[str], who: str = "", setti
 def model_name(model: BaseChatModel) -> str:
     """The spec string a model was built from (for traces)."""
     return getattr(model, "spec", None) or getattr(model, "model_name", None) or type(model).__name__
-
-
-def continuation(messages: list[BaseMessage]) -> dict[str, bool]:
-    """Chat-template flags: a conversation ending in an assistant message is continued, not answered anew
-    (Med-R³ resumes its own turn after the search results are inserted)."""
-    if messages and messages[-1].type == "ai":
-        return {"add_generation_prompt": False, "continue_final_message": True}
-    return {"add_generation_prompt": True}
 
 
 def cut_at_stop(text: str, stop: list[str] | None) -> tuple[str, str | None]:

@@ -29,7 +29,8 @@ from ermedrag.tools.cache import shared_resource
 from ermedrag.tools import settings
 from ermedrag.tools.images import as_pil, images_in
 from ermedrag.tools.machine import checkpoint_dtype, inference_dtype
-from ermedrag.tools.models.base import continuation, cut_at_stop, hf_accepts_images, require_image_support
+from ermedrag.agents.base import continuation
+from ermedrag.tools.models.base import cut_at_stop, hf_accepts_images, require_image_support
 from ermedrag.tools.models.hf_batching import (
     BatchingGenerator,
     GenerationParams,

@@ -12,7 +12,8 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from ermedrag.agents.base import to_chat
 from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.images import images_in
-from ermedrag.tools.models.base import continuation, require_image_support
+from ermedrag.agents.base import continuation
+from ermedrag.tools.models.base import require_image_support
 
 
 class VLLMChatModel(BaseChatModel):

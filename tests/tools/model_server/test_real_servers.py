@@ -60,7 +60,9 @@ BUDGETS = {
 @pytest.fixture(scope="module", params=SERVER_KINDS)
 def server(request, tmp_path_factory):
     with real_server(request.param, tmp_path_factory.mktemp(request.param), threads=1) as running:
-        yield running
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("ERMEDRAG_SERVER_TOKENIZER", running.tokenizer)
+            yield running
 
 
 def _context(graph: str, spec: str, base_url: str, trace_db: Path) -> dict:
@@ -114,13 +116,24 @@ def test_a_call_keeps_its_stop_string_and_its_limit(server):
     assert 0 < reply.usage_metadata["output_tokens"] <= 64
 
 
-# Known defect, issue 36 stays open: at 03a1da3 both real servers answered 1 of 3 questions where the in-process
-# twin answered 3 (vanilla_rag, med_r3, mmedagent; the same gap on llama.cpp's server and `transformers serve`), a
-# systematic gap. Likely cause (not yet proven): answer extraction continues an assistant message that ends at
-# `<answer>`; llama.cpp's server and `transformers serve` close that turn and open a new one instead of continuing it
-# (only vLLM takes `continue_final_message`), so the read-back letter never comes. Recorded as an expected failure
-# until it is fixed, so the rest of the suite can land; the test still runs and reports XPASS once it holds.
-@pytest.mark.xfail(reason="issue 36: server path answers fewer questions than in process (systematic)", strict=False)
+def test_an_assistant_turn_is_continued_through_the_server_as_in_process(server):
+    """Answer extraction prefills the assistant turn up to `<answer>`: the server must continue it (through the
+    completions endpoint, with the model's chat template), not close it and open a new one."""
+    reasoning = "Metformin lowers hepatic glucose output and is the first-line drug for type 2 diabetes."
+    messages = respondent.extraction_messages(QUESTION["question"], QUESTION["options"], reasoning)
+    unparsed = respondent.parse_answer("", QUESTION["options"])
+    read = {}
+    for side, model in (
+        ("server", load_chat_model(f"openai:{server.model}", base_url=server.base_url, max_new_tokens=8)),
+        ("in_process", load_chat_model(server.in_process, max_new_tokens=8)),
+    ):
+        reply = model.invoke(messages, stop=respondent.STOP)
+        read[side] = respondent.parse_extracted(reply.text, QUESTION["options"], unparsed)
+        print(f"{server.kind} {side}: {reply.text!r} -> {read[side]['answer']}")
+    assert read["in_process"]["ok"], read  # the twin reads a letter back: the server must too
+    assert read["server"]["ok"] and read["server"]["answer"] == read["in_process"]["answer"], read
+
+
 @pytest.mark.parametrize("graph", ["er_medrag", "vanilla_rag", "cot", "med_r3", "mmedagent"])
 def test_every_graph_replies_through_the_server_as_in_process(server, graph, tmp_path):
     """The same kinds of replies on both sides, within one reply: greedy decoding of the same weights is not
