@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
@@ -105,10 +104,14 @@ WARM_UP_TOKENS = 1  # the budget of the model built to load weights: every budge
 
 
 def prepare(ctx: Context, graph_name: str) -> dict[str, float]:
-    """Load what a run of the graph will use, before its stages start and in parallel: the weights of each chat
-    model its context names (the offline model is converted on first use), the index, its query encoder and the
-    reranker. So that a stage's time is its own work, and the load is timed apart: seconds per part and `setup_s`
-    (the wall time; about zero once loaded, as everything here is kept for the process)."""
+    """Load what a run of the graph will use, before its stages start: the weights of each chat model its context
+    names (the offline model is converted on first use), the index, its query encoder and the reranker. So that a
+    stage's time is its own work, and the load is timed apart: seconds per part and `setup_s` (the wall time; about
+    zero once loaded, as everything here is kept for the process).
+
+    One part after another, not in threads: transformers imports its modules lazily and not thread-safely (a model
+    and an encoder loading side by side failed with "cannot import name 'AutoTokenizer'"), and most of a load is
+    imports, which hold the GIL: in threads the offline default's setup took 9.5 s, one after another 9.4 s."""
     from ermedrag.graphs.registry import graph_spec
     from ermedrag.tools.retrieval.encoder import load_encoder
     from ermedrag.tools.retrieval.search import load_cross_encoder
@@ -122,9 +125,7 @@ def prepare(ctx: Context, graph_name: str) -> dict[str, float]:
         if ctx.reranker:
             jobs["reranker"] = lambda: load_cross_encoder(ctx.reranker)
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="ermedrag-setup") as pool:
-        timed = {name: pool.submit(_timed_call, job) for name, job in jobs.items()}
-        seconds = {f"{name}_s": round(future.result(), 3) for name, future in timed.items()}
+    seconds = {f"{name}_s": round(_timed_call(job), 3) for name, job in jobs.items()}
     return seconds | {"setup_s": round(time.perf_counter() - started, 3)}
 
 
