@@ -31,6 +31,7 @@ from ermedrag.tools.images import as_pil, images_in
 from ermedrag.tools.machine import checkpoint_dtype, inference_dtype
 from ermedrag.agents.base import continuation
 from ermedrag.tools.models.base import cut_at_stop, hf_accepts_images, require_image_support
+from ermedrag.tools.models.tokenizer_cache import load_tokenizer
 from ermedrag.tools.models.hf_batching import (
     BatchingGenerator,
     GenerationParams,
@@ -121,11 +122,11 @@ def load_hf_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
         source, kwargs["gguf_file"] = str(Path(model_path).parent), Path(model_path).name
     dtype = _prepare_loading("model", model_path, device, stored_dtype=None if kwargs else checkpoint_dtype(source))
     with quiet_model_loading(gguf_file="gguf_file" in kwargs):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         # The model first: the tokenizer's load then fits in what the model's load freed (-250 MB peak for Gemma).
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        tokenizer = load_tokenizer(source, **kwargs)
     _give_pad_token(tokenizer)
     return tokenizer, model
 

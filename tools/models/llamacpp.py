@@ -43,6 +43,7 @@ import numpy as np
 from ermedrag.tools import settings
 from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.models.hf import HFChatModel
+from ermedrag.tools.models.tokenizer_cache import load_tokenizer
 from ermedrag.tools.models.hf_batching import (
     BatchingGenerator,
     scored,
@@ -348,8 +349,6 @@ def llamacpp_generator(name: str) -> LlamaCppGenerator:
     gguf, tokenizer_source, tokenizer_kwargs = gguf_and_tokenizer_source(name)  # a wrong name fails first
     if importlib.util.find_spec("llama_cpp") is None:
         raise ImportError(f"the llamacpp: backend needs llama-cpp-python: {INSTALL_HINT}")
-    from transformers import AutoTokenizer
-
     load_llama_cpp_with_passive_threads()
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load log, through its logger
     threads = cpu_threads()
@@ -362,7 +361,7 @@ def llamacpp_generator(name: str) -> LlamaCppGenerator:
         flush=True,
     )
     engine = LlamaCppEngine(gguf, threads, context, max_batch)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **tokenizer_kwargs)
+    tokenizer = load_tokenizer(tokenizer_source, **tokenizer_kwargs)
     return LlamaCppGenerator(engine, tokenizer, end_of_generation_ids(engine, tokenizer_source, tokenizer_kwargs))
 
 

@@ -1,10 +1,18 @@
-"""The dense encoder: sentence-transformers (the packaged all-MiniLM-L6-v2 by default, never Chroma's downloading
-default), loaded once per process, computing in the machine's dtype; long queries encoded whole, in overlapping
-windows whose vectors are averaged; and Chroma's embedding function for an index's collection."""
+"""The dense encoder: a sentence-transformers model (the packaged all-MiniLM-L6-v2 by default, never Chroma's
+downloading default), loaded once per process, computing in the machine's dtype; long queries encoded whole, in
+overlapping windows whose vectors are averaged; and Chroma's embedding function for an index's collection.
+
+A model of the common shape (a transformer, mean pooling, optionally normalised: MiniLM, MPNet, BGE...) runs through
+transformers alone (`MeanPooledEncoder`), with the very operations sentence-transformers applies, so its vectors are
+the same bits (tests/tools/retrieval/test_encoder.py); importing sentence-transformers (scikit-learn, SciPy and
+its trainer) costs 3 s of every `ermedrag ask` on 2 cores, more than loading the model. Any other shape loads
+through sentence-transformers."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,16 +38,91 @@ def encoder_path(name: str) -> str:
 
 @shared_resource(maxsize=2)
 def load_encoder(name: str = DEFAULT_ENCODER) -> Any:
-    """The sentence-transformers encoder, in `tools.precision`'s dtype for an encoder (bfloat16 where the CPU has
-    it natively); vectors come out as float32 either way."""
+    """The encoder, in `tools.machine`'s dtype for an encoder (bfloat16 where the CPU has it natively); vectors
+    come out as float32 either way. A `MeanPooledEncoder` where the model's shape allows, else sentence-transformers'
+    own `SentenceTransformer` (both answer `encode`, `tokenizer`, `max_seq_length`)."""
     from ermedrag.tools.models.hf import quiet_model_loading
 
-    device = settings.read("ERMEDRAG_DEVICE")
+    device, path = settings.read("ERMEDRAG_DEVICE"), encoder_path(name)
+    dtype = inference_dtype(device, None, single_pass=True)
     with quiet_model_loading():
+        shape = mean_pooled_shape(Path(path))
+        if shape is not None:
+            return MeanPooledEncoder(path, *shape, device=device, dtype=dtype)
         from sentence_transformers import SentenceTransformer
 
-        model = SentenceTransformer(encoder_path(name), device=device)
-    return model.to(inference_dtype(device, None, single_pass=True))
+        model = SentenceTransformer(path, device=device)
+    return model.to(dtype)
+
+
+MEAN_POOLING = "sentence_transformers.models.Pooling"
+PLAIN_MODULES = ("sentence_transformers.models.Transformer", MEAN_POOLING, "sentence_transformers.models.Normalize")
+
+
+def mean_pooled_shape(folder: Path) -> tuple[int, bool] | None:
+    """(token limit, normalised) of a sentence-transformers folder whose pipeline `MeanPooledEncoder` reproduces
+    exactly: a transformer read with no extra arguments, then mean pooling, then optionally L2 normalisation. None
+    for any other folder (a hub id, another pooling, a dense layer, lower-casing...)."""
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        types = tuple(module["type"] for module in sorted(modules, key=lambda m: m["idx"]))
+        bert_config = json.loads((folder / "sentence_bert_config.json").read_text())
+        pooling = next(m for m in modules if m["type"] == MEAN_POOLING)
+        pooling_config = json.loads((folder / pooling["path"] / "config.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+        return None
+    if types not in (PLAIN_MODULES, PLAIN_MODULES[:2]) or set(bert_config) - {"max_seq_length", "do_lower_case"}:
+        return None
+    modes = {key for key, value in pooling_config.items() if key.startswith("pooling_mode") and value is True}
+    max_seq_length = bert_config.get("max_seq_length")
+    if modes != {"pooling_mode_mean_tokens"} or bert_config.get("do_lower_case") or not isinstance(max_seq_length, int):
+        return None
+    return max_seq_length, types == PLAIN_MODULES
+
+
+class MeanPooledEncoder:
+    """A transformer with mean pooling, as sentence-transformers runs it for text: inputs sorted longest first into
+    batches, each padded to its longest and truncated at `max_seq_length`; token vectors summed over the attention
+    mask and divided by its count in float32, cast back to the model's dtype and (`normalize`) L2-normalised there."""
+
+    def __init__(self, path: str, max_seq_length: int, normalize: bool, *, device: str, dtype: Any):
+        from transformers import AutoModel, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.max_seq_length, self.normalize = max_seq_length, normalize
+        self.model = AutoModel.from_pretrained(path).to(device=device, dtype=dtype).eval()
+
+    def get_sentence_embedding_dimension(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    def encode(self, texts: Sequence[str], batch_size: int = 64, **_: Any) -> np.ndarray:
+        """The vectors as a [len(texts), dim] float32 array (computed in the model's dtype)."""
+        import torch
+
+        order = np.argsort([-len(text) for text in texts])  # the expression sentence-transformers sorts by
+        vectors: list[Any] = [None] * len(texts)
+        with torch.inference_mode():
+            for start in range(0, len(texts), batch_size):
+                batch = order[start : start + batch_size]
+                features = self.tokenizer(
+                    [texts[i] for i in batch],
+                    padding=True,
+                    truncation="longest_first",
+                    max_length=self.max_seq_length,
+                    return_tensors="pt",
+                ).to(self.model.device)
+                tokens = self.model(**features, return_dict=True).last_hidden_state
+                mask = features["attention_mask"].unsqueeze(-1).to(tokens.dtype)
+                wide = torch.float32 if tokens.dtype in (torch.float16, torch.bfloat16) else tokens.dtype
+                counts = torch.clamp(mask.sum(dim=1, dtype=wide), min=1e-9)
+                pooled = ((tokens * mask).sum(dim=1, dtype=wide) / counts).to(tokens.dtype)
+                if self.normalize:
+                    pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+                for row, index in zip(pooled, batch):
+                    vectors[index] = row
+        if not vectors:
+            return np.zeros((0, self.get_sentence_embedding_dimension()), dtype=np.float32)
+        return torch.stack(vectors).float().cpu().numpy()
 
 
 def encode(texts: Sequence[str], encoder: str = DEFAULT_ENCODER, batch_size: int = 64) -> np.ndarray:
