@@ -28,8 +28,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
+from ermedrag.evals.metrics import wilson_interval  # noqa: E402
 from ermedrag.graphs.registry import load_graph  # noqa: E402
-from ermedrag.testing.real_servers import SERVER_KINDS, real_server  # noqa: E402
+from ermedrag.testing.real_servers import IN_PROCESS_TWIN, SERVER_KINDS, real_server  # noqa: E402
 from ermedrag.tools.data.benchmarks import Question, load_benchmark  # noqa: E402
 from ermedrag.tools.machine import describe_machine  # noqa: E402
 from ermedrag.tools.records.traces import TraceStore  # noqa: E402
@@ -91,14 +92,23 @@ def run_backend(
 
 
 def row(label: str, graph: str, records: list[dict[str, Any]], twin: list[dict[str, Any]]) -> dict[str, Any]:
+    """One backend's rates on one graph; beside a server's, the questions where only one side was well formed (the
+    rates differ by exactly those, so they say how much of a gap is a few questions decoding another way)."""
     n = len(records)
     extractions = [strict for r in records for strict in r["extractions_strict"]]
     agree = sum(a["answer"] == b["answer"] for a, b in zip(records, twin))
+    well_formed = sum(r["well_formed"] for r in records)
+    discordant = {
+        "only_this_backend": sum(a["well_formed"] and not b["well_formed"] for a, b in zip(records, twin)),
+        "only_in_process": sum(b["well_formed"] and not a["well_formed"] for a, b in zip(records, twin)),
+    }
     return {
         "backend": label,
         "graph": graph,
         "n": n,
-        "well_formed_rate": sum(r["well_formed"] for r in records) / n,
+        "well_formed_rate": well_formed / n,
+        "well_formed_interval": wilson_interval(well_formed, n),
+        **({"well_formed_discordant": discordant} if records is not twin else {}),
         "search_rate": sum(r["searches"] > 0 for r in records) / n if graph == "med_r3" else None,
         "strict_json_rate": sum(extractions) / len(extractions) if extractions else None,
         "answer_agreement_with_in_process": agree / n,
@@ -122,6 +132,24 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
     return misses
 
 
+def appended(
+    before: dict[str, Any],
+    replies_path: Path,
+    kinds: list[str],
+    rows: list[dict[str, Any]],
+    replies: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """This run's rows and replies with those of the server kinds it did not run (and their in-process twins)."""
+    mine = set(kinds) | {TWIN_NAMES[IN_PROCESS_TWIN[kind]] for kind in kinds}
+    kept_rows = [r for r in before["rows"] if r["backend"] not in mine]
+    with gzip.open(replies_path, "rt") as handle:
+        kept_replies = [r for r in map(json.loads, handle) if r["backend"] not in mine]
+    earlier = before.get("runs") or [{"servers": before["settings"]["servers"], "command": before.get("command")}]
+    kept_runs = [run for run in earlier if set(run["servers"]) - set(kinds)]
+    return kept_rows + rows, kept_replies + replies, kept_runs + runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -135,6 +163,11 @@ def main() -> None:
     parser.add_argument("--servers", default=",".join(SERVER_KINDS), help="comma-separated server kinds")
     parser.add_argument("--threads", type=int, default=None, help="threads for each server (default: its own)")
     parser.add_argument("--out", default=str(REPO / "benches" / "results" / "server_parity.json"))
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the rows (and replies) of the server kinds not run now from --out (e.g. more questions for one)",
+    )
     args = parser.parse_args()
     if not args.data:
         sys.exit("server_parity: give --data (the shared data root) or set ERMEDRAG_SHARED_DATA")
@@ -156,6 +189,11 @@ def main() -> None:
                     served = run_backend(graph, f"openai:{server.model}", server.base_url, questions, workdir, kind)
                     rows += [row(twin_label, graph, twin, twin), row(kind, graph, served, twin) | {"twin": twin_label}]
                     replies += twin + served
+    out = Path(args.out)
+    replies_path = out.with_name(out.stem + "_replies.jsonl.gz")
+    runs = [{"servers": kinds, "n": len(questions), "command": " ".join(sys.argv)}]
+    if args.append and out.exists():
+        rows, replies, runs = appended(json.loads(out.read_text()), replies_path, kinds, rows, replies, runs)
     misses = verdict(rows)
     record = {
         "rows": rows,
@@ -178,10 +216,10 @@ def main() -> None:
         "load_average_end": os.getloadavg(),
         "minutes": (time.monotonic() - started) / 60,
         "command": " ".join(sys.argv),
+        "runs": runs,
     }
-    out = Path(args.out)
     out.write_text(json.dumps(record, indent=1) + "\n")
-    with gzip.open(out.with_name(out.stem + "_replies.jsonl.gz"), "wt") as handle:
+    with gzip.open(replies_path, "wt") as handle:
         handle.writelines(json.dumps(r) + "\n" for r in replies)
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k != "seconds_per_question"}))
