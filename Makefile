@@ -48,7 +48,9 @@ $(VENV)/.llamacpp: $(VENV)/.installed
 
 llamacpp: $(VENV)/.llamacpp
 
-demo: install
+# The demo runs the offline model on llama.cpp (its build takes a few minutes once): twice as fast as transformers
+# on a CPU (benches/results/first_answer.json).
+demo: llamacpp
 	$(VENV)/bin/ermedrag demo
 
 # Two workers (pytest-xdist), each test file on one of them (its module fixtures start once); tests/conftest.py

@@ -9,7 +9,7 @@ import sys
 from typing import Callable
 
 from ermedrag.graphs.registry import GRAPHS
-from ermedrag.tools.models import DEFAULT_MODEL, ModelSpecError
+from ermedrag.tools.models import ModelSpecError, default_model
 from ermedrag.tools.model_server import ModelServerError
 from ermedrag.tools.retrieval.corpus import DEFAULT_ON_DUPLICATE_ID, DUPLICATE_ID_POLICIES, CorpusError
 from ermedrag.tools.retrieval.encoder import DEFAULT_ENCODER
@@ -242,7 +242,7 @@ def number(low: float, high: float | None = None) -> Callable[[str], float]:
 
 def _add_context_args(parser: argparse.ArgumentParser, *, replicas: bool) -> None:
     """The flags that set a graph's context, the same on every command that runs graphs (ask, demo, eval, run)."""
-    parser.add_argument("--model", default=None, help=f"chat model for every agent (default {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=None, help=f"chat model for every agent (default here: {default_model()})")
     if replicas:
         parser.add_argument(
             "--base-url",

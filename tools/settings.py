@@ -11,6 +11,7 @@ LangGraph Studio. Nothing else in the product reads `os.environ` for these names
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import Field, dataclass, field
@@ -31,28 +32,40 @@ class Setting:
 
     name: str
     kind: str
-    default: Any
+    default: Any  # a callable: computed when read, and the table shows `shown`
     help: str
     concern: str
     low: float | None = None
     high: float | None = None
     choices: tuple[str, ...] = ()
     fallback: str | None = None
+    shown: str = ""
 
 
 def _s(name: str, kind: str, default: Any, help: str, concern: str, **limits: Any) -> Setting:
     return Setting(name, kind, default, help, concern, **limits)
 
 
-DEFAULT_MODEL = "offline:gemma3-270m"
+OFFLINE_LLAMACPP, OFFLINE_TRANSFORMERS = "llamacpp:gemma3-270m", "offline:gemma3-270m"
+
+
+def default_model() -> str:
+    """The offline model on the fastest in-process backend installed here: llama.cpp (the `llamacpp` extra, which
+    `make demo` builds) answers the demo in about half the time transformers takes on a CPU
+    (benches/results/first_answer.json); without it, transformers."""
+    return OFFLINE_LLAMACPP if importlib.util.find_spec("llama_cpp") is not None else OFFLINE_TRANSFORMERS
+
+
 SETTINGS: tuple[Setting, ...] = (
     # models and sampling
     _s(
         "ERMEDRAG_MODEL",
         "str",
-        DEFAULT_MODEL,
-        "Chat model of every agent, `provider:name` (hf:, offline:, llamacpp:, openai:, vllm:).",
+        default_model,
+        "Chat model of every agent, `provider:name` (hf:, offline:, llamacpp:, openai:, vllm:); by default the "
+        "offline model on llama.cpp where llama-cpp-python is installed (`make demo` builds it), else on transformers.",
         "models",
+        shown=f"`{OFFLINE_LLAMACPP}` or `{OFFLINE_TRANSFORMERS}`",
     ),
     _s("ERMEDRAG_EXTRACTOR_MODEL", "str", None, "The extractor's chat model.", "models", fallback="ERMEDRAG_MODEL"),
     _s("ERMEDRAG_RESPONDENT_MODEL", "str", None, "The respondent's chat model.", "models", fallback="ERMEDRAG_MODEL"),
@@ -416,7 +429,7 @@ def read(name: str) -> Any:
     if (raw is None or not raw.strip()) and setting.fallback:
         return read(setting.fallback)
     if raw is None or not raw.strip():
-        return _expand(setting, setting.default)
+        return _expand(setting, default(name))
     try:
         return _expand(setting, _parse(setting, raw.strip()))
     except ValueError as err:
@@ -429,7 +442,8 @@ def cache_home() -> Path:
 
 
 def default(name: str) -> Any:
-    return BY_NAME[name].default
+    value = BY_NAME[name].default
+    return value() if callable(value) else value
 
 
 def _parse(setting: Setting, raw: str) -> Any:
@@ -478,6 +492,7 @@ def settings_table() -> str:
     rows = ["| variable | default | what it sets |", "|---|---|---|"]
     for s in SETTINGS:
         shown = f"`{s.default}`" if s.default not in (None, "") else ("= " + s.fallback if s.fallback else "—")
+        shown = s.shown or shown
         if isinstance(s.default, bool):
             shown = f"`{str(s.default).lower()}`"
         rows.append(f"| `{s.name}` | {shown} | {s.help} |")

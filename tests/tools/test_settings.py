@@ -3,6 +3,7 @@ from it, and the same help on every context field Studio shows."""
 
 from __future__ import annotations
 
+import importlib.util
 import dataclasses
 from pathlib import Path
 
@@ -76,3 +77,18 @@ def test_fallbacks_and_paths(monkeypatch):
     assert settings.cache_home() == Path.home() / ".cache" / "ermedrag"
     monkeypatch.setenv("ERMEDRAG_TRACE_DB", "~/t.sqlite")
     assert settings.read("ERMEDRAG_TRACE_DB") == str(Path.home() / "t.sqlite")
+
+
+@pytest.mark.parametrize("installed, expected", [(True, "llamacpp:gemma3-270m"), (False, "offline:gemma3-270m")])
+def test_the_default_model_is_the_offline_one_on_the_fastest_backend_installed(monkeypatch, installed, expected):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (real("json") if installed else None) if name == "llama_cpp" else real(name, *a),
+    )
+    for name in ("ERMEDRAG_MODEL", "ERMEDRAG_EXTRACTOR_MODEL", "ERMEDRAG_RESPONDENT_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    assert settings.default_model() == settings.read("ERMEDRAG_MODEL") == expected
+    assert settings.read("ERMEDRAG_RESPONDENT_MODEL") == expected
+    assert "`llamacpp:gemma3-270m` or `offline:gemma3-270m`" in settings.settings_table()  # the same on every machine

@@ -1,9 +1,11 @@
 """Chat-model backends, all LangChain `BaseChatModel`s chosen by one string, one module per backend.
 
     load_chat_model("hf:google/gemma-3-270m")            transformers in-process (hub id, folder, or file.gguf)
-    load_chat_model("offline:gemma3-270m")               the packaged offline default (hf backend)
+    load_chat_model("offline:gemma3-270m")               the packaged offline model (hf backend)
     load_chat_model("llamacpp:gemma3-270m")              llama.cpp in-process on CPU (an offline model or file.gguf;
                                                           the `llamacpp` extra; see tools.llamacpp)
+    default_model()                                      the default: the offline model on llama.cpp where it is
+                                                          installed, else on transformers
     load_chat_model("openai:Qwen/Qwen3-8B", base_url=…)  any OpenAI-compatible server (vllm serve, llama.cpp, ...)
                                                           (timeout_s, connect_timeout_s, max_retries, retry_backoff_s)
     load_chat_model("vllm:Qwen/Qwen3-8B")                in-process vLLM on a GPU
@@ -45,6 +47,7 @@ from typing import Any
 from langchain_core.language_models.chat_models import BaseChatModel
 
 from ermedrag.tools import settings
+from ermedrag.tools.settings import default_model
 from ermedrag.tools.images import ImagesNotSupportedError
 from ermedrag.tools.model_server import (
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -56,7 +59,6 @@ from ermedrag.tools.model_server import (
     check_sampling,
 )
 from ermedrag.tools.models.base import (
-    DEFAULT_MODEL,
     IMAGE_FIX,
     OPENAI_VISION_ENV,
     PROVIDERS,
@@ -74,7 +76,7 @@ from ermedrag.tools.models.scripted import ScriptedChatModel
 from ermedrag.tools.models.vllm import VLLMChatModel
 
 __all__ = [
-    "DEFAULT_MODEL",
+    "default_model",
     "PROVIDERS",
     "ImagesNotSupportedError",
     "ModelSpecError",

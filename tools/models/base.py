@@ -14,7 +14,6 @@ from ermedrag.tools import settings
 from ermedrag.tools.images import ImagesNotSupportedError, is_url
 
 PROVIDERS = ("hf", "offline", "llamacpp", "openai", "vllm", "scripted")
-DEFAULT_MODEL = "offline:gemma3-270m"
 
 
 class ModelSpecError(ValueError):
