@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SCRIPTED
+from tests.conftest import REPO, SCRIPTED, needs_llamacpp
 from ermedrag.tools.records.traces import TraceStore
 
 TIMEOUT_S = 300  # the first ask on a fresh machine builds the starter index (72 passages)
@@ -326,3 +326,16 @@ def test_the_trace_database_flag_is_the_same_on_every_command(tmp_path: Path) ->
     ):
         assert _parser().parse_args([*argv, "--trace-db", "t.sqlite"]).trace_db == "t.sqlite", argv
     assert _parser().parse_args(["traces", "list", "--db", "t.sqlite"]).trace_db == "t.sqlite"  # the old spelling
+
+
+@needs_llamacpp
+def test_demo_answers_on_the_default_model_in_a_fresh_process(tmp_path: Path) -> None:
+    """What `make demo` runs, as a newcomer's shell runs it: the default model (llama.cpp, installed here), its
+    encoder and tokenizer loaded in a process that imported none of them before (they once raced there)."""
+    proc = ermedrag("demo", trace_db=tmp_path / "traces.sqlite")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "loading model llamacpp:gemma3-270m" in proc.stderr
+    assert re.search(r"^Answer: [A-D]  \(parsed=True, well-formed=(True|False)\)$", proc.stdout, re.MULTILINE)
+    setup = r"^Setup: \d+\.\d\ds \(model llamacpp:gemma3-270m=\d+\.\d\ds, index=\d+\.\d\ds\)$"
+    assert re.search(setup, proc.stdout, re.MULTILINE), proc.stdout
+    assert re.search(r"^Timings: .*extract_s=\d+\.\d\ds.*total=\d+\.\d\ds$", proc.stdout, re.MULTILINE)
