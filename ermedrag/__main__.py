@@ -1,5 +1,5 @@
 """`python -m ermedrag …` is the `ermedrag` command (e.g. under `accelerate launch -m ermedrag train …`)."""
 
-from ermedrag.cli import main
+from ermedrag.cli import run
 
-raise SystemExit(main())
+run()
