@@ -132,22 +132,33 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
     return misses
 
 
-def appended(
-    before: dict[str, Any],
-    replies_path: Path,
-    kinds: list[str],
-    rows: list[dict[str, Any]],
-    replies: list[dict[str, Any]],
-    runs: list[dict[str, Any]],
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """This run's rows and replies with those of the server kinds it did not run (and their in-process twins)."""
-    mine = set(kinds) | {TWIN_NAMES[IN_PROCESS_TWIN[kind]] for kind in kinds}
-    kept_rows = [r for r in before["rows"] if r["backend"] not in mine]
+def rows_of(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every (backend, graph)'s row from the replies, a server's beside its in-process twin's same questions."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for reply in replies:
+        groups.setdefault((reply["backend"], reply["graph"]), []).append(reply)
+    rows = []
+    for (backend, graph), records in groups.items():
+        if backend.startswith("in_process"):
+            rows.append(row(backend, graph, records, records))
+            continue
+        twin_label = TWIN_NAMES[IN_PROCESS_TWIN[backend]]
+        twin = {r["id"]: r for r in groups.get((twin_label, graph), [])}
+        paired = [r for r in records if r["id"] in twin]
+        rows.append(row(backend, graph, paired, [twin[r["id"]] for r in paired]) | {"twin": twin_label})
+    return rows
+
+
+def earlier_replies(out: Path, replies_path: Path, ran: set[tuple[str, str]]) -> tuple[list[dict], list[dict]]:
+    """The replies and runs `out` holds for every (backend, graph) this run did not run."""
+    before = json.loads(out.read_text())
     with gzip.open(replies_path, "rt") as handle:
-        kept_replies = [r for r in map(json.loads, handle) if r["backend"] not in mine]
-    earlier = before.get("runs") or [{"servers": before["settings"]["servers"], "command": before.get("command")}]
-    kept_runs = [run for run in earlier if set(run["servers"]) - set(kinds)]
-    return kept_rows + rows, kept_replies + replies, kept_runs + runs
+        kept = [r for r in map(json.loads, handle) if (r["backend"], r["graph"]) not in ran]
+    settings = before["settings"]
+    runs = before.get("runs") or [
+        {key: settings[key] for key in ("servers", "graphs", "n")} | {"command": before.get("command")}
+    ]
+    return kept, runs
 
 
 def main() -> None:
@@ -166,7 +177,7 @@ def main() -> None:
     parser.add_argument(
         "--append",
         action="store_true",
-        help="keep the rows (and replies) of the server kinds not run now from --out (e.g. more questions for one)",
+        help="keep the rows (and replies) of --out for every backend and graph not run now (e.g. more questions for one)",
     )
     args = parser.parse_args()
     if not args.data:
@@ -176,7 +187,6 @@ def main() -> None:
     kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
     machine, started = describe_machine(), time.monotonic()
     print(machine, flush=True)
-    rows: list[dict[str, Any]] = []
     replies: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="server-parity-") as tmp:
         workdir = Path(tmp)
@@ -187,13 +197,14 @@ def main() -> None:
                 for graph in graphs:
                     twin = run_backend(graph, server.in_process, None, questions, workdir, twin_label)
                     served = run_backend(graph, f"openai:{server.model}", server.base_url, questions, workdir, kind)
-                    rows += [row(twin_label, graph, twin, twin), row(kind, graph, served, twin) | {"twin": twin_label}]
                     replies += twin + served
     out = Path(args.out)
     replies_path = out.with_name(out.stem + "_replies.jsonl.gz")
-    runs = [{"servers": kinds, "n": len(questions), "command": " ".join(sys.argv)}]
+    runs = [{"servers": kinds, "graphs": graphs, "n": len(questions), "command": " ".join(sys.argv)}]
     if args.append and out.exists():
-        rows, replies, runs = appended(json.loads(out.read_text()), replies_path, kinds, rows, replies, runs)
+        kept, earlier = earlier_replies(out, replies_path, {(r["backend"], r["graph"]) for r in replies})
+        replies, runs = kept + replies, earlier + runs
+    rows = rows_of(replies)
     misses = verdict(rows)
     record = {
         "rows": rows,

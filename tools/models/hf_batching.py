@@ -235,7 +235,9 @@ class BatchingGenerator:
             key = self._pending[0].params
             batch = [r for r in self._pending if r.params == key][: self.max_batch]
             self._pending = [r for r in self._pending if r not in batch]
-        return batch
+        # In the order of their prompts, not of their arrival: which thread of a fan-out comes first varies from run
+        # to run, and a row's place in a batch changes how its numbers round, so the same calls decoded differently.
+        return sorted(batch, key=lambda request: request.prompt_ids)
 
     def _generate_batch(self, batch: list[Request]) -> list[Generated]:
         import torch

@@ -54,9 +54,12 @@ def reference_generate(
     prompts: list[list[int]],
     params: GenerationParams,
 ) -> list[Generated]:
-    """What the hf backend computed before: every step's full-vocabulary logits from `generate`, reduced after."""
+    """What the hf backend computed before: every step's full-vocabulary logits from `generate`, reduced after. The
+    rows in the batch's order (sorted by prompt, whatever order the calls came in), each returned in its call's."""
     import torch
 
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    prompts = [prompts[i] for i in order]
     tokenizer, model = generator.tokenizer, generator.model
     pad, width = tokenizer.pad_token_id, max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -83,7 +86,8 @@ def reference_generate(
         chosen.append(logp.gather(1, new[:, step : step + 1]).squeeze(1))
         entropy.append(-(logp.exp() * torch.nan_to_num(logp, neginf=0.0)).sum(-1))
     chosen_rows, entropy_rows = torch.stack(chosen, 1).tolist(), torch.stack(entropy, 1).tolist()
-    return [generator._row(new[b].tolist(), chosen_rows[b], entropy_rows[b]) for b in range(len(prompts))]
+    rows = [generator._row(new[b].tolist(), chosen_rows[b], entropy_rows[b]) for b in range(len(prompts))]
+    return [rows[order.index(i)] for i in range(len(prompts))]
 
 
 def assert_same_generation(new: list[Generated], reference: list[Generated]) -> None:
@@ -485,3 +489,11 @@ def test_the_chat_model_scores_single_token_texts_in_openais_shape(tiny_path):
     assert [t["token"] for t in first["top_logprobs"]] == ["A", "B"]
     assert all(t["logprob"] < 0 for t in first["top_logprobs"])
     assert model.scores_answer_tokens()
+
+
+def test_a_batch_decodes_in_the_order_of_its_prompts_whatever_order_the_calls_came_in(tiny_generator):
+    """A fan-out's threads arrive in another order each run; sampled rows draw by their place in the batch."""
+    prompts = fan_out_prompts(tiny_generator)
+    forward = tiny_generator.generate_many(prompts, SAMPLED)
+    backward = tiny_generator.generate_many(prompts[::-1], SAMPLED)[::-1]
+    assert [g.token_ids for g in forward] == [g.token_ids for g in backward]
