@@ -20,6 +20,7 @@ import argparse
 import gzip
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -200,7 +201,11 @@ def main() -> None:
                     replies += twin + served
     out = Path(args.out)
     replies_path = out.with_name(out.stem + "_replies.jsonl.gz")
-    runs = [{"servers": kinds, "graphs": graphs, "n": len(questions), "command": " ".join(sys.argv)}]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    runs = [
+        {"servers": kinds, "graphs": graphs, "n": len(questions), "command": " ".join(sys.argv)}
+        | {"commit": commit.strip() or None, "machine": machine, "minutes": (time.monotonic() - started) / 60}
+    ]
     if args.append and out.exists():
         kept, earlier = earlier_replies(out, replies_path, {(r["backend"], r["graph"]) for r in replies})
         replies, runs = kept + replies, earlier + runs
