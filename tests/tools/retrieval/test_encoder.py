@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +16,11 @@ import pytest
 import torch
 
 from ermedrag.tools.data.starter_kb import PASSAGES
+from ermedrag.tools.retrieval.bert import bert_config
 from ermedrag.tools.retrieval.encoder import (
     DEFAULT_ENCODER,
     MeanPooledEncoder,
     encoder_path,
-    load_encoder,
     mean_pooled_shape,
 )
 
@@ -29,11 +32,22 @@ def _texts() -> list[str]:
     return [*passages, *cut, " ".join(passages[:6]), "", "a", "Which drug is first-line for type 2 diabetes?"]
 
 
+def _other_activation(tmp_path: Path) -> str:
+    """The packaged MiniLM with another activation: not the plain BERT `tools.retrieval.bert` runs, so transformers'."""
+    folder = tmp_path / "minilm-gelu-new"
+    shutil.copytree(encoder_path(DEFAULT_ENCODER), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"hidden_act": "gelu_new"}))
+    return str(folder)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_same_vectors_as_sentence_transformers(dtype):
+@pytest.mark.parametrize("model", ["packaged", "through_transformers"])
+def test_the_same_vectors_as_sentence_transformers(dtype, model, tmp_path):
     from sentence_transformers import SentenceTransformer
 
-    path = encoder_path(DEFAULT_ENCODER)
+    path = encoder_path(DEFAULT_ENCODER) if model == "packaged" else _other_activation(tmp_path)
+    assert (bert_config(Path(path)) is not None) == (model == "packaged")
     texts = _texts()
     ours = MeanPooledEncoder(path, *mean_pooled_shape(Path(path)), device="cpu", dtype=dtype)
     theirs = SentenceTransformer(path, device="cpu").to(dtype)
@@ -43,8 +57,15 @@ def test_the_same_vectors_as_sentence_transformers(dtype):
     assert ours.get_sentence_embedding_dimension() == theirs.get_sentence_embedding_dimension() == 384
 
 
-def test_the_packaged_model_loads_without_sentence_transformers():
-    assert isinstance(load_encoder(DEFAULT_ENCODER), MeanPooledEncoder)
+def test_the_packaged_model_loads_without_sentence_transformers_or_transformers_modeling():
+    """What the first answer pays for (benches/results/first_answer.json): checked in a fresh process."""
+    code = (
+        "import sys; from ermedrag.tools.retrieval.encoder import encode_queries, load_encoder; "
+        "encode_queries(['which drug first?']); print(type(load_encoder()).__name__, "
+        "[m for m in ('sentence_transformers', 'transformers.modeling_utils') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["MeanPooledEncoder", "[]"]
 
 
 def _folder(tmp_path: Path, modules: list[str], pooling: dict, bert: dict) -> Path:
