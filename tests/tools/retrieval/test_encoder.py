@@ -1,6 +1,6 @@
 """The dense encoder without sentence-transformers (`MeanPooledEncoder`) gives the very vectors sentence-transformers
 gives for the same model: indexes built before it, and by either, stay valid. Checked on the packaged MiniLM with
-texts of every length (empty, one letter, past the 256-token limit), in float32 and in bfloat16."""
+texts of every length (empty, one letter, past the 256-token limit, batches padded), in float32 and in bfloat16."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ermedrag.tools.retrieval.encoder import (
 
 
 def _texts() -> list[str]:
-    passages = [json.loads(line)["text"] for line in PASSAGES.read_text().splitlines() if line.strip()]
+    passages = [json.loads(line)["text"] for line in PASSAGES.read_text().splitlines() if line.strip()][:24]
     rng = random.Random(0)
     cut = [text[: rng.randint(1, len(text))] for text in passages]
     return [*passages, *cut, " ".join(passages[:6]), "", "a", "Which drug is first-line for type 2 diabetes?"]
