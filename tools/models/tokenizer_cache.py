@@ -11,6 +11,7 @@ written by this process and renamed into place whole; one that does not load is 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,10 +33,11 @@ def load_tokenizer(source: str, **kwargs: Any) -> Any:
     try:
         with open(kept, "rb") as handle:
             return pickle.load(handle)
-    except FileNotFoundError:
+    except OSError:  # not kept yet, or a cache that cannot be read: load afresh
         pass
     except Exception:  # written by another library version in spite of the key, or damaged: load afresh
-        kept.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            kept.unlink()
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     _keep(tokenizer, kept)
     return tokenizer
@@ -64,8 +66,11 @@ def _kept_path(source: str, kwargs: dict[str, Any]) -> Path | None:
 def _keep(tokenizer: Any, path: Path) -> None:
     """Write the pickled tokenizer beside `path` and rename it there: a reader never sees half a file. A tokenizer
     that does not pickle, or a cache that cannot be written, is simply not kept."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, staging = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    except OSError:  # a read-only or full cache: load afresh next time
+        return
     try:
         with os.fdopen(handle, "wb") as out:
             pickle.dump(tokenizer, out, protocol=pickle.HIGHEST_PROTOCOL)

@@ -77,3 +77,10 @@ def test_only_a_local_source_is_kept(home, folder):
     assert tokenizer_cache._kept_path(str(folder), {"gguf_file": "m.gguf"}) != tokenizer_cache._kept_path(
         str(folder), {}
     )
+
+
+def test_a_cache_that_cannot_be_written_still_loads(tmp_path, monkeypatch, folder):
+    home = tmp_path / "not-a-folder"
+    home.write_text("")  # no folder can be made under it, whoever runs the test
+    monkeypatch.setenv("ERMEDRAG_HOME", str(home))
+    _same(load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder))
