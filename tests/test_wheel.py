@@ -240,7 +240,7 @@ def test_wheel_ships_every_module_and_data_file_under_ermedrag_only(wheel: Path)
     assert not missing, f"training configs missing from the wheel: {missing}"
 
     entry_points = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
-    assert re.search(r"^ermedrag\s*=\s*ermedrag\.cli:main$", entry_points, re.MULTILINE), entry_points
+    assert re.search(r"^ermedrag\s*=\s*ermedrag\.cli:run$", entry_points, re.MULTILINE), entry_points
 
 
 # What the fresh venv runs after `import` of every registered graph: where each came from, and whether the
