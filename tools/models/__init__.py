@@ -149,9 +149,9 @@ def server_tokenizer() -> str:
 
     source = settings.read("ERMEDRAG_SERVER_TOKENIZER")
     if source.startswith("offline:"):
-        from ermedrag.tools.models.offline import offline_model_dir
+        from ermedrag.tools.models.offline import offline_tokenizer_dir
 
-        source = str(offline_model_dir(source.removeprefix("offline:")))
+        source = str(offline_tokenizer_dir(source.removeprefix("offline:")))
     if source:
         template_tokenizer(source, True)
     return source

@@ -331,10 +331,10 @@ class LlamaCppGenerator(BatchingGenerator):
 def gguf_and_tokenizer_source(name: str) -> tuple[Path, str, dict[str, Any]]:
     """The GGUF file of `name` (a packaged offline model or a .gguf path) and where its transformers tokenizer
     loads from (a folder, with `gguf_file` for a GGUF's own)."""
-    from ermedrag.tools.models.offline import OFFLINE_MODELS, offline_gguf, offline_model_dir
+    from ermedrag.tools.models.offline import OFFLINE_MODELS, offline_gguf, offline_tokenizer_dir
 
     if name in OFFLINE_MODELS:
-        return offline_gguf(name), str(offline_model_dir(name)), {}
+        return offline_gguf(name), str(offline_tokenizer_dir(name)), {}
     path = Path(name).expanduser()
     if path.suffix != ".gguf":
         raise ValueError(f"llamacpp: model {name!r} must be a .gguf file or one of the offline models {OFFLINE_MODELS}")

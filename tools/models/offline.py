@@ -2,7 +2,8 @@
 
 transformers dequantises a GGUF on every load (~50 s on 2 cores) and refuses to save a GGUF-loaded model,
 so the first use converts it once into a plain transformers folder (bf16 safetensors, a chat template
-added because the base tokenizer has none) under the ermedrag cache; later loads take seconds.
+added because the base tokenizer has none) under the ermedrag cache; later loads take seconds. The llamacpp:
+backend runs the GGUF itself and needs only the tokenizer: `offline_tokenizer_dir` prepares that alone.
 
 The model exercises the pipeline; it is near chance on medical questions. Gemma Terms of Use apply.
 """
@@ -13,9 +14,10 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ermedrag.tools.settings import cache_home
 
@@ -63,6 +65,25 @@ def offline_model_dir(name: str = "gemma3-270m") -> Path:
     return target
 
 
+def offline_tokenizer_dir(name: str = "gemma3-270m") -> Path:
+    """A folder with the offline model's chat-ready tokenizer and generation config: all that the llamacpp: backend
+    (which reads the GGUF's weights itself) and a server's chat template need. The converted model's folder where it
+    exists; else the tokenizer alone, prepared once, in seconds where the weights take 1.5 min."""
+    if name not in OFFLINE_MODELS:
+        raise ValueError(f"unknown offline model {name!r}; available: {OFFLINE_MODELS}")
+    converted = cache_home() / "models" / name
+    if (converted / CHAT_READY_MARKER).exists():
+        return converted
+    target = cache_home() / "models" / f"{name}-tokenizer"
+    if (target / CHAT_READY_MARKER).exists():
+        return target
+    with _one_process_at_a_time(target.parent / f".{name}-tokenizer.lock"):
+        if not (target / CHAT_READY_MARKER).exists():
+            print(f"preparing the tokenizer of the offline model {name} (once) …", file=sys.stderr, flush=True)
+            _staged(target, lambda staging: _write_tokenizer(offline_gguf(name), staging))
+    return target
+
+
 def offline_gguf(name: str = "gemma3-270m") -> Path:
     """The packaged GGUF file of the offline model (assembled from its package's parts on first use)."""
     if name not in OFFLINE_MODELS:
@@ -98,11 +119,10 @@ def _one_process_at_a_time(lock_file: Path) -> Iterator[None]:
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     folder, file = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    tokenizer = _gguf_tokenizer(gguf_path)
     quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     config = AutoConfig.from_pretrained(folder, gguf_file=file)
     if hasattr(config, "quantization_config"):
@@ -111,12 +131,41 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantised.state_dict())
     plain.generation_config = quantised.generation_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the target and rename, so an interrupted conversion never leaves a half folder.
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+
+    def write(staging: Path) -> None:
         plain.to(torch.bfloat16).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+
+    _staged(target, write)
+
+
+def _gguf_tokenizer(gguf_path: Path) -> Any:
+    """The GGUF's tokenizer with the chat template the offline models use (the base GGUF carries none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _write_tokenizer(gguf_path: Path, folder: Path) -> None:
+    """The tokenizer and the generation config the full conversion writes, without the weights: the config's
+    special tokens are the tokenizer's, as the GGUF's metadata gives both (tests/tools/models/test_offline.py)."""
+    from transformers import GenerationConfig
+
+    tokenizer = _gguf_tokenizer(gguf_path)
+    tokenizer.save_pretrained(folder)
+    ids = {name: getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "pad")}
+    GenerationConfig(**{f"{name}_token_id": value for name, value in ids.items()}).save_pretrained(folder)
+
+
+def _staged(target: Path, write: Callable[[Path], None]) -> None:
+    """`write` a folder beside `target`, make it chat-ready and rename it there: an interrupted conversion never
+    leaves a half folder."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write(staging)
         _make_chat_ready(staging)
         staging.rename(target)
     finally:
