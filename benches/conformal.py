@@ -31,6 +31,7 @@ from typing import Any
 
 from ermedrag.evals.conformal import conformal_threshold, coverage, nonconformity, risk_coverage, scored_rows
 from ermedrag.evals.runner import RESULTS, run_eval
+from ermedrag.tools.data.benchmarks import load_benchmark
 from ermedrag.tools.machine import describe_machine
 from ermedrag.tools.records.jsonl import read_records
 from ermedrag.tools.records.traces import TraceStore
@@ -100,6 +101,12 @@ def figures(
     return out
 
 
+def drawn_ids(benchmark: str, args: argparse.Namespace) -> set[str]:
+    """The questions this run draws: a --work folder reused with other sizes holds answers to others too."""
+    questions = load_benchmark(benchmark, args.data, limit=args.n_calibration + args.n_test, seed=args.seed)
+    return {q.id for q in questions}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started, load_before = time.time(), os.getloadavg()
     rows, replies = [], []
@@ -119,7 +126,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         answered = [r for r in read_records(out_dir / RESULTS) if (r.get("config") or {}).get("system") == system]
         for benchmark in args.benchmarks:
-            mine = [r for r in answered if r.get("benchmark") == benchmark]
+            drawn = drawn_ids(benchmark, args)
+            mine = [r for r in answered if r.get("benchmark") == benchmark and r.get("question_id") in drawn]
             for row in figures(mine, args.alphas, args.n_calibration, args.seed, args.splits):
                 rows.append({"system": system, "benchmark": benchmark, **row})
             replies += [{"system": system} | {key: r.get(key) for key in REPLY_FIELDS} for r in mine]
