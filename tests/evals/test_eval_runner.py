@@ -162,7 +162,7 @@ PINNED_PROMPTS = {
     "respondent": (2, "9e114f03ee58ba28"),
     "extractor": (1, "29162c64db382b6f"),
     "reasoner": (2, "d171d346f6ef40b7"),
-    "mmedagent": (2, "748bf04525c0436e"),
+    "mmedagent": (3, "9ccfa89bf76ed38e"),
 }
 
 

@@ -100,6 +100,35 @@ def test_a_specialty_named_inside_the_answer_is_found():
         assert parsed["fell_back"] and parsed["specialty"] == "Surgeon" and why in parsed["reason"], parsed
 
 
+@pytest.mark.parametrize(
+    "specialties",
+    [
+        triage_role.SPECIALTIES,
+        ("Cardiologist", "Neurologist", "Surgeon"),  # example specialties in the real list are never the example's
+        tuple(triage_role.TRIAGE_EXAMPLES)[:-1],  # one left out: the example names it, from a list of one
+    ],
+)
+def test_copying_the_triage_example_is_never_a_right_answer(specialties):
+    questions = [f"Case {i}: which specialty?" for i in range(60)]
+    named = set()
+    for question in questions:
+        messages = triage_role.triage_messages(question, {"A": "x"}, specialties)
+        copied = parse_answer(messages[2].text, None)["answer"]  # the worked example's answer
+        named.add(copied)
+        assert triage_role.find_specialty(copied, specialties) is None  # a copy names nothing of the real list
+        assert triage_role.parse_triage(messages[2].text, specialties, specialties[0])["fell_back"]
+        example_list = messages[1].text.splitlines()[0].removeprefix("Specialties: ").split(", ")
+        assert copied in example_list and not set(example_list) & set(specialties)
+        assert messages[-1].text.splitlines()[0] == "Specialties: " + ", ".join(specialties)
+    outside = [s for s in triage_role.TRIAGE_EXAMPLES if s not in specialties]
+    assert named == set(outside)  # the hash spreads the examples over every left-out specialty
+
+
+def test_a_list_holding_every_example_specialty_gets_no_example():
+    messages = triage_role.triage_messages("Which specialty?", None, tuple(triage_role.TRIAGE_EXAMPLES))
+    assert [m.type for m in messages] == ["system", "human"]
+
+
 def test_oracle_and_fixed_triage_make_no_triage_call(tmp_path):
     ctx = {"respondent_model": PANEL, "trace_db": str(tmp_path / "t.sqlite"), "triage_mode": "oracle"}
     question = {"question": "Itchy plaques? #answers=A", "options": OPTIONS, "gold": "A"}

@@ -1,0 +1,194 @@
+"""Does the triage doctor copy its worked example, and does its triage beat trivial ones? (issue 39, part 6)
+
+On the held-out questions of `mmedagent_learning.py` (the same labelled questions, split and seed: balanced over
+the specialties that MedMCQA subjects and MedXpertQA body systems name), the model triages each case greedily with
+the graph's own prompt (`agents.triage.triage_messages`, the paper's seven specialties) and stop string, in
+process. Beside its accuracy, on the same questions:
+- `chance`: 1 / the number of specialties listed; `majority`: the held-out set's most common gold specialty;
+  `first_listed`: always the first specialty of the list;
+- `copy_example`: answering with the worked example's specialty (right only when the example can be right);
+- `keyword`: a rule that names the specialty whose words (biopsy, X-ray, thyroid, …: `KEYWORDS`) the case uses most.
+`copy_rate` is the share of replies that name the worked example's specialty; `modal_share` the share of the most
+common reply (a collapse detector). Wilson 95% intervals on every rate.
+
+The prompt is that of the ermedrag it imports: to measure another commit's, run this script with that checkout first
+on PYTHONPATH (and its .venv); `--label` names the row. Replies are kept beside the JSON (`<out>_replies/LABEL.jsonl.gz`).
+
+    .venv/bin/python benches/learning/triage_copy.py --data ../shared/data --label after
+    cd ../old && PYTHONPATH=. .venv/bin/python ../main/benches/learning/triage_copy.py --data ../shared/data \\
+        --label before --out ../main/benches/results/triage_copy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # for benches.learning; appended, so PYTHONPATH can name another checkout first
+    sys.path.append(str(REPO))
+
+from benches.learning.mmedagent_learning import benchmarks_dir, labelled_questions, split_questions  # noqa: E402
+from ermedrag.agents import triage  # noqa: E402
+from ermedrag.agents.respondent import parse_answer  # noqa: E402
+from ermedrag.evals.metrics import wilson_interval  # noqa: E402
+from ermedrag.offline import go_offline  # noqa: E402
+from ermedrag.tools.agent_calls import text_with_stop  # noqa: E402
+from ermedrag.tools.data.specialties import gold_specialty_for  # noqa: E402
+from ermedrag.tools.machine import describe_machine  # noqa: E402
+
+# Words a case of each specialty tends to use (stems, matched at the start of a word, any case).
+KEYWORDS: dict[str, tuple[str, ...]] = {
+    "Pathologist": ("biops", "histolog", "microscop", "stain", "specimen", "necros", "granulom", "autops", "cytolog"),
+    "Radiologist": ("x-ray", "radiograph", "ct ", "mri", "ultrasound", "sonograph", "imaging", "scan", "radiat"),
+    "Surgeon": ("surg", "operat", "incision", "fractur", "laparot", "resect", "hernia", "appendic", "wound", "bone"),
+    "Oncologist": ("cancer", "carcinom", "chemotherap", "metasta", "lymphom", "leukem", "malignan", "tumou", "tumor"),
+    "Endocrinologist": ("thyroid", "insulin", "diabet", "cortisol", "adrenal", "pituitar", "hormon", "glucose", "tsh"),
+    "Ophthalmologist": ("eye", "retin", "vision", "visual", "cornea", "glaucom", "catarac", "optic", "pupil", "lens"),
+    "Dermatologist": ("skin", "rash", "lesion", "plaque", "papul", "macul", "prurit", "derm", "nail", "scal"),
+}
+
+
+def keyword_specialty(text: str, specialties: Sequence[str]) -> str:
+    """The listed specialty whose KEYWORDS the text uses most (ties and no hit: the first listed)."""
+    folded = text.lower()
+    hits = {
+        s: sum(len(re.findall(r"\b" + re.escape(word), folded)) for word in KEYWORDS.get(s, ())) for s in specialties
+    }
+    return max(specialties, key=lambda s: (hits[s], -specialties.index(s)))
+
+
+def example_specialty(messages: Sequence[Any]) -> str | None:
+    """The specialty the conversation's worked example answers with (None without one)."""
+    shots = [m for m in messages[1:-1] if m.type == "ai"]
+    return parse_answer(shots[0].text, None)["answer"] if shots else None
+
+
+def rate(hits: int, n: int) -> dict[str, Any]:
+    low, high = wilson_interval(hits, n)
+    return {"rate": round(hits / n, 4) if n else None, "hits": hits, "n": n, "ci95": [round(low, 4), round(high, 4)]}
+
+
+def triage_replies(model_spec: str, conversations: list[list[Any]], concurrency: int) -> list[str]:
+    from ermedrag.tools.models import load_chat_model
+
+    model = load_chat_model(model_spec, temperature=0.0, max_new_tokens=triage.TRIAGE_MAX_NEW_TOKENS)
+    replies = model.batch(conversations, config={"max_concurrency": concurrency}, stop=list(triage.STOP))
+    return [text_with_stop(reply, list(triage.STOP)) for reply in replies]
+
+
+def measure(questions: Sequence[Any], args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    specialties = list(triage.SPECIALTIES)
+    conversations = [triage.triage_messages(q.question, q.options, specialties) for q in questions]
+    golds = [gold_specialty_for(q) for q in questions]
+    examples = [example_specialty(c) for c in conversations]
+    started = time.time()
+    texts = triage_replies(args.model, conversations, args.concurrency)
+    seconds = time.time() - started
+    rows = []
+    for q, gold, example, text in zip(questions, golds, examples, texts):
+        parsed = triage.parse_triage(text, specialties, specialties[0])
+        named = parsed["specialty"] if parsed["ok"] else None
+        rows.append(
+            {
+                "id": q.id,
+                "gold": gold,
+                "example": example,
+                "reply": text,
+                "answer": parsed["answer"],
+                "named": named,
+                "copied": example is not None and triage.find_specialty(parsed["answer"] or "", [example]) is not None,
+                "keyword": keyword_specialty(q.question + " " + " ".join(q.options.values()), specialties),
+            }
+        )
+    n = len(rows)
+    modal = Counter(r["answer"] for r in rows).most_common(1)[0][1] if rows else 0
+    figures = {
+        "n": n,
+        "accuracy": rate(sum(r["named"] == r["gold"] for r in rows), n),
+        "named_a_specialty": rate(sum(r["named"] is not None for r in rows), n),
+        "copy_rate": rate(sum(r["copied"] for r in rows), n),
+        "modal_share": rate(modal, n),
+        "predicted": dict(Counter(r["named"] or "(none)" for r in rows).most_common()),
+        "examples_shown": dict(Counter(r["example"] or "(none)" for r in rows).most_common()),
+        "seconds": round(seconds, 1),
+        "baselines": {
+            "chance": round(1 / len(specialties), 4),
+            "majority": rate(max(Counter(golds).values()), n),
+            "first_listed": rate(sum(g == specialties[0] for g in golds), n),
+            "copy_example": rate(sum(r["example"] == r["gold"] for r in rows), n),
+            "keyword": rate(sum(r["keyword"] == r["gold"] for r in rows), n),
+        },
+    }
+    best = max(figures["baselines"]["majority"]["ci95"][1], figures["baselines"]["keyword"]["ci95"][1])
+    figures["beats_every_baseline"] = figures["accuracy"]["rate"] > best  # above the strongest one's interval
+    return figures, rows
+
+
+def commit() -> str:
+    import ermedrag
+
+    where = Path(ermedrag.__file__).resolve().parents[1]
+    found = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return found.stdout.strip() or "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
+    parser.add_argument("--model", default="llamacpp:gemma3-270m", help="the triage doctor's model")
+    parser.add_argument("--label", default="after", help="the row this run writes (e.g. before, after)")
+    parser.add_argument("--seed", type=int, default=0, help="the question split (mmedagent_learning.py's --seed)")
+    parser.add_argument("--train-questions", type=int, default=48)
+    parser.add_argument("--eval-questions", type=int, default=48)
+    parser.add_argument("--max-question-chars", type=int, default=1500)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--out", default=str(REPO / "benches" / "results" / "triage_copy.json"))
+    args = parser.parse_args(argv)
+    folder = benchmarks_dir(args.data)
+    if folder is None:
+        print(f"no labelled benchmarks under {args.data} (MedMCQA dev and MedXpertQA): nothing to measure")
+        return 0
+    go_offline()
+    by_specialty = labelled_questions(folder, args.max_question_chars)
+    _, held_out = split_questions(by_specialty, args.train_questions, args.eval_questions, args.seed, "balanced")
+    load_before = os.getloadavg()
+    figures, rows = measure(held_out, args)
+    out = Path(args.out)
+    record = json.loads(out.read_text()) if out.exists() else {"runs": {}}
+    record["runs"][args.label] = {
+        "commit": commit(),
+        "model": args.model,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "data", "label")},
+        "machine": describe_machine(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        **figures,
+    }
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    replies = out.with_name(out.stem + "_replies")
+    replies.mkdir(exist_ok=True)
+    with gzip.open(replies / f"{args.label}.jsonl.gz", "wt") as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in rows)
+    base = figures["baselines"]
+    print(
+        f"{args.label} ({record['runs'][args.label]['commit']}): accuracy {figures['accuracy']['rate']} "
+        f"{figures['accuracy']['ci95']}, copy rate {figures['copy_rate']['rate']}, named a specialty "
+        f"{figures['named_a_specialty']['rate']}, modal share {figures['modal_share']['rate']}; baselines: chance "
+        f"{base['chance']}, majority {base['majority']['rate']}, first listed {base['first_listed']['rate']}, "
+        f"copy-the-example {base['copy_example']['rate']}, keyword {base['keyword']['rate']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
