@@ -47,10 +47,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
 import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -241,6 +243,13 @@ def ceilings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def keep_replies(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """The held-out replies behind a figure, one JSON line each (gzip)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+
+
 def save_dataset(rows: Sequence[dict[str, Any]], folder: Path) -> None:
     """`folder/dataset` (datasets.save_to_disk) and `folder/data.jsonl`: the layout of an export folder."""
     from datasets import Dataset
@@ -252,6 +261,72 @@ def save_dataset(rows: Sequence[dict[str, Any]], folder: Path) -> None:
         for row in rows:
             handle.write(json.dumps(row) + "\n")
     Dataset.from_list(list(rows)).save_to_disk(str(folder / "dataset"))
+
+
+# Words a case of each specialty tends to use (stems matched at the start of a word, any case): the keyword baseline.
+KEYWORDS: dict[str, tuple[str, ...]] = {
+    "Pathologist": ("biops", "histolog", "microscop", "stain", "specimen", "necros", "granulom", "autops", "cytolog"),
+    "Radiologist": ("x-ray", "radiograph", "ct ", "mri", "ultrasound", "sonograph", "imaging", "scan", "radiat"),
+    "Surgeon": ("surg", "operat", "incision", "fractur", "laparot", "resect", "hernia", "appendic", "wound", "bone"),
+    "Oncologist": ("cancer", "carcinom", "chemotherap", "metasta", "lymphom", "leukem", "malignan", "tumou", "tumor"),
+    "Endocrinologist": ("thyroid", "insulin", "diabet", "cortisol", "adrenal", "pituitar", "hormon", "glucose", "tsh"),
+    "Ophthalmologist": ("eye", "retin", "vision", "visual", "cornea", "glaucom", "catarac", "optic", "pupil", "lens"),
+    "Dermatologist": ("skin", "rash", "lesion", "plaque", "papul", "macul", "prurit", "derm", "nail", "scal"),
+}
+
+
+def keyword_specialty(text: str, specialties: Sequence[str]) -> str:
+    """The listed specialty whose KEYWORDS the text uses most (ties and no hit: the first listed)."""
+    folded = text.lower()
+    hits = {
+        s: sum(len(re.findall(r"\b" + re.escape(word), folded)) for word in KEYWORDS.get(s, ())) for s in specialties
+    }
+    return max(specialties, key=lambda s: (hits[s], -list(specialties).index(s)))
+
+
+def example_specialty(messages: Sequence[Any]) -> str | None:
+    """The specialty a triage conversation's worked example answers with (None without one); messages as objects
+    or as chat dicts (`{"role": "assistant", "content": ...}`)."""
+    from ermedrag.agents.respondent import parse_answer
+
+    def said(m: Any) -> str | None:
+        if isinstance(m, dict):
+            return m.get("content") if m.get("role") == "assistant" else None
+        return m.text if m.type == "ai" else None
+
+    shots = [text for text in map(said, messages[1:-1]) if isinstance(text, str)]
+    return parse_answer(shots[0], None)["answer"] if shots else None
+
+
+def rate(hits: int, n: int) -> dict[str, Any]:
+    """A share with its Wilson 95% interval."""
+    from ermedrag.evals.metrics import wilson_interval
+
+    low, high = wilson_interval(hits, n)
+    return {"rate": round(hits / n, 4) if n else None, "hits": hits, "n": n, "ci95": [round(low, 4), round(high, 4)]}
+
+
+def triage_baselines(questions: Sequence[Any], prompts: Sequence[Sequence[Any]], specialties: Sequence[str]) -> dict:
+    """What trivial triage scores on these held-out questions: chance, the majority class, always the first listed
+    specialty, copying the worked example, and the keyword rule."""
+    from ermedrag.tools.data.specialties import gold_specialty_for
+
+    golds = [gold_specialty_for(q) for q in questions]
+    n = len(golds)
+    keyword = [keyword_specialty(q.question + " " + " ".join(q.options.values()), specialties) for q in questions]
+    return {
+        "chance": round(1 / len(specialties), 4),
+        "majority": rate(max(Counter(golds).values()) if golds else 0, n),
+        "first_listed": rate(sum(g == specialties[0] for g in golds), n),
+        "copy_example": rate(sum(example_specialty(p) == g for p, g in zip(prompts, golds)), n),
+        "keyword": rate(sum(k == g for k, g in zip(keyword, golds)), n),
+    }
+
+
+def beats_baselines(accuracy: dict[str, Any], baselines: dict[str, Any]) -> bool:
+    """A gain only above the strongest baseline's 95% interval (chance has none: its value)."""
+    ceilings = [b["ci95"][1] if isinstance(b, dict) else b for b in baselines.values()]
+    return accuracy["rate"] is not None and accuracy["rate"] > max(ceilings)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -317,7 +392,11 @@ def _weighted_total(rewards, completions, columns) -> tuple[dict[str, float], fl
     return {name: _mean([v or 0.0 for v in values]) for name, values in scores.items()}, _mean(total)
 
 
-def evaluate_triage(model_dir: str, rows: Sequence[dict[str, Any]], staged, args: argparse.Namespace) -> dict:
+def evaluate_triage(
+    model_dir: str, rows: Sequence[dict[str, Any]], staged, args: argparse.Namespace, label: str
+) -> dict:
+    """Held-out triage: accuracy, format, rewards, what it predicted, how often it copied the worked example and
+    the share of its most common reply (a collapse detector); the replies kept in `args.replies_dir/triage_LABEL`."""
     from ermedrag.agents import triage
     from ermedrag.training.rewards.answers import format_reward
     from ermedrag.training.mmedagent.train import stage_rewards
@@ -334,10 +413,36 @@ def evaluate_triage(model_dir: str, rows: Sequence[dict[str, Any]], staged, args
     }
     parsed = [triage.parse_triage(t, r["specialties"], fallback=r["specialties"][0]) for t, r in zip(texts, rows)]
     rewards, mean_reward = _weighted_total(stage_rewards(staged, "triage"), completions, columns)
+    examples = [example_specialty(r["prompt"]) for r in rows]
+    copied = [
+        e is not None and triage.find_specialty(p["answer"] or "", [e]) is not None for p, e in zip(parsed, examples)
+    ]
+    correct = triage_correctness_reward(completions, **columns)
+    keep_replies(
+        Path(args.replies_dir) / f"triage_{label}.jsonl.gz",
+        [
+            {
+                "id": r["id"],
+                "gold": r["gold_specialty"],
+                "example": e,
+                "reply": t,
+                "answer": p["answer"],
+                "named": p["specialty"] if p["ok"] else None,
+                "correct": c,
+                "copied": k,
+            }
+            for r, e, t, p, c, k in zip(rows, examples, texts, parsed, correct, copied)
+        ],
+    )
     return {
-        "accuracy": _mean(triage_correctness_reward(completions, **columns)),
+        "accuracy": _mean(correct),
+        "accuracy_ci95": rate(int(sum(correct)), len(rows))["ci95"],
         "n": len(rows),
         "named_a_specialty": _mean([p["ok"] for p in parsed]),
+        "copy_rate": _mean(copied),
+        "modal_share": rate(Counter(p["answer"] for p in parsed).most_common(1)[0][1] if parsed else 0, len(rows))[
+            "rate"
+        ],
         "well_formed_rate": _mean(format_reward(completions, **columns)),
         "mean_reward": mean_reward,
         "rewards": rewards,
@@ -681,16 +786,19 @@ def triage_part(
 
     staged = stage_config(config, "triage")
     before = measured_once(
-        measured, model_path, "triage", lambda: evaluate_triage(model_path, data.eval_triage, staged, args)
+        measured, model_path, "triage", lambda: evaluate_triage(model_path, data.eval_triage, staged, args, "before")
     )
     log(f"triage before: {json.dumps(before)}")
     summary = run_stage(config, "triage", data.stage_rows["triage"])
-    after = evaluate_triage(summary["model_dir"], data.eval_triage, staged, args)
+    after = evaluate_triage(summary["model_dir"], data.eval_triage, staged, args, f"seed{config.seed}_after")
     log(f"triage after: {json.dumps(after)}")
     gold_counts = Counter(r["gold_specialty"] for r in data.eval_triage)
+    baselines = triage_baselines(data.eval_questions, [r["prompt"] for r in data.eval_triage], SPECIALTIES)
     return {
         "before": before,
         "after": after,
+        "baselines": baselines,
+        "after_beats_baselines": beats_baselines({"rate": after["accuracy"]}, baselines),
         "chance": round(1 / len(SPECIALTIES), 4),
         "majority_class": round(max(gold_counts.values()) / len(data.eval_triage), 4),
         "steps": summary["steps"],
@@ -809,6 +917,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     out = work / "mmedagent_learning.json" if args.smoke else Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    args.replies_dir = str(out.with_name(out.stem + "_replies"))
     if args.smoke:
         from ermedrag.testing.tiny_model import build_tiny_causal_lm
 

@@ -25,7 +25,6 @@ import argparse
 import gzip
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -38,45 +37,21 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # for benches.learning; appended, so PYTHONPATH can name another checkout first
     sys.path.append(str(REPO))
 
-from benches.learning.mmedagent_learning import benchmarks_dir, labelled_questions, split_questions  # noqa: E402
+from benches.learning.mmedagent_learning import (  # noqa: E402
+    beats_baselines,
+    benchmarks_dir,
+    example_specialty,
+    keyword_specialty,
+    labelled_questions,
+    rate,
+    split_questions,
+    triage_baselines,
+)
 from ermedrag.agents import triage  # noqa: E402
-from ermedrag.agents.respondent import parse_answer  # noqa: E402
-from ermedrag.evals.metrics import wilson_interval  # noqa: E402
 from ermedrag.offline import go_offline  # noqa: E402
 from ermedrag.tools.agent_calls import text_with_stop  # noqa: E402
 from ermedrag.tools.data.specialties import gold_specialty_for  # noqa: E402
 from ermedrag.tools.machine import describe_machine  # noqa: E402
-
-# Words a case of each specialty tends to use (stems, matched at the start of a word, any case).
-KEYWORDS: dict[str, tuple[str, ...]] = {
-    "Pathologist": ("biops", "histolog", "microscop", "stain", "specimen", "necros", "granulom", "autops", "cytolog"),
-    "Radiologist": ("x-ray", "radiograph", "ct ", "mri", "ultrasound", "sonograph", "imaging", "scan", "radiat"),
-    "Surgeon": ("surg", "operat", "incision", "fractur", "laparot", "resect", "hernia", "appendic", "wound", "bone"),
-    "Oncologist": ("cancer", "carcinom", "chemotherap", "metasta", "lymphom", "leukem", "malignan", "tumou", "tumor"),
-    "Endocrinologist": ("thyroid", "insulin", "diabet", "cortisol", "adrenal", "pituitar", "hormon", "glucose", "tsh"),
-    "Ophthalmologist": ("eye", "retin", "vision", "visual", "cornea", "glaucom", "catarac", "optic", "pupil", "lens"),
-    "Dermatologist": ("skin", "rash", "lesion", "plaque", "papul", "macul", "prurit", "derm", "nail", "scal"),
-}
-
-
-def keyword_specialty(text: str, specialties: Sequence[str]) -> str:
-    """The listed specialty whose KEYWORDS the text uses most (ties and no hit: the first listed)."""
-    folded = text.lower()
-    hits = {
-        s: sum(len(re.findall(r"\b" + re.escape(word), folded)) for word in KEYWORDS.get(s, ())) for s in specialties
-    }
-    return max(specialties, key=lambda s: (hits[s], -specialties.index(s)))
-
-
-def example_specialty(messages: Sequence[Any]) -> str | None:
-    """The specialty the conversation's worked example answers with (None without one)."""
-    shots = [m for m in messages[1:-1] if m.type == "ai"]
-    return parse_answer(shots[0].text, None)["answer"] if shots else None
-
-
-def rate(hits: int, n: int) -> dict[str, Any]:
-    low, high = wilson_interval(hits, n)
-    return {"rate": round(hits / n, 4) if n else None, "hits": hits, "n": n, "ci95": [round(low, 4), round(high, 4)]}
 
 
 def triage_replies(model_spec: str, conversations: list[list[Any]], concurrency: int) -> list[str]:
@@ -122,16 +97,9 @@ def measure(questions: Sequence[Any], args: argparse.Namespace) -> tuple[dict[st
         "predicted": dict(Counter(r["named"] or "(none)" for r in rows).most_common()),
         "examples_shown": dict(Counter(r["example"] or "(none)" for r in rows).most_common()),
         "seconds": round(seconds, 1),
-        "baselines": {
-            "chance": round(1 / len(specialties), 4),
-            "majority": rate(max(Counter(golds).values()), n),
-            "first_listed": rate(sum(g == specialties[0] for g in golds), n),
-            "copy_example": rate(sum(r["example"] == r["gold"] for r in rows), n),
-            "keyword": rate(sum(r["keyword"] == r["gold"] for r in rows), n),
-        },
+        "baselines": triage_baselines(questions, conversations, specialties),
     }
-    best = max(figures["baselines"]["majority"]["ci95"][1], figures["baselines"]["keyword"]["ci95"][1])
-    figures["beats_every_baseline"] = figures["accuracy"]["rate"] > best  # above the strongest one's interval
+    figures["beats_every_baseline"] = beats_baselines(figures["accuracy"], figures["baselines"])
     return figures, rows
 
 

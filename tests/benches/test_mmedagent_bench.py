@@ -5,6 +5,7 @@ specialists' reliabilities, the ceilings, and the held-out scoring on replies th
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -42,6 +43,11 @@ def test_smoke_run_with_two_seeds_writes_every_section(shared_data: Path, tmp_pa
     for when in ("before", "after"):
         assert triage[when]["n"] == sizes["eval_questions"] and 0 <= triage[when]["accuracy"] <= 1
     assert triage["steps"] == sizes["triage_steps"]
+    assert set(triage["baselines"]) == {"chance", "majority", "first_listed", "copy_example", "keyword"}
+    assert triage["baselines"]["copy_example"]["hits"] == 0  # the example answers from a list of its own
+    assert isinstance(triage["after_beats_baselines"], bool)
+    kept = sorted(p.name for p in (tmp_path / "smoke" / "mmedagent_learning_replies").iterdir())
+    assert kept == ["triage_before.jsonl.gz", "triage_seed42_after.jsonl.gz", "triage_seed43_after.jsonl.gz"]
 
     attending = result["attending"]
     assert set(attending["ceiling"]) >= {"majority_vote", "trust_best", "best_single"}
@@ -168,15 +174,22 @@ def test_held_out_scoring_counts_right_and_wrong_replies(monkeypatch, tmp_path) 
     from ermedrag.training.mmedagent.train import stage_config
 
     config = MMedAgentTrainingConfig(model="unused", dataset=str(tmp_path), output_dir=str(tmp_path / "out"))
-    args = SimpleNamespace(eval_batch=4)
+    args = SimpleNamespace(eval_batch=4, replies_dir=str(tmp_path / "replies"))
     cases = [question("1"), question("2", "medxpertqa_text_test", "", {"body_system": "Endocrine"})]
     triage = bench.triage_rows(cases)
     assert [r["gold_specialty"] for r in triage] == ["Pathologist", "Endocrinologist"]
     replies = ["<think>A biopsy.</think><answer>Pathologist</answer>", "<answer>Surgeon</answer>"]
     monkeypatch.setattr(bench, "greedy_rollouts", lambda *a, **k: (replies, [10, 4]))
-    scored = bench.evaluate_triage("unused", triage, stage_config(config, "triage"), args)
+    scored = bench.evaluate_triage("unused", triage, stage_config(config, "triage"), args, "before")
     assert (scored["accuracy"], scored["well_formed_rate"], scored["named_a_specialty"]) == (0.5, 0.5, 1.0)
     assert scored["predicted"] == {"Pathologist": 1, "Surgeon": 1}
+    assert (scored["copy_rate"], scored["modal_share"]) == (0.0, 0.5)  # neither names the example's specialty
+    with gzip.open(tmp_path / "replies" / "triage_before.jsonl.gz", "rt") as kept:
+        rows = [json.loads(line) for line in kept]
+    assert [(r["reply"], r["named"], r["correct"]) for r in rows] == [
+        (replies[0], "Pathologist", 1.0),
+        (replies[1], "Surgeon", 0.0),
+    ]
 
     attending = bench.attending_rows(cases, random.Random(0), (1.0, 1.0, 0.0))
     assert [r["bucket"] for r in attending] == ["medium", "medium"] and attending[0]["majority"] == "B"
@@ -195,3 +208,33 @@ def test_an_empty_bucket_passes_its_start_model_on_to_the_next_stage(tmp_path) -
     skipped = bench.run_stage(config, "easy", 0)
     assert skipped["skipped"] and skipped["steps"] == 0 and skipped["model_dir"] == str(tmp_path)
     assert stage_start_model(config, "medium") == str(tmp_path)
+
+
+def test_the_example_specialty_is_read_from_the_prompt_as_messages_or_chat_rows():
+    from ermedrag.agents import triage
+    from ermedrag.agents.base import to_chat
+
+    messages = triage.triage_messages("A rash on both elbows: which specialty?", None, triage.SPECIALTIES)
+    shown = bench.example_specialty(messages)
+    assert shown in triage.TRIAGE_EXAMPLES and shown not in triage.SPECIALTIES
+    assert bench.example_specialty(to_chat(messages)) == shown  # the export's rows
+    assert bench.example_specialty(triage.triage_messages("Any?", None, tuple(triage.TRIAGE_EXAMPLES))) is None
+
+
+def test_trivial_triage_baselines_and_the_gain_rule():
+    listed = ["Pathologist", "Dermatologist", "Endocrinologist"]
+    assert bench.keyword_specialty("A skin rash with silvery plaques; a biopsy was taken.", listed) == "Dermatologist"
+    assert bench.keyword_specialty("Low TSH, high T4: the thyroid.", listed) == "Endocrinologist"
+    assert bench.keyword_specialty("Nothing any rule knows.", listed) == "Pathologist"  # no hit: the first listed
+    questions = [
+        SimpleNamespace(question="Skin rash", options={"A": "x"}, benchmark="medmcqa", subject="Skin"),
+        SimpleNamespace(question="Biopsy", options={"A": "x"}, benchmark="medmcqa", subject="Pathology"),
+        SimpleNamespace(question="A plaque", options={"A": "x"}, benchmark="medmcqa", subject="Skin"),
+    ]
+    prompts = [[{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]] * 3  # no worked example
+    baselines = bench.triage_baselines(questions, prompts, listed)
+    assert baselines["chance"] == pytest.approx(1 / 3, abs=1e-4)
+    assert (baselines["majority"]["hits"], baselines["first_listed"]["hits"]) == (2, 1)
+    assert (baselines["keyword"]["hits"], baselines["copy_example"]["hits"]) == (3, 0)
+    assert not bench.beats_baselines(bench.rate(3, 3), baselines)  # 3 of 3 is inside the keyword rule's interval
+    assert bench.beats_baselines({"rate": 0.9}, {"chance": 0.1, "majority": bench.rate(1, 10)})
