@@ -75,6 +75,7 @@ from ermedrag.agents import extractor, respondent  # noqa: E402
 from ermedrag.agents.base import to_chat, to_langchain  # noqa: E402
 from ermedrag.tools.agent_calls import text_with_stop  # noqa: E402
 from ermedrag.tools.data.benchmarks import Question, load_questions_file  # noqa: E402
+from ermedrag.evals.baselines import modal_share, trivial_baselines  # noqa: E402
 from ermedrag.evals.rows import EvalConfig
 from ermedrag.evals.runner import run_questions  # noqa: E402
 from ermedrag.tools.models import load_chat_model  # noqa: E402
@@ -202,6 +203,7 @@ def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> di
     parsed = [respondent.parse_answer(c, o) for c, o in zip(completions, columns["options"])]
     n = max(len(completions), 1)
     return {
+        "modal_answer_share": modal_share([p["answer"] for p in parsed]),  # 1.0: one answer for everything
         "well_formed_rate": sum(s == 1.0 for s in scores["format_reward"]) / n,
         "answer_parsed_rate": answer_parsed_rate(completions, columns["options"]),
         # what the app would score: any answer its parser reads, well formed or not
@@ -212,6 +214,12 @@ def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> di
         "mean_reasoning_chars": sum(len(p.get("reasoning") or "") for p in parsed) / n,
         **citations(parsed, rows),
     }
+
+
+def answer_baselines(rows: list[dict[str, Any]], prompts: list | None = None) -> dict[str, Any]:
+    """Chance, the held-out majority answer, always the first option and (with prompts) copying the worked example,
+    on these held-out rows (`evals.baselines`)."""
+    return trivial_baselines([r["gold"] for r in rows], [list(r.get("options") or {}) for r in rows], prompts)
 
 
 def citations(parsed: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -482,6 +490,7 @@ def main() -> None:
             )
             write_progress(result, out, started, f"{key} seed {seed}", seeds)
         copy_curves(runs, args, results_dir / f"learning_{key}_curves.png")
+        result[key]["baselines"] = answer_baselines(eval_rows, eval_prompts)
 
     if arms:
         before = extractor_metrics(

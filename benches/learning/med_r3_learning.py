@@ -35,9 +35,17 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
-from learning_signal import abstracts_as_documents, answer_parsed_rate, log, write_result  # noqa: E402
+from learning_signal import (  # noqa: E402
+    abstracts_as_documents,
+    answer_baselines,
+    answer_parsed_rate,
+    log,
+    write_result,
+)
 from seeds import hold_work_folder, inputs_key, part_over_seeds, run_or_reuse  # noqa: E402
 
+from ermedrag.agents.respondent import parse_answer  # noqa: E402
+from ermedrag.evals.baselines import modal_share  # noqa: E402
 from ermedrag.tools.data.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.retrieval.index import build_index, open_index  # noqa: E402
 from ermedrag.training.rewards.answers import correctness_reward, format_reward  # noqa: E402
@@ -124,6 +132,9 @@ def score(replies: dict[str, Any], stage: int, config: MedR3TrainingConfig) -> d
         "format_rate": round(sum(f == 1.0 for f in formats) / n, 4),
         "answer_parsed_rate": round(answer_parsed_rate(columns["model_text"], columns["options"]), 4),
         "accuracy": round(sum(correctness_reward(completions, **columns)) / n, 4),
+        "modal_answer_share": modal_share(
+            [parse_answer(t, o)["answer"] for t, o in zip(columns["answer_text"], columns["options"])]
+        ),
         "searches_per_question": round(sum(len(r.searches) for r in rollouts) / n, 3),
         "retrieval_hit_rate": round(sum(hits) / len(hits), 4) if hits else 0.0,
         "mean_model_tokens": round(sum(r.generated_tokens for r in rollouts) / n, 1),
@@ -256,6 +267,7 @@ def main() -> None:
         reused_seeds += [seed] if reused else []
     result: dict[str, Any] = dict(chains[0])  # the first seed's stages, as one run reports them
     result["seeds"] = {"n": len(chains), **{name: part_over_seeds(chains, name, len(eval_rows)) for name in chains[0]}}
+    result["baselines"] = answer_baselines(eval_rows, [r["prompt"] for r in med_r3_dataset(eval_rows)])
     if not args.smoke:
         for stage in STAGES:
             plot = chains[0][f"stage{stage}"].get("plot_path")

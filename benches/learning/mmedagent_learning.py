@@ -284,49 +284,18 @@ def keyword_specialty(text: str, specialties: Sequence[str]) -> str:
     return max(specialties, key=lambda s: (hits[s], -list(specialties).index(s)))
 
 
-def example_specialty(messages: Sequence[Any]) -> str | None:
-    """The specialty a triage conversation's worked example answers with (None without one); messages as objects
-    or as chat dicts (`{"role": "assistant", "content": ...}`)."""
-    from ermedrag.agents.respondent import parse_answer
-
-    def said(m: Any) -> str | None:
-        if isinstance(m, dict):
-            return m.get("content") if m.get("role") == "assistant" else None
-        return m.text if m.type == "ai" else None
-
-    shots = [text for text in map(said, messages[1:-1]) if isinstance(text, str)]
-    return parse_answer(shots[0], None)["answer"] if shots else None
-
-
-def rate(hits: int, n: int) -> dict[str, Any]:
-    """A share with its Wilson 95% interval."""
-    from ermedrag.evals.metrics import wilson_interval
-
-    low, high = wilson_interval(hits, n)
-    return {"rate": round(hits / n, 4) if n else None, "hits": hits, "n": n, "ci95": [round(low, 4), round(high, 4)]}
-
-
 def triage_baselines(questions: Sequence[Any], prompts: Sequence[Sequence[Any]], specialties: Sequence[str]) -> dict:
-    """What trivial triage scores on these held-out questions: chance, the majority class, always the first listed
-    specialty, copying the worked example, and the keyword rule."""
+    """What trivial triage scores on these held-out questions (`evals.baselines`: chance, the majority class,
+    always the first listed specialty, copying the worked example) and the keyword rule."""
+    from ermedrag.evals.baselines import share, trivial_baselines
     from ermedrag.tools.data.specialties import gold_specialty_for
 
     golds = [gold_specialty_for(q) for q in questions]
-    n = len(golds)
     keyword = [keyword_specialty(q.question + " " + " ".join(q.options.values()), specialties) for q in questions]
     return {
-        "chance": round(1 / len(specialties), 4),
-        "majority": rate(max(Counter(golds).values()) if golds else 0, n),
-        "first_listed": rate(sum(g == specialties[0] for g in golds), n),
-        "copy_example": rate(sum(example_specialty(p) == g for p, g in zip(prompts, golds)), n),
-        "keyword": rate(sum(k == g for k, g in zip(keyword, golds)), n),
+        **trivial_baselines(golds, [list(specialties)] * len(golds), prompts),
+        "keyword": share(sum(k == g for k, g in zip(keyword, golds)), len(golds)),
     }
-
-
-def beats_baselines(accuracy: dict[str, Any], baselines: dict[str, Any]) -> bool:
-    """A gain only above the strongest baseline's 95% interval (chance has none: its value)."""
-    ceilings = [b["ci95"][1] if isinstance(b, dict) else b for b in baselines.values()]
-    return accuracy["rate"] is not None and accuracy["rate"] > max(ceilings)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -398,6 +367,7 @@ def evaluate_triage(
     """Held-out triage: accuracy, format, rewards, what it predicted, how often it copied the worked example and
     the share of its most common reply (a collapse detector); the replies kept in `args.replies_dir/triage_LABEL`."""
     from ermedrag.agents import triage
+    from ermedrag.evals.baselines import modal_share, share, worked_example_answer
     from ermedrag.training.rewards.answers import format_reward
     from ermedrag.training.mmedagent.train import stage_rewards
     from ermedrag.training.rewards.triage import triage_correctness_reward
@@ -413,7 +383,7 @@ def evaluate_triage(
     }
     parsed = [triage.parse_triage(t, r["specialties"], fallback=r["specialties"][0]) for t, r in zip(texts, rows)]
     rewards, mean_reward = _weighted_total(stage_rewards(staged, "triage"), completions, columns)
-    examples = [example_specialty(r["prompt"]) for r in rows]
+    examples = [worked_example_answer(r["prompt"]) for r in rows]
     copied = [
         e is not None and triage.find_specialty(p["answer"] or "", [e]) is not None for p, e in zip(parsed, examples)
     ]
@@ -436,13 +406,11 @@ def evaluate_triage(
     )
     return {
         "accuracy": _mean(correct),
-        "accuracy_ci95": rate(int(sum(correct)), len(rows))["ci95"],
+        "accuracy_ci95": share(int(sum(correct)), len(rows))["ci95"],
         "n": len(rows),
         "named_a_specialty": _mean([p["ok"] for p in parsed]),
         "copy_rate": _mean(copied),
-        "modal_share": rate(Counter(p["answer"] for p in parsed).most_common(1)[0][1] if parsed else 0, len(rows))[
-            "rate"
-        ],
+        "modal_share": modal_share([p["answer"] for p in parsed]),
         "well_formed_rate": _mean(format_reward(completions, **columns)),
         "mean_reward": mean_reward,
         "rewards": rewards,
@@ -782,6 +750,7 @@ def triage_part(
 ) -> tuple[dict, dict]:
     """(a): held-out triage accuracy before and after the triage stage; the result and the stage's summary."""
     from ermedrag.agents.triage import SPECIALTIES
+    from ermedrag.evals.baselines import beats_baselines
     from ermedrag.training.mmedagent.train import stage_config
 
     staged = stage_config(config, "triage")
@@ -798,7 +767,7 @@ def triage_part(
         "before": before,
         "after": after,
         "baselines": baselines,
-        "after_beats_baselines": beats_baselines({"rate": after["accuracy"]}, baselines),
+        "after_beats_baselines": beats_baselines(after["accuracy"], baselines),
         "chance": round(1 / len(SPECIALTIES), 4),
         "majority_class": round(max(gold_counts.values()) / len(data.eval_triage), 4),
         "steps": summary["steps"],

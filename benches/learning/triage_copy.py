@@ -38,15 +38,13 @@ if str(REPO) not in sys.path:  # for benches.learning; appended, so PYTHONPATH c
     sys.path.append(str(REPO))
 
 from benches.learning.mmedagent_learning import (  # noqa: E402
-    beats_baselines,
     benchmarks_dir,
-    example_specialty,
     keyword_specialty,
     labelled_questions,
-    rate,
     split_questions,
     triage_baselines,
 )
+from ermedrag.evals.baselines import beats_baselines, share, worked_example_answer  # noqa: E402
 from ermedrag.agents import triage  # noqa: E402
 from ermedrag.offline import go_offline  # noqa: E402
 from ermedrag.tools.agent_calls import text_with_stop  # noqa: E402
@@ -66,7 +64,7 @@ def measure(questions: Sequence[Any], args: argparse.Namespace) -> tuple[dict[st
     specialties = list(triage.SPECIALTIES)
     conversations = [triage.triage_messages(q.question, q.options, specialties) for q in questions]
     golds = [gold_specialty_for(q) for q in questions]
-    examples = [example_specialty(c) for c in conversations]
+    examples = [worked_example_answer(c) for c in conversations]
     started = time.time()
     texts = triage_replies(args.model, conversations, args.concurrency)
     seconds = time.time() - started
@@ -90,25 +88,27 @@ def measure(questions: Sequence[Any], args: argparse.Namespace) -> tuple[dict[st
     modal = Counter(r["answer"] for r in rows).most_common(1)[0][1] if rows else 0
     figures = {
         "n": n,
-        "accuracy": rate(sum(r["named"] == r["gold"] for r in rows), n),
-        "named_a_specialty": rate(sum(r["named"] is not None for r in rows), n),
-        "copy_rate": rate(sum(r["copied"] for r in rows), n),
-        "modal_share": rate(modal, n),
+        "accuracy": share(sum(r["named"] == r["gold"] for r in rows), n),
+        "named_a_specialty": share(sum(r["named"] is not None for r in rows), n),
+        "copy_rate": share(sum(r["copied"] for r in rows), n),
+        "modal_share": share(modal, n),
         "predicted": dict(Counter(r["named"] or "(none)" for r in rows).most_common()),
         "examples_shown": dict(Counter(r["example"] or "(none)" for r in rows).most_common()),
         "seconds": round(seconds, 1),
         "baselines": triage_baselines(questions, conversations, specialties),
     }
-    figures["beats_every_baseline"] = beats_baselines(figures["accuracy"], figures["baselines"])
+    figures["beats_every_baseline"] = beats_baselines(figures["accuracy"]["rate"], figures["baselines"])
     return figures, rows
 
 
 def commit() -> str:
+    """The commit of the ermedrag this run imported, `-dirty` when its checkout has uncommitted changes."""
     import ermedrag
 
-    where = Path(ermedrag.__file__).resolve().parents[1]
-    found = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return found.stdout.strip() or "unknown"
+    where = str(Path(ermedrag.__file__).resolve().parents[1])
+    head = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    changed = subprocess.run(["git", "-C", where, "status", "--porcelain", "-uno"], capture_output=True, text=True)
+    return (head.stdout.strip() or "unknown") + ("-dirty" if changed.stdout.strip() else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.label} ({record['runs'][args.label]['commit']}): accuracy {figures['accuracy']['rate']} "
         f"{figures['accuracy']['ci95']}, copy rate {figures['copy_rate']['rate']}, named a specialty "
         f"{figures['named_a_specialty']['rate']}, modal share {figures['modal_share']['rate']}; baselines: chance "
-        f"{base['chance']}, majority {base['majority']['rate']}, first listed {base['first_listed']['rate']}, "
+        f"{base['chance']}, majority {base['majority']['rate']}, first listed {base['first_option']['rate']}, "
         f"copy-the-example {base['copy_example']['rate']}, keyword {base['keyword']['rate']}"
     )
     return 0

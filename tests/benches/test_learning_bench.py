@@ -84,6 +84,10 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     assert 0 <= low <= grpo["accuracy_before"]["accuracy"] <= high <= 1
     assert len(grpo["zero_variance_share"]) == 2 and all(0 <= s <= 1 for s in grpo["zero_variance_share"])
     assert [z["logged_steps"] for z in result["grpo_respondent"]["zero_variance_steps"]] == [2, 2]
+    baselines = result["grpo_respondent"]["baselines"]  # on the same held-out prompts
+    assert set(baselines) == {"chance", "majority", "first_option", "copy_example"}
+    assert baselines["majority"]["n"] == result["grpo_respondent"]["eval_prompts"]
+    assert 0 < result["grpo_respondent"]["before"]["modal_answer_share"] <= 1
     for metric in ("cites_relevant_number", "cites_distractor_number", "cites_first_line"):  # what is cited
         assert len(grpo[metric]["after"]["values"]) == 2, metric
     # every measurement keeps the held-out replies it scored, so a metric added later needs no model

@@ -35,6 +35,9 @@ def test_seeds_share_the_base_replies_and_a_finished_seed_is_reused(shared_data:
     assert proc.stdout.count("rolled out") == 1 + 2 * 4
     assert result["stage3"]["before"]["mean_model_tokens"] == result["stage2"]["after"]["mean_model_tokens"]
     assert set(result["stage3"]["before"]["rewards"]) != set(result["stage2"]["after"]["rewards"])  # own scoring
+    assert set(result["baselines"]) == {"chance", "majority", "first_option", "copy_example"}
+    assert result["baselines"]["majority"]["n"] == seeds["stage1"]["accuracy_after"][0]["n"]
+    assert 0 < result["stage1"]["before"]["modal_answer_share"] <= 1
     base = result["stage1"]["before"]["accuracy"]
     assert seeds["stage1"]["accuracy"]["before"]["values"] == [base, base]
     for stage in STAGES:

@@ -43,7 +43,7 @@ def test_smoke_run_with_two_seeds_writes_every_section(shared_data: Path, tmp_pa
     for when in ("before", "after"):
         assert triage[when]["n"] == sizes["eval_questions"] and 0 <= triage[when]["accuracy"] <= 1
     assert triage["steps"] == sizes["triage_steps"]
-    assert set(triage["baselines"]) == {"chance", "majority", "first_listed", "copy_example", "keyword"}
+    assert set(triage["baselines"]) == {"chance", "majority", "first_option", "copy_example", "keyword"}
     assert triage["baselines"]["copy_example"]["hits"] == 0  # the example answers from a list of its own
     assert isinstance(triage["after_beats_baselines"], bool)
     kept = sorted(p.name for p in (tmp_path / "smoke" / "mmedagent_learning_replies").iterdir())
@@ -210,18 +210,7 @@ def test_an_empty_bucket_passes_its_start_model_on_to_the_next_stage(tmp_path) -
     assert stage_start_model(config, "medium") == str(tmp_path)
 
 
-def test_the_example_specialty_is_read_from_the_prompt_as_messages_or_chat_rows():
-    from ermedrag.agents import triage
-    from ermedrag.agents.base import to_chat
-
-    messages = triage.triage_messages("A rash on both elbows: which specialty?", None, triage.SPECIALTIES)
-    shown = bench.example_specialty(messages)
-    assert shown in triage.TRIAGE_EXAMPLES and shown not in triage.SPECIALTIES
-    assert bench.example_specialty(to_chat(messages)) == shown  # the export's rows
-    assert bench.example_specialty(triage.triage_messages("Any?", None, tuple(triage.TRIAGE_EXAMPLES))) is None
-
-
-def test_trivial_triage_baselines_and_the_gain_rule():
+def test_trivial_triage_baselines_with_the_keyword_rule():
     listed = ["Pathologist", "Dermatologist", "Endocrinologist"]
     assert bench.keyword_specialty("A skin rash with silvery plaques; a biopsy was taken.", listed) == "Dermatologist"
     assert bench.keyword_specialty("Low TSH, high T4: the thyroid.", listed) == "Endocrinologist"
@@ -231,10 +220,10 @@ def test_trivial_triage_baselines_and_the_gain_rule():
         SimpleNamespace(question="Biopsy", options={"A": "x"}, benchmark="medmcqa", subject="Pathology"),
         SimpleNamespace(question="A plaque", options={"A": "x"}, benchmark="medmcqa", subject="Skin"),
     ]
-    prompts = [[{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]] * 3  # no worked example
+    from ermedrag.agents import triage
+
+    prompts = [triage.triage_messages(q.question, q.options, listed) for q in questions]
     baselines = bench.triage_baselines(questions, prompts, listed)
     assert baselines["chance"] == pytest.approx(1 / 3, abs=1e-4)
-    assert (baselines["majority"]["hits"], baselines["first_listed"]["hits"]) == (2, 1)
-    assert (baselines["keyword"]["hits"], baselines["copy_example"]["hits"]) == (3, 0)
-    assert not bench.beats_baselines(bench.rate(3, 3), baselines)  # 3 of 3 is inside the keyword rule's interval
-    assert bench.beats_baselines({"rate": 0.9}, {"chance": 0.1, "majority": bench.rate(1, 10)})
+    assert (baselines["majority"]["hits"], baselines["first_option"]["hits"]) == (2, 1)
+    assert (baselines["keyword"]["hits"], baselines["copy_example"]["hits"]) == (3, 0)  # examples are never listed

@@ -1,0 +1,69 @@
+"""What trivial answers score on a set of questions: the figures every accuracy is read against.
+
+A model that always answers "yes", copies its prompt's worked example or names one class for every case gets a
+number that looks like learning on a set whose golds lean that way. Beside any accuracy, on the same questions:
+- `chance`: the mean of 1 / (number of options);
+- `majority`: always the most common gold answer of these very questions (the strongest constant answer);
+- `first_option`: always the first option listed;
+- `copy_example`: answering with the prompt's worked example's answer (only where prompts have one);
+and, for a set of replies, `modal_share`: the share of its most common answer (a collapse detector: 1.0 is one
+answer for everything). A gain counts only above the strongest baseline's 95% interval (`beats_baselines`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from ermedrag.agents.respondent import parse_answer
+from ermedrag.evals.metrics import wilson_interval
+
+
+def share(hits: int, n: int) -> dict[str, Any]:
+    """A rate with its count and Wilson 95% interval."""
+    low, high = wilson_interval(hits, n)
+    return {"rate": round(hits / n, 4) if n else None, "hits": hits, "n": n, "ci95": [round(low, 4), round(high, 4)]}
+
+
+def modal_share(answers: Sequence[Hashable]) -> float | None:
+    """The share of the most common answer (None, an unparsed one, counts as an answer of its own)."""
+    return round(Counter(answers).most_common(1)[0][1] / len(answers), 4) if answers else None
+
+
+def worked_example_answer(messages: Sequence[Any]) -> str | None:
+    """What the worked example of a conversation answers (its first assistant turn's `<answer>`), or None without
+    one; messages as LangChain messages or chat dicts (`{"role": "assistant", "content": ...}`)."""
+    for message in messages[1:-1]:
+        if isinstance(message, Mapping):
+            text = message.get("content") if message.get("role") == "assistant" else None
+        else:
+            text = message.text if getattr(message, "type", None) == "ai" else None
+        if isinstance(text, str):
+            return parse_answer(text, None)["answer"]
+    return None
+
+
+def trivial_baselines(
+    golds: Sequence[str | None],
+    options: Sequence[Sequence[str]],
+    prompts: Sequence[Sequence[Any]] | None = None,
+) -> dict[str, Any]:
+    """`chance`, `majority`, `first_option` and (with `prompts`) `copy_example` on these questions: `golds` the
+    right answers, `options` each question's choices in the order shown."""
+    n = len(golds)
+    baselines: dict[str, Any] = {
+        "chance": round(sum(1 / len(o) for o in options if o) / n, 4) if n else None,
+        "majority": share(max(Counter(golds).values()) if n else 0, n),
+        "first_option": share(sum(bool(o) and g == o[0] for g, o in zip(golds, options)), n),
+    }
+    if prompts is not None:
+        copies = [worked_example_answer(p) for p in prompts]
+        baselines["copy_example"] = share(sum(c is not None and c == g for c, g in zip(copies, golds)), n)
+    return baselines
+
+
+def beats_baselines(rate: float | None, baselines: Mapping[str, Any]) -> bool:
+    """`rate` is above every baseline's 95% interval (a bare number, such as chance, is its own bound)."""
+    bounds = [b["ci95"][1] if isinstance(b, Mapping) else b for b in baselines.values() if b is not None]
+    return rate is not None and rate > max(bounds, default=0.0)

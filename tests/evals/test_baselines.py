@@ -1,0 +1,42 @@
+"""Trivial baselines beside every accuracy: what a constant answer, the first option or a copied example score."""
+
+from __future__ import annotations
+
+import pytest
+
+from ermedrag.agents import respondent, triage
+from ermedrag.agents.base import to_chat
+from ermedrag.evals.baselines import beats_baselines, modal_share, share, trivial_baselines, worked_example_answer
+
+
+def test_the_worked_example_answer_is_read_from_messages_or_chat_rows():
+    options = {"A": "Insulin", "B": "Metformin", "C": "Diet"}
+    messages = respondent.build_messages("Which drug first?", options, "")
+    example = worked_example_answer(messages)
+    assert example in options and worked_example_answer(to_chat(messages)) == example
+    shown = worked_example_answer(triage.triage_messages("A rash?", None, triage.SPECIALTIES))
+    assert shown in triage.TRIAGE_EXAMPLES and shown not in triage.SPECIALTIES
+    assert worked_example_answer(triage.triage_messages("Any?", None, tuple(triage.TRIAGE_EXAMPLES))) is None
+
+
+def test_baselines_on_a_set_whose_golds_lean_one_way():
+    golds = ["A", "A", "A", "B"]
+    options = [["A", "B"], ["A", "B"], ["A", "B", "C"], ["A", "B", "C", "D"]]
+    prompts = [[{"role": "system", "content": "s"}, {"role": "assistant", "content": f"<answer>{g}</answer>"},
+                {"role": "user", "content": "q"}] for g in ("A", "B", "B", "B")]  # fmt: skip
+    baselines = trivial_baselines(golds, options, prompts)
+    assert baselines["chance"] == pytest.approx((0.5 + 0.5 + 1 / 3 + 0.25) / 4, abs=1e-4)
+    assert (baselines["majority"]["hits"], baselines["first_option"]["hits"], baselines["copy_example"]["hits"]) == (
+        3,
+        3,
+        2,
+    )
+    assert "copy_example" not in trivial_baselines(golds, options)  # no prompts, no example to copy
+    assert modal_share(["A", "A", None, "B"]) == 0.5 and modal_share([]) is None
+
+
+def test_a_gain_counts_only_above_the_strongest_baselines_interval():
+    baselines = {"chance": 0.25, "majority": share(25, 48)}  # always-yes on 25 of 48
+    assert baselines["majority"]["ci95"][0] < 0.521 < baselines["majority"]["ci95"][1]
+    assert not beats_baselines(0.521, baselines) and not beats_baselines(0.6, baselines)
+    assert beats_baselines(0.7, baselines) and not beats_baselines(None, baselines)
