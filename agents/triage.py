@@ -125,7 +125,7 @@ STOP = respondent.STOP
 
 # The worked example shows the format with a case of its own, answered from a list of its own: specialties that are
 # NOT in the list the real case is triaged over. A small model copies the example's answer (the base model did so in
-# 20 of 20 replies when the example was one of the real specialties); copied now, it names no specialty of the real
+# 47 of 48 held-out replies when the example was one of the real specialties); copied now, it names no specialty of the real
 # list, so it is never right and is counted as a triage that named nothing (`parse_triage`). Which example case a
 # question gets is drawn by a hash of the question (`agents.markup.rotated_example_key`). A list that leaves none of
 # these specialties out gets no example.

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+from ermedrag.agents.base import fold_case
 from ermedrag.agents.respondent import parse_answer
 from ermedrag.evals.metrics import wilson_interval
 
@@ -50,17 +51,28 @@ def trivial_baselines(
     prompts: Sequence[Sequence[Any]] | None = None,
 ) -> dict[str, Any]:
     """`chance`, `majority`, `first_option` and (with `prompts`) `copy_example` on these questions: `golds` the
-    right answers, `options` each question's choices in the order shown."""
+    right answers, `options` each question's choices in the order shown (a question without options adds nothing
+    to `chance` but counts in its mean)."""
     n = len(golds)
+    known = Counter(fold_case(g) for g in golds if g is not None)  # a question without gold: no constant is right
     baselines: dict[str, Any] = {
         "chance": round(sum(1 / len(o) for o in options if o) / n, 4) if n else None,
-        "majority": share(max(Counter(golds).values()) if n else 0, n),
-        "first_option": share(sum(bool(o) and g == o[0] for g, o in zip(golds, options)), n),
+        "majority": share(max(known.values(), default=0), n),
+        "first_option": share(sum(same(g, o[0] if o else None) for g, o in zip(golds, options)), n),
     }
     if prompts is not None:
         copies = [worked_example_answer(p) for p in prompts]
-        baselines["copy_example"] = share(sum(c is not None and c == g for c, g in zip(copies, golds)), n)
+        baselines["copy_example"] = share(sum(same(c, g) for c, g in zip(copies, golds)), n)
     return baselines
+
+
+def same(answer: str | None, gold: str | None) -> bool:
+    """Two answers name the same thing (any case, spaces collapsed); None matches nothing."""
+    return (
+        answer is not None
+        and gold is not None
+        and fold_case(" ".join(answer.split())) == fold_case(" ".join(gold.split()))
+    )
 
 
 def beats_baselines(rate: float | None, baselines: Mapping[str, Any]) -> bool:

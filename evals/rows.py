@@ -280,11 +280,16 @@ def panel_fields(state: Mapping[str, Any], asking: Asking, specialties: str | No
     gold_specialty = triage.canonical_specialty(
         state.get("gold_specialty"), triage.parse_specialties(specialties or ",".join(triage.SPECIALTIES))
     )
+    fell_back = bool((state.get("triage") or {}).get("fell_back"))
     return {
         "specialty": state.get("specialty"),
         "gold_specialty": gold_specialty,
-        "triage_correct": None if gold_specialty is None else state.get("specialty") == gold_specialty,
-        "triage_fell_back": bool((state.get("triage") or {}).get("fell_back")),
+        # a fallback is the default specialty, not a triage: right only by the default's luck (a copied example
+        # or a reply naming nothing falls back), so it never counts as a correct triage
+        "triage_correct": None
+        if gold_specialty is None
+        else state.get("specialty") == gold_specialty and not fell_back,
+        "triage_fell_back": fell_back,
         "bucket": state.get("bucket"),
         "majority": majority,
         "majority_correct": majority is not None and majority == asking.question.answer,

@@ -219,7 +219,8 @@ def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> di
 def answer_baselines(rows: list[dict[str, Any]], prompts: list | None = None) -> dict[str, Any]:
     """Chance, the held-out majority answer, always the first option and (with prompts) copying the worked example,
     on these held-out rows (`evals.baselines`)."""
-    return trivial_baselines([r["gold"] for r in rows], [list(r.get("options") or {}) for r in rows], prompts)
+    shown = [[key for key, text in (r.get("options") or {}).items() if text is not None] for r in rows]
+    return trivial_baselines([r["gold"] for r in rows], shown, prompts)  # rows from disk carry None for absent keys
 
 
 def citations(parsed: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, float]:

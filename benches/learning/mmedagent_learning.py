@@ -291,7 +291,9 @@ def triage_baselines(questions: Sequence[Any], prompts: Sequence[Sequence[Any]],
     from ermedrag.tools.data.specialties import gold_specialty_for
 
     golds = [gold_specialty_for(q) for q in questions]
-    keyword = [keyword_specialty(q.question + " " + " ".join(q.options.values()), specialties) for q in questions]
+    keyword = [
+        keyword_specialty(q.question + " " + " ".join((q.options or {}).values()), specialties) for q in questions
+    ]
     return {
         **trivial_baselines(golds, [list(specialties)] * len(golds), prompts),
         "keyword": share(sum(k == g for k, g in zip(keyword, golds)), len(golds)),
@@ -367,6 +369,7 @@ def evaluate_triage(
     """Held-out triage: accuracy, format, rewards, what it predicted, how often it copied the worked example and
     the share of its most common reply (a collapse detector); the replies kept in `args.replies_dir/triage_LABEL`."""
     from ermedrag.agents import triage
+    from ermedrag.agents.base import fold_case
     from ermedrag.evals.baselines import modal_share, share, worked_example_answer
     from ermedrag.training.rewards.answers import format_reward
     from ermedrag.training.mmedagent.train import stage_rewards
@@ -410,7 +413,7 @@ def evaluate_triage(
         "n": len(rows),
         "named_a_specialty": _mean([p["ok"] for p in parsed]),
         "copy_rate": _mean(copied),
-        "modal_share": modal_share([p["answer"] for p in parsed]),
+        "modal_share": modal_share([p["specialty"] if p["ok"] else fold_case(p["answer"] or "") for p in parsed]),
         "well_formed_rate": _mean(format_reward(completions, **columns)),
         "mean_reward": mean_reward,
         "rewards": rewards,

@@ -5,14 +5,14 @@ the specialties that MedMCQA subjects and MedXpertQA body systems name), the mod
 the graph's own prompt (`agents.triage.triage_messages`, the paper's seven specialties) and stop string, in
 process. Beside its accuracy, on the same questions:
 - `chance`: 1 / the number of specialties listed; `majority`: the held-out set's most common gold specialty;
-  `first_listed`: always the first specialty of the list;
+  `first_option`: always the first specialty of the list;
 - `copy_example`: answering with the worked example's specialty (right only when the example can be right);
 - `keyword`: a rule that names the specialty whose words (biopsy, X-ray, thyroid, …: `KEYWORDS`) the case uses most.
 `copy_rate` is the share of replies that name the worked example's specialty; `modal_share` the share of the most
 common reply (a collapse detector). Wilson 95% intervals on every rate.
 
 The prompt is that of the ermedrag it imports: to measure another commit's, run this script with that checkout first
-on PYTHONPATH (and its .venv); `--label` names the row. Replies are kept beside the JSON (`<out>_replies/LABEL.jsonl.gz`).
+on PYTHONPATH and its .venv (a checkout with `evals/baselines.py`: 7d22253 or later); `--label` names the row. Replies are kept beside the JSON (`<out>_replies/LABEL.jsonl.gz`).
 
     .venv/bin/python benches/learning/triage_copy.py --data ../shared/data --label after
     cd ../old && PYTHONPATH=. .venv/bin/python ../main/benches/learning/triage_copy.py --data ../shared/data \\
@@ -34,16 +34,17 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # for benches.learning; appended, so PYTHONPATH can name another checkout first
-    sys.path.append(str(REPO))
+# The helpers come from this script's own folder, whatever checkout PYTHONPATH names first for ermedrag.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benches.learning.mmedagent_learning import (  # noqa: E402
+from mmedagent_learning import (  # noqa: E402
     benchmarks_dir,
     keyword_specialty,
     labelled_questions,
     split_questions,
     triage_baselines,
 )
+from ermedrag.agents.base import fold_case  # noqa: E402
 from ermedrag.evals.baselines import beats_baselines, share, worked_example_answer  # noqa: E402
 from ermedrag.agents import triage  # noqa: E402
 from ermedrag.offline import go_offline  # noqa: E402
@@ -81,11 +82,11 @@ def measure(questions: Sequence[Any], args: argparse.Namespace) -> tuple[dict[st
                 "answer": parsed["answer"],
                 "named": named,
                 "copied": example is not None and triage.find_specialty(parsed["answer"] or "", [example]) is not None,
-                "keyword": keyword_specialty(q.question + " " + " ".join(q.options.values()), specialties),
+                "keyword": keyword_specialty(q.question + " " + " ".join((q.options or {}).values()), specialties),
             }
         )
     n = len(rows)
-    modal = Counter(r["answer"] for r in rows).most_common(1)[0][1] if rows else 0
+    modal = Counter(r["named"] or fold_case(r["answer"] or "") for r in rows).most_common(1)[0][1] if rows else 0
     figures = {
         "n": n,
         "accuracy": share(sum(r["named"] == r["gold"] for r in rows), n),
@@ -133,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()
     figures, rows = measure(held_out, args)
     out = Path(args.out)
-    record = json.loads(out.read_text()) if out.exists() else {"runs": {}}
+    record = json.loads(out.read_text()) if out.exists() else {}
+    record.setdefault("runs", {})
     record["runs"][args.label] = {
         "commit": commit(),
         "model": args.model,

@@ -40,3 +40,12 @@ def test_a_gain_counts_only_above_the_strongest_baselines_interval():
     assert baselines["majority"]["ci95"][0] < 0.521 < baselines["majority"]["ci95"][1]
     assert not beats_baselines(0.521, baselines) and not beats_baselines(0.6, baselines)
     assert beats_baselines(0.7, baselines) and not beats_baselines(None, baselines)
+
+
+def test_questions_without_a_gold_answer_favour_no_constant_and_answers_compare_by_name():
+    golds = [None, None, None, "B"]
+    baselines = trivial_baselines(golds, [["A", "B"]] * 4)
+    assert baselines["majority"]["hits"] == 1 and baselines["first_option"]["hits"] == 0  # None is no answer
+    prompts = [[{"role": "system", "content": "s"}, {"role": "assistant", "content": "<answer>radiologist </answer>"},
+                {"role": "user", "content": "q"}]]  # fmt: skip
+    assert trivial_baselines(["Radiologist"], [["Radiologist"]], prompts)["copy_example"]["hits"] == 1

@@ -75,3 +75,23 @@ def test_panel_rows_and_report(tmp_path):
 
 def test_no_panel_rows_no_section():
     assert panel_summary([{"config_key": "k", "correct": True, "benchmark": "b", "question_id": "q"}]) is None
+
+
+def test_a_fallback_to_the_gold_specialty_is_no_correct_triage(tmp_path):
+    """Triage that names nothing listed (e.g. a copied worked example) falls back to the default specialty, the
+    first listed (Pathologist); when that is the gold one it is luck, not triage."""
+    question = {
+        "id": "q4",
+        "question": "Which stain? #triage=Cardiologist #answers=A,A,A",
+        "subject": "Pathology",
+        "options": {"A": "PAS", "B": "Gram"},
+        "answer": "A",
+    }
+    questions = tmp_path / "medmcqa_fallback.jsonl"
+    questions.write_text(json.dumps(question) + "\n")
+    run_eval(
+        ["mmedagent"], [str(questions)], PANEL, tmp_path / "out", trace_db=str(tmp_path / "t.sqlite"), progress=False
+    )
+    (row,) = read_records(tmp_path / "out" / RESULTS)
+    assert (row["specialty"], row["gold_specialty"], row["triage_fell_back"]) == ("Pathologist",) * 2 + (True,)
+    assert row["triage_correct"] is False

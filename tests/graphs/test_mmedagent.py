@@ -105,11 +105,13 @@ def test_a_specialty_named_inside_the_answer_is_found():
     [
         triage_role.SPECIALTIES,
         ("Cardiologist", "Neurologist", "Surgeon"),  # example specialties in the real list are never the example's
+        ("cardiologist", "NEUROLOGIST", "Surgeon"),  # nor when the list spells them in another case
         tuple(triage_role.TRIAGE_EXAMPLES)[:-1],  # one left out: the example names it, from a list of one
     ],
 )
 def test_copying_the_triage_example_is_never_a_right_answer(specialties):
     questions = [f"Case {i}: which specialty?" for i in range(60)]
+    listed = {s.casefold() for s in specialties}
     named = set()
     for question in questions:
         messages = triage_role.triage_messages(question, {"A": "x"}, specialties)
@@ -118,9 +120,9 @@ def test_copying_the_triage_example_is_never_a_right_answer(specialties):
         assert triage_role.find_specialty(copied, specialties) is None  # a copy names nothing of the real list
         assert triage_role.parse_triage(messages[2].text, specialties, specialties[0])["fell_back"]
         example_list = messages[1].text.splitlines()[0].removeprefix("Specialties: ").split(", ")
-        assert copied in example_list and not set(example_list) & set(specialties)
+        assert copied in example_list and not {s.casefold() for s in example_list} & listed
         assert messages[-1].text.splitlines()[0] == "Specialties: " + ", ".join(specialties)
-    outside = [s for s in triage_role.TRIAGE_EXAMPLES if s not in specialties]
+    outside = [s for s in triage_role.TRIAGE_EXAMPLES if s.casefold() not in listed]
     assert named == set(outside)  # the hash spreads the examples over every left-out specialty
 
 
