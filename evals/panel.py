@@ -2,7 +2,8 @@
 against the specialists' own majority vote (both from the same runs, so the comparison is paired).
 
 Rows of a panel graph carry `specialty`, `gold_specialty` (from `tools.specialties`, None when the benchmark's
-metadata names none), `triage_correct`, `triage_fell_back`, `bucket`, `majority`, `majority_correct` and
+metadata names none), `triage_correct` (triage itself named the gold specialty: a fallback to the default never
+counts), `triage_fell_back`, `bucket`, `majority`, `majority_correct` and
 `followed_majority` (`evals.runner.panel_fields`). Only rows in the original option order count.
 """
 
