@@ -51,7 +51,7 @@ BUDGETS = {
     "max_total_tokens": 160,
     "max_searches": 1,
     "n_specialists": 2,
-    "triage_max_new_tokens": 24,
+    "triage_max_new_tokens": 48,
     "specialist_max_new_tokens": 48,
     "attending_max_new_tokens": 64,
 }
