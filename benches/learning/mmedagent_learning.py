@@ -284,6 +284,25 @@ def keyword_specialty(text: str, specialties: Sequence[str]) -> str:
     return max(specialties, key=lambda s: (hits[s], -list(specialties).index(s)))
 
 
+def case_keyword(question: Any, specialties: Sequence[str]) -> str:
+    """The keyword rule's specialty for a benchmark question (its text and options)."""
+    return keyword_specialty(question.question + " " + " ".join((question.options or {}).values()), specialties)
+
+
+def copied_example(parsed: Any, example: str | None) -> bool:
+    """A parsed triage reply names the worked example's specialty."""
+    from ermedrag.agents import triage
+
+    return example is not None and triage.find_specialty(parsed["answer"] or "", [example]) is not None
+
+
+def reply_key(parsed: Any) -> str:
+    """What a triage reply said, for counting replies alike: the specialty it named, else its answer (any case)."""
+    from ermedrag.agents.base import fold_case
+
+    return parsed["specialty"] if parsed["ok"] else fold_case(parsed["answer"] or "")
+
+
 def triage_baselines(questions: Sequence[Any], prompts: Sequence[Sequence[Any]], specialties: Sequence[str]) -> dict:
     """What trivial triage scores on these held-out questions (`evals.baselines`: chance, the majority class,
     always the first listed specialty, copying the worked example) and the keyword rule."""
@@ -291,9 +310,7 @@ def triage_baselines(questions: Sequence[Any], prompts: Sequence[Sequence[Any]],
     from ermedrag.tools.data.specialties import gold_specialty_for
 
     golds = [gold_specialty_for(q) for q in questions]
-    keyword = [
-        keyword_specialty(q.question + " " + " ".join((q.options or {}).values()), specialties) for q in questions
-    ]
+    keyword = [case_keyword(q, specialties) for q in questions]
     return {
         **trivial_baselines(golds, [list(specialties)] * len(golds), prompts),
         "keyword": share(sum(k == g for k, g in zip(keyword, golds)), len(golds)),
@@ -369,7 +386,6 @@ def evaluate_triage(
     """Held-out triage: accuracy, format, rewards, what it predicted, how often it copied the worked example and
     the share of its most common reply (a collapse detector); the replies kept in `args.replies_dir/triage_LABEL`."""
     from ermedrag.agents import triage
-    from ermedrag.agents.base import fold_case
     from ermedrag.evals.baselines import modal_share, share, worked_example_answer
     from ermedrag.training.rewards.answers import format_reward
     from ermedrag.training.mmedagent.train import stage_rewards
@@ -387,9 +403,7 @@ def evaluate_triage(
     parsed = [triage.parse_triage(t, r["specialties"], fallback=r["specialties"][0]) for t, r in zip(texts, rows)]
     rewards, mean_reward = _weighted_total(stage_rewards(staged, "triage"), completions, columns)
     examples = [worked_example_answer(r["prompt"]) for r in rows]
-    copied = [
-        e is not None and triage.find_specialty(p["answer"] or "", [e]) is not None for p, e in zip(parsed, examples)
-    ]
+    copied = [copied_example(p, e) for p, e in zip(parsed, examples)]
     correct = triage_correctness_reward(completions, **columns)
     keep_replies(
         Path(args.replies_dir) / f"triage_{label}.jsonl.gz",
@@ -413,7 +427,7 @@ def evaluate_triage(
         "n": len(rows),
         "named_a_specialty": _mean([p["ok"] for p in parsed]),
         "copy_rate": _mean(copied),
-        "modal_share": modal_share([p["specialty"] if p["ok"] else fold_case(p["answer"] or "") for p in parsed]),
+        "modal_share": modal_share([reply_key(p) for p in parsed]),
         "well_formed_rate": _mean(format_reward(completions, **columns)),
         "mean_reward": mean_reward,
         "rewards": rewards,

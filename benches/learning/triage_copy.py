@@ -39,12 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mmedagent_learning import (  # noqa: E402
     benchmarks_dir,
-    keyword_specialty,
+    case_keyword,
+    copied_example,
     labelled_questions,
+    reply_key,
     split_questions,
     triage_baselines,
 )
-from ermedrag.agents.base import fold_case  # noqa: E402
 from ermedrag.evals.baselines import beats_baselines, share, worked_example_answer  # noqa: E402
 from ermedrag.agents import triage  # noqa: E402
 from ermedrag.offline import go_offline  # noqa: E402
@@ -69,9 +70,10 @@ def measure(questions: Sequence[Any], args: argparse.Namespace) -> tuple[dict[st
     started = time.time()
     texts = triage_replies(args.model, conversations, args.concurrency)
     seconds = time.time() - started
-    rows = []
+    rows, said = [], []
     for q, gold, example, text in zip(questions, golds, examples, texts):
         parsed = triage.parse_triage(text, specialties, specialties[0])
+        said.append(reply_key(parsed))
         named = parsed["specialty"] if parsed["ok"] else None
         rows.append(
             {
@@ -81,12 +83,12 @@ def measure(questions: Sequence[Any], args: argparse.Namespace) -> tuple[dict[st
                 "reply": text,
                 "answer": parsed["answer"],
                 "named": named,
-                "copied": example is not None and triage.find_specialty(parsed["answer"] or "", [example]) is not None,
-                "keyword": keyword_specialty(q.question + " " + " ".join((q.options or {}).values()), specialties),
+                "copied": copied_example(parsed, example),
+                "keyword": case_keyword(q, specialties),
             }
         )
     n = len(rows)
-    modal = Counter(r["named"] or fold_case(r["answer"] or "") for r in rows).most_common(1)[0][1] if rows else 0
+    modal = Counter(said).most_common(1)[0][1] if said else 0
     figures = {
         "n": n,
         "accuracy": share(sum(r["named"] == r["gold"] for r in rows), n),
