@@ -173,8 +173,22 @@ def _parser() -> argparse.ArgumentParser:
         "--questions",
         nargs="*",
         default=[],
-        help="med-r3: benchmark JSONL files the runs came from (gold evidence for the retrieval "
-        "reward); mmedagent: more benchmark files whose metadata labels the triage",
+        help="grpo: write respondent prompts from these benchmark JSONL files instead of traces (evidence "
+        "supporting the gold answer among distractors, or only distractors); med-r3: benchmark JSONL files the "
+        "runs came from (gold evidence for the retrieval reward); mmedagent: more benchmark files whose "
+        "metadata labels the triage",
+    )
+    export.add_argument(
+        "--max-distractors",
+        type=count(0, 32),
+        default=4,
+        help="grpo --questions: distractor triplets per prompt, drawn from 0 to this (default 4)",
+    )
+    export.add_argument(
+        "--irrelevant",
+        type=number(0, 1),
+        default=0.25,
+        help="grpo --questions: share of prompts with only distractors (default 0.25)",
     )
     export.add_argument("--qrels", default=None, help="med-r3: bioasq_qrels.jsonl for BioASQ questions")
     export.add_argument("--corpus-dir", default=None, help="med-r3: corpora folder (exact PubMedQA passage ids)")

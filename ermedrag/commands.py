@@ -329,6 +329,20 @@ def export(args: argparse.Namespace) -> int:
         export_med_r3,
     )
 
+    if args.kind == "grpo" and args.questions:  # prompts written from benchmark questions, no traces read
+        from ermedrag.training.export import EvidenceExportConfig, export_grpo_evidence
+
+        config = EvidenceExportConfig(
+            questions=args.questions,
+            out=args.out,
+            max_distractors=args.max_distractors,
+            irrelevant_fraction=args.irrelevant,
+            seed=args.seed,
+            limit=args.limit,
+        )
+        counts = export_grpo_evidence(config)
+        print(f"grpo: {counts}; dataset in {Path(args.out) / 'dataset'} (datasets.load_from_disk)")
+        return 0
     traces = args.trace_db or default_trace_db()
     if not Path(traces).exists():
         raise FileNotFoundError(f"no trace database at {traces}")

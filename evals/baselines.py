@@ -8,11 +8,14 @@ number that looks like learning on a set whose golds lean that way. Beside any a
 - `copy_example`: answering with the prompt's worked example's answer (only where prompts have one);
 and, for a set of replies, `modal_share`: the share of its most common answer (a collapse detector: 1.0 is one
 answer for everything). A gain counts only above the strongest baseline's 95% interval (`beats_baselines`).
+`balanced_positions` moves each gold answer to a position of its own in turn, so that a model that always names
+one position scores chance on a held-out set, not the set's lean.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -79,3 +82,19 @@ def beats_baselines(rate: float | None, baselines: Mapping[str, Any]) -> bool:
     """`rate` is above every baseline's 95% interval (a bare number, such as chance, is its own bound)."""
     bounds = [b["ci95"][1] if isinstance(b, Mapping) else b for b in baselines.values() if b is not None]
     return rate is not None and rate > max(bounds, default=0.0)
+
+
+def balanced_positions(questions: Sequence[Any]) -> list[Any]:
+    """The questions (`tools.data.benchmarks.Question`) with their option texts rotated so that the i-th one's gold
+    answer stands at position i mod its number of options: every position holds the gold equally often (within one)
+    among questions of one size. The keys stay in order; the texts keep their cyclic order around the gold."""
+    balanced = []
+    for index, question in enumerate(questions):
+        keys = list(question.options)
+        texts = [question.options[key] for key in keys]
+        gold_at = keys.index(question.answer)
+        target = index % len(keys)
+        shift = gold_at - target
+        rotated = {key: texts[(i + shift) % len(keys)] for i, key in enumerate(keys)}
+        balanced.append(dataclasses.replace(question, options=rotated, answer=keys[target]))
+    return balanced

@@ -6,6 +6,8 @@
 - GRPO prompts for the respondent: each finished ER-MedRAG run with a gold answer is rebuilt from its
   recorded triplets, with a fraction of distractor triplets from other runs shuffled in (robustness to
   retrieval noise); the columns carry what the reward functions need.
+- GRPO prompts written from benchmark questions (`export_grpo_evidence`): evidence that supports the gold answer
+  among distractors, or only distractors, to teach the respondent to follow evidence and ignore noise.
 - Med-R³ GRPO prompts: each finished Med-R³ run with a gold answer gives its first reasoner prompt exactly
   as recorded, with the columns of `training.med_r3_data`.
 
@@ -17,6 +19,7 @@ rebuilt from the log at the end.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -298,6 +301,168 @@ def _grpo_record(run: dict[str, Any], per_run: dict[str, tuple[list, Any]], conf
         "snippet_ids": sorted({t["snippet_id"] for t in own}),
     }
     return {"run_id": run["run_id"], "row": row}
+
+
+# --------------------------------------------------------------------- GRPO from benchmark questions
+# ER-MedRAG's respondent must answer from the evidence it is given and ignore noise. Recorded traces of a small
+# extractor rarely hold evidence that decides the answer, so this export writes the evidence itself: a triplet
+# that supports the gold answer (the benchmark's own conclusion where it has one, PubMedQA's `long_answer`, else
+# written from the gold option's text), mixed with distractor triplets of other questions; some prompts get only
+# distractors (irrelevant evidence: answer from knowledge). Evidence ids are neutral digests: nothing in a line
+# says which one is gold.
+SUPPORT_RELATION = "is answered by"
+CONCLUSION_RELATION = "concludes"
+MAX_FOCUS_CHARS = 160
+
+
+@dataclass
+class EvidenceExportConfig:
+    questions: list[str] = field(metadata={"help": "benchmark JSONL files (shared schema) to write prompts for"})
+    out: str = field(metadata={"help": "output folder: log.jsonl, data.jsonl, dataset/"})
+    max_distractors: int = field(
+        default=4, metadata={"help": "distractor triplets per prompt: drawn uniformly from 0 to this"}
+    )
+    irrelevant_fraction: float = field(
+        default=0.25, metadata={"help": "share of prompts whose evidence is only distractors (answer from knowledge)"}
+    )
+    seed: int = field(
+        default=0, metadata={"help": "draws the questions used (with limit), their order, kinds and distractors"}
+    )
+    limit: int | None = field(default=None, metadata={"help": "write at most this many prompts"})
+
+
+def question_focus(text: str) -> str:
+    """What a triplet's condition says of a question: its opening words, whitespace collapsed, cut at a word
+    (a vignette's opening tells it from other questions, where its final "What is the most likely cause?" does not)."""
+    words = " ".join(str(text).split())
+    if len(words) <= MAX_FOCUS_CHARS:
+        return words
+    cut = words.rfind(" ", 0, MAX_FOCUS_CHARS)
+    return words[: cut if cut > 0 else MAX_FOCUS_CHARS] + " …"
+
+
+def evidence_id(*parts: str) -> str:
+    """A neutral evidence id: a digest that says nothing about what the line is for."""
+    return "ev-" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:8]
+
+
+def option_triplet(question: Any, key: str) -> dict[str, str]:
+    """A triplet naming option `key`'s text as the answer to `question` (a `tools.data.benchmarks.Question`)."""
+    return {
+        "condition": question_focus(question.question),
+        "relation": SUPPORT_RELATION,
+        "conclusion": question.options[key],
+        "snippet_id": evidence_id(question.id, key, question.options[key]),
+    }
+
+
+def gold_triplet(question: Any) -> dict[str, str]:
+    """The evidence for the gold answer: the benchmark's own conclusion (PubMedQA's `long_answer`) where it has one,
+    else the gold option's text."""
+    conclusion = question.meta.get("long_answer") if isinstance(question.meta, dict) else None
+    if isinstance(conclusion, str) and conclusion.strip():
+        return {
+            "condition": question_focus(question.question),
+            "relation": CONCLUSION_RELATION,
+            "conclusion": " ".join(conclusion.split()),
+            "snippet_id": evidence_id(question.id, "conclusion"),
+        }
+    return option_triplet(question, question.answer)
+
+
+def evidence_row(
+    question: Any,
+    supporting: Sequence[dict[str, str]],
+    distractors: Sequence[dict[str, str]],
+    rng: random.Random,
+    kind: str,
+    evidence_key: str | None,
+) -> dict[str, Any]:
+    """One respondent prompt with this evidence, shuffled (`rng`), and the columns the rewards read: `triplets`
+    with their `distractor` flags, `gold`, `options`; `kind` and `evidence_key` (the option the supporting evidence
+    names, None without one) say what the prompt tests."""
+    mixed = [{**t, "distractor": False} for t in supporting] + [{**t, "distractor": True} for t in distractors]
+    rng.shuffle(mixed)
+    messages = respondent.build_messages(question.question, question.options, extractor.render_triplets(mixed))
+    return {
+        "prompt": to_chat(messages),
+        "question": question.question,
+        "options": question.options,
+        "gold": question.answer,
+        "triplets": mixed,
+        "n_distractors": len(distractors),
+        "kind": kind,
+        "evidence_key": evidence_key,
+        "run_id": question.id,
+        "event_id": None,
+        "snippet_ids": sorted(t["snippet_id"] for t in supporting),
+    }
+
+
+def draw_distractors(
+    pool: Sequence[tuple[str, dict[str, str]]], exclude: str, count: int, rng: random.Random
+) -> list[dict[str, str]]:
+    """`count` triplets of questions other than `exclude` from `pool` ((question id, triplet) pairs)."""
+    picked: list[dict[str, str]] = []
+    for index in rng.sample(range(len(pool)), min(len(pool), count + 1)):
+        if pool[index][0] != exclude and len(picked) < count:
+            picked.append(pool[index][1])
+    return picked
+
+
+def evidence_prompts(questions: Sequence[Any], config: EvidenceExportConfig) -> list[dict[str, Any]]:
+    """The prompts `export_grpo_evidence` writes for `questions`, in the seed's order (each drawn from its own
+    seeded stream, so a resumed export writes the very same ones)."""
+    if not 0 <= config.irrelevant_fraction <= 1:
+        raise ValueError(f"irrelevant_fraction must be in [0, 1], got {config.irrelevant_fraction}")
+    if config.max_distractors < 0:
+        raise ValueError(f"max_distractors must be 0 or more, got {config.max_distractors}")
+    pool = [(q.id, gold_triplet(q)) for q in questions]
+    order = list(questions)
+    random.Random(config.seed).shuffle(order)
+    rows = []
+    for question in order[: config.limit]:
+        rng = random.Random(f"{config.seed}:{question.id}")
+        irrelevant = rng.random() < config.irrelevant_fraction
+        count = rng.randint(1 if irrelevant else 0, max(config.max_distractors, 1 if irrelevant else 0))
+        distractors = draw_distractors(pool, question.id, count, rng)
+        if irrelevant:
+            rows.append(evidence_row(question, [], distractors, rng, "irrelevant", None))
+        else:
+            rows.append(
+                evidence_row(question, [gold_triplet(question)], distractors, rng, "supporting", question.answer)
+            )
+    return rows
+
+
+def export_grpo_evidence(config: EvidenceExportConfig, progress: bool = True) -> dict[str, int]:
+    """Respondent GRPO prompts written from benchmark questions (`ermedrag export grpo --questions FILE...`):
+    evidence that supports the gold answer among distractors, or only distractors. Resumable like the other
+    exports; returns counts."""
+    from ermedrag.tools.data.benchmarks import load_questions_file
+
+    if not config.questions:
+        raise ValueError("no questions files given")
+    return export_evidence_prompts(
+        [q for path in config.questions for q in load_questions_file(path)], config, progress
+    )
+
+
+def export_evidence_prompts(
+    questions: Sequence[Any], config: EvidenceExportConfig, progress: bool = True
+) -> dict[str, int]:
+    """`export_grpo_evidence` for questions already loaded (`config.questions` unread)."""
+    rows = evidence_prompts(questions, config)
+    return export_resumable(
+        Path(config.out),
+        [{"question_id": row["run_id"], "row": row} for row in rows],
+        "question_id",
+        lambda item: item,
+        row_key="row",
+        limit=None,
+        progress=progress,
+        unit="question",
+    )
 
 
 @dataclass

@@ -49,3 +49,24 @@ def test_questions_without_a_gold_answer_favour_no_constant_and_answers_compare_
     prompts = [[{"role": "system", "content": "s"}, {"role": "assistant", "content": "<answer>radiologist </answer>"},
                 {"role": "user", "content": "q"}]]  # fmt: skip
     assert trivial_baselines(["Radiologist"], [["Radiologist"]], prompts)["copy_example"]["hits"] == 1
+
+
+def test_balanced_positions_put_each_gold_at_every_position_equally_often():
+    from collections import Counter
+
+    from ermedrag.evals.baselines import balanced_positions
+    from ermedrag.tools.data.benchmarks import Question
+
+    questions = [
+        Question(id=f"q{i}", question="?", options={k: f"t{i}{k}" for k in "ABCD"}, answer="A", benchmark="x")
+        for i in range(8)
+    ]
+    balanced = balanced_positions(questions)
+    assert Counter(q.answer for q in balanced) == {"A": 2, "B": 2, "C": 2, "D": 2}
+    for before, after in zip(questions, balanced):
+        assert after.options[after.answer] == before.options[before.answer]  # the same gold text
+        assert sorted(after.options.values()) == sorted(before.options.values())
+        assert list(after.options) == list("ABCD")
+    assert (
+        trivial_baselines([q.answer for q in balanced], [list(q.options) for q in balanced])["majority"]["rate"] == 0.25
+    )

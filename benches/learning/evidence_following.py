@@ -1,0 +1,302 @@
+"""Does the respondent follow its evidence, and does GRPO teach it to? (issue 39, part 5: ER-MedRAG's claim)
+
+Held-out: `--eval-questions` four-option questions (MedMCQA dev and MMLU-Med, short ones, none whose options name
+other options), their golds balanced over positions (`evals.baselines.balanced_positions`). Each is asked
+greedily, with the respondent's own prompt and stop string, in five ways:
+- `d0`, `d2`, `d4` (counterfactual): one triplet names option X's text as the answer, X drawn uniformly over the
+  options independently of the gold, among d distractor triplets of other questions. `follow_rate` = share of
+  answers equal to X;
+- `gold_evidence`: one triplet names the gold option, among 2 distractors (`accuracy_gold_evidence`);
+- `no_evidence`: the ordinary question with no evidence (`accuracy_no_evidence`; and, read against X, the
+  `no_evidence` baseline: how often the model names X without being told).
+Baselines beside the follow rate: `chance` (1 / options), `no_evidence`, `copy_example` (the worked example's
+letter equals X). A seed `beats_baselines` when its d2 follow rate is above every baseline's Wilson 95% interval.
+
+Training: each seed exports its own GRPO prompts from the other questions with `ermedrag export grpo --questions`'s
+code (`training.export.export_evidence_prompts`, the seed drawing the sample, order, kinds and distractors:
+evidence supporting the gold among 0-4 distractors, a quarter with only distractors), trains the respondent with
+the product's GRPO (LoRA, the respondent's default rewards: correctness, format, length, evidence use) from the
+base model, merges and measures again on the same held-out prompts. Every reply is kept
+(`<out dir>/evidence_following/replies/<phase>.jsonl.gz`: prompt id, set, reply, parsed answer, gold, X).
+
+    .venv/bin/python benches/learning/evidence_following.py --data ../shared/data          # ≈ 2 h on 2 cores
+    .venv/bin/python benches/learning/evidence_following.py --smoke                          # tiny random model
+    .venv/bin/python benches/learning/evidence_following.py --reuse --first-seed 2 --seeds 1  # add a seed
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from learning_signal import generate, log, trained  # noqa: E402  (learning_signal goes offline at import)
+from seeds import LEARNING_WORK, hold_work_folder, spread  # noqa: E402
+
+from ermedrag.agents import respondent  # noqa: E402
+from ermedrag.evals.baselines import balanced_positions, beats_baselines, modal_share, share  # noqa: E402
+from ermedrag.evals.baselines import worked_example_answer  # noqa: E402
+from ermedrag.tools.data.benchmarks import Question, load_questions_file  # noqa: E402
+from ermedrag.tools.machine import describe_machine  # noqa: E402
+from ermedrag.tools.records.jsonl import replace_text  # noqa: E402
+from ermedrag.training.config import GRPOTrainingConfig  # noqa: E402
+from ermedrag.training.export import (  # noqa: E402
+    EvidenceExportConfig,
+    draw_distractors,
+    evidence_row,
+    export_evidence_prompts,
+    gold_triplet,
+    option_triplet,
+)
+from ermedrag.training.trainers import train_grpo  # noqa: E402
+
+BENCHMARKS = ("medmcqa_dev", "mmlu_med_test")
+DISTRACTOR_COUNTS = (0, 2, 4)
+GOLD_EVIDENCE_DISTRACTORS = 2
+RESULT = REPO / "benches" / "results" / "evidence_following.json"
+# An option that names other options ("All of the above", "Both A and B") changes meaning when options move.
+NAMES_OTHER_OPTIONS = re.compile(r"\b(above|both|none of|all of)\b|\b[a-d]\s*(?:and|&|,)\s*[a-d]\b", re.IGNORECASE)
+SMOKE = {"eval_questions": 4, "train_prompts": 4, "steps": 2, "tokens": 16, "generations": 2, "prompts_per_step": 1}
+
+
+def pools(data: Path, max_chars: int, eval_questions: int) -> tuple[list[Question], list[Question]]:
+    """(held-out, training pool): short four-option questions whose options stand alone, one seeded shuffle;
+    the held-out ones balanced over gold positions."""
+    questions = [
+        q
+        for name in BENCHMARKS
+        for q in load_questions_file(data / "benchmarks" / f"{name}.jsonl")
+        if len(q.options) == 4
+        and len(q.question) <= max_chars
+        and not any(NAMES_OTHER_OPTIONS.search(text) for text in q.options.values())
+    ]
+    random.Random(0).shuffle(questions)
+    return balanced_positions(questions[:eval_questions]), questions[eval_questions:]
+
+
+def heldout_rows(heldout: Sequence[Question], pool: Sequence[Question]) -> list[dict[str, Any]]:
+    """Every held-out prompt, each with its `set` and `prompt_id`: the counterfactual sets, gold evidence and no
+    evidence. X and the distractors are drawn per question from seeded streams (the same X at every d)."""
+    distractor_pool = [(q.id, gold_triplet(q)) for q in pool]
+    rows = []
+    for q in heldout:
+        x = random.Random(f"x:{q.id}").choice(list(q.options))
+        for d in DISTRACTOR_COUNTS:
+            rng = random.Random(f"d{d}:{q.id}")
+            distractors = draw_distractors(distractor_pool, q.id, d, rng)
+            rows.append(
+                {**evidence_row(q, [option_triplet(q, x)], distractors, rng, "counterfactual", x), "set": f"d{d}"}
+            )
+        rng = random.Random(f"gold:{q.id}")
+        distractors = draw_distractors(distractor_pool, q.id, GOLD_EVIDENCE_DISTRACTORS, rng)
+        rows.append(
+            {**evidence_row(q, [gold_triplet(q)], distractors, rng, "supporting", q.answer), "set": "gold_evidence"}
+        )
+        none = evidence_row(q, [], [], random.Random(0), "none", None)
+        rows.append({**none, "evidence_key": x, "set": "no_evidence"})  # X: how often it is named untold
+    return [{**row, "prompt_id": f"{row['run_id']}:{row['set']}"} for row in rows]
+
+
+def measure(model_spec: str, rows: Sequence[dict[str, Any]], tokens: int, replies_file: Path) -> dict[str, Any]:
+    """Greedy replies to every held-out prompt (kept in `replies_file`) and the figures read off them."""
+    replies = generate(model_spec, [row["prompt"] for row in rows], tokens, respondent.STOP)
+    parsed = [respondent.parse_answer(reply, row["options"]) for reply, row in zip(replies, rows)]
+    kept = [
+        {
+            "prompt_id": row["prompt_id"],
+            "set": row["set"],
+            "reply": reply,
+            "answer": p["answer"],
+            "well_formed": p["well_formed"],
+            "gold": row["gold"],
+            "evidence_key": row["evidence_key"],
+        }
+        for row, reply, p in zip(rows, replies, parsed)
+    ]
+    replies_file.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(replies_file, "wt", encoding="utf-8") as out:
+        out.writelines(json.dumps(k) + "\n" for k in kept)
+    return figures(kept)
+
+
+def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per set: follow rate (answer = X), accuracy, well formed, modal answer share; each rate with its interval."""
+    result: dict[str, Any] = {}
+    for name in [f"d{d}" for d in DISTRACTOR_COUNTS] + ["gold_evidence", "no_evidence"]:
+        replies = [k for k in kept if k["set"] == name]
+        n = len(replies)
+        result[name] = {
+            "follow_rate": share(sum(k["answer"] == k["evidence_key"] for k in replies), n),
+            "accuracy": share(sum(k["answer"] == k["gold"] for k in replies), n),
+            "well_formed": share(sum(k["well_formed"] for k in replies), n),
+            "modal_answer_share": modal_share([k["answer"] for k in replies]),
+        }
+    return result
+
+
+def follow_baselines(rows: Sequence[dict[str, Any]], before: dict[str, Any]) -> dict[str, Any]:
+    """What trivial answers score on the counterfactual question: chance, the base model without evidence naming
+    X, and copying the worked example's letter."""
+    counterfactual = [r for r in rows if r["set"] == "d2"]
+    n = len(counterfactual)
+    copies = sum(worked_example_answer(r["prompt"]) == r["evidence_key"] for r in counterfactual)
+    return {
+        "chance": round(sum(1 / len(r["options"]) for r in counterfactual) / max(n, 1), 4),
+        "no_evidence": before["no_evidence"]["follow_rate"],
+        "copy_example": share(copies, n),
+    }
+
+
+def train_seed(args: argparse.Namespace, model_path: str, pool: Sequence[Question], seed: int, work: Path) -> dict:
+    """Export this seed's own prompts, train GRPO from the base model, merge; returns the run's record."""
+    export = work / f"export-s{seed}"
+    config = EvidenceExportConfig(questions=[], out=str(export), seed=seed, limit=args.train_prompts)
+    counts = export_evidence_prompts(pool, config, progress=False)
+    training = GRPOTrainingConfig(
+        model=model_path,
+        dataset=str(export / "dataset"),
+        output_dir=str(work / f"grpo-out-s{seed}"),
+        max_steps=args.steps,
+        learning_rate=args.learning_rate,
+        num_generations=args.generations,
+        per_device_train_batch_size=args.generations,
+        gradient_accumulation_steps=args.prompts_per_step,
+        max_completion_length=args.tokens,
+        temperature=args.temperature,
+        save_steps=10,
+        resume=True,
+        seed=seed,
+    )
+    run = trained(SimpleNamespace(reuse_trained=args.reuse), training, work / f"grpo-merged-s{seed}", train_grpo)
+    return {
+        **run,
+        "export": counts,
+        "seed_changes": "training sample, order, kinds and distractors; LoRA init, data order and sampled rollouts",
+    }
+
+
+def summary(before: dict[str, Any], afters: Sequence[dict[str, Any]], baselines: dict[str, Any]) -> dict[str, Any]:
+    def over(set_name: str, metric: str) -> dict[str, Any]:
+        return {
+            "before": before[set_name][metric]["rate"],
+            "after": spread([a[set_name][metric]["rate"] for a in afters]),
+        }
+
+    return {
+        "n": len(afters),
+        "follow_rate": {f"d{d}": over(f"d{d}", "follow_rate") for d in DISTRACTOR_COUNTS},
+        "accuracy_gold_evidence": over("gold_evidence", "accuracy"),
+        "accuracy_no_evidence": over("no_evidence", "accuracy"),
+        "well_formed_d2": over("d2", "well_formed"),
+        "seeds_beating_baselines_d2": sum(beats_baselines(a["d2"]["follow_rate"]["rate"], baselines) for a in afters),
+        "no_evidence_accuracy_not_below_before": [
+            a["no_evidence"]["accuracy"]["rate"] >= before["no_evidence"]["accuracy"]["rate"] for a in afters
+        ],
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
+    parser.add_argument("--work", default=str(LEARNING_WORK / "evidence_following"))
+    parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="with --reuse: add seeds K.. to the recorded ones")
+    parser.add_argument("--reuse", action="store_true", help="reuse the before and the seeds a run finished")
+    parser.add_argument("--eval-questions", type=int, default=48)
+    parser.add_argument("--train-prompts", type=int, default=96, help="GRPO prompts each seed draws")
+    parser.add_argument("--max-question-chars", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--prompts-per-step", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=96, help="respondent budget in training and measurement")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--smoke", action="store_true", help="a tiny random model and tiny sizes: the pipeline")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
+        args.work = str(Path(args.work) / "smoke")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    data = Path(args.data)
+    if not (data / "benchmarks").is_dir():
+        raise SystemExit(f"no benchmarks under {data} (pass --data or set ERMEDRAG_SHARED_DATA)")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    hold_work_folder(work)
+    if args.smoke:
+        from ermedrag.testing.tiny_model import build_tiny_causal_lm
+
+        model_path = build_tiny_causal_lm(work / "tiny")
+    else:
+        from ermedrag.tools.models.offline import offline_model_dir
+
+        model_path = str(offline_model_dir())
+    out = Path(args.out) if not args.smoke else work / "evidence_following.json"
+    replies = out.parent / out.stem / "replies"
+    heldout, pool = pools(data, args.max_question_chars, args.eval_questions)
+    rows = heldout_rows(heldout, pool)
+    started = time.time()
+    earlier = json.loads(out.read_text()) if args.reuse and out.exists() else {}
+    before = earlier.get("before") or measure(f"hf:{model_path}", rows, args.tokens, replies / "before.jsonl.gz")
+    log(f"before: d2 follow {before['d2']['follow_rate']}, no-evidence accuracy {before['no_evidence']['accuracy']}")
+    baselines = follow_baselines(rows, before)
+    runs = [r for r in earlier.get("runs", []) if r["seed"] < args.first_seed]
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        run = train_seed(args, model_path, pool, seed, work)
+        after = measure(f"hf:{run['merged']}", rows, args.tokens, replies / f"seed{seed}_after.jsonl.gz")
+        log(f"seed {seed}: d2 follow {after['d2']['follow_rate']} ({run['minutes']} min)")
+        runs.append(
+            {"seed": seed, **{k: v for k, v in run.items() if k not in ("merged", "plot_path")}, "after": after}
+        )
+        write(out, args, model_path, before, baselines, runs, started)
+    write(out, args, model_path, before, baselines, runs, started)
+    return 0
+
+
+def write(out: Path, args: argparse.Namespace, model_path: str, before: dict, baselines: dict, runs: list, started):
+    result = {
+        "seeds": summary(before, [r["after"] for r in runs], baselines) if runs else {"n": 0},
+        "baselines": baselines,
+        "before": before,
+        "runs": runs,
+        "settings": {
+            "model": "tiny random model" if args.smoke else "gemma3-270m (hf, offline)",
+            "benchmarks": list(BENCHMARKS),
+            "eval_questions": args.eval_questions,
+            "train_prompts_per_seed": args.train_prompts,
+            "steps": args.steps,
+            "generations": args.generations,
+            "prompts_per_step": args.prompts_per_step,
+            "tokens": args.tokens,
+            "temperature": args.temperature,
+            "learning_rate": args.learning_rate,
+            "rewards": "the respondent's defaults (training.rewards.RESPONDENT_REWARDS)",
+        },
+        "machine": describe_machine(),
+        "load_average": list(os.getloadavg()),
+        "minutes": round((time.time() - started) / 60, 1),
+        "command": " ".join(["python", *sys.argv]),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    replace_text(out, json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

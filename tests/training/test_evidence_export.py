@@ -1,0 +1,97 @@
+"""Respondent GRPO prompts written from benchmark questions (`ermedrag export grpo --questions`): evidence that
+supports the gold answer among distractors, or only distractors, with ids that do not say which is which."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from datasets import load_from_disk
+
+from ermedrag.agents import respondent
+from ermedrag.cli import main
+from ermedrag.tools.data.benchmarks import load_questions_file
+from ermedrag.training.export import EvidenceExportConfig, evidence_prompts, question_focus
+from ermedrag.training.rewards.answers import correctness_reward
+
+ROWS = [
+    {
+        "id": f"q{i}",
+        "question": f"Case {i}: which drug treats condition {i}?",
+        "answer": "ABCD"[i % 4],
+        "options": {k: f"drug {i}{k}" for k in "ABCD"},
+    }
+    for i in range(12)
+] + [
+    {
+        "id": "pq",
+        "question": "Does aspirin lower stroke risk?",
+        "answer": "A",
+        "options": {"A": "yes", "B": "no", "C": "maybe"},
+        "long_answer": "Aspirin lowered the risk of stroke.",
+    }
+]
+
+
+@pytest.fixture()
+def questions_file(tmp_path):
+    path = tmp_path / "toy_mc.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def _evidence_lines(row: dict) -> list[str]:
+    return [t["conclusion"] for t in row["triplets"]]
+
+
+def test_cli_writes_supporting_and_irrelevant_prompts_that_the_rewards_read(questions_file, tmp_path, capsys):
+    out = tmp_path / "export"
+    assert main(["export", "grpo", "--questions", str(questions_file), "--out", str(out), "--irrelevant", "0.3"]) == 0
+    assert "rows': 13" in capsys.readouterr().out
+    rows = list(load_from_disk(str(out / "dataset")))
+    by_id = {q.id: q for q in load_questions_file(questions_file)}
+    kinds = {row["kind"] for row in rows}
+    assert kinds == {"supporting", "irrelevant"}
+    for row in rows:
+        question = by_id[row["run_id"]]
+        assert row["gold"] == question.answer and 0 <= row["n_distractors"] <= 4
+        supporting = [t for t in row["triplets"] if not t["distractor"]]
+        if row["kind"] == "supporting":
+            assert len(supporting) == 1 and row["evidence_key"] == question.answer
+            gold_text = question.meta.get("long_answer") or question.options[question.answer]
+            assert supporting[0]["conclusion"] == gold_text  # PubMedQA's conclusion, else the gold option's text
+        else:
+            assert not supporting and row["n_distractors"] >= 1 and row["evidence_key"] is None
+        # distractors are other questions' evidence; no id says which line is the gold one
+        assert all(t["snippet_id"].startswith("ev-") and len(t["snippet_id"]) == 11 for t in row["triplets"])
+        assert question.options[question.answer] not in [t["conclusion"] for t in row["triplets"] if t["distractor"]]
+        assert "gold" not in json.dumps(row["prompt"]).lower()
+    # the respondent's own prompt, and the reward reads these columns: the gold answer scores 1
+    supporting = next(r for r in rows if r["kind"] == "supporting")
+    assert supporting["prompt"][0]["content"] == respondent.SYSTEM_PROMPT
+    reply = f"<think>Evidence [1].</think><answer>{supporting['gold']}</answer>"
+    assert correctness_reward([reply], gold=[supporting["gold"]], options=[supporting["options"]]) == [1.0]
+
+
+def test_seeds_draw_their_own_sample_and_the_same_seed_the_same_prompts(questions_file):
+    questions = load_questions_file(questions_file)
+    first = evidence_prompts(questions, EvidenceExportConfig(questions=[], out="", seed=1, limit=5))
+    again = evidence_prompts(questions, EvidenceExportConfig(questions=[], out="", seed=1, limit=5))
+    other = evidence_prompts(questions, EvidenceExportConfig(questions=[], out="", seed=2, limit=5))
+    assert first == again
+    assert [r["run_id"] for r in first] != [r["run_id"] for r in other]
+
+
+def test_bad_settings_are_refused_with_the_setting_named(questions_file):
+    questions = load_questions_file(questions_file)
+    with pytest.raises(ValueError, match="irrelevant_fraction"):
+        evidence_prompts(questions, EvidenceExportConfig(questions=[], out="", irrelevant_fraction=1.5))
+    with pytest.raises(ValueError, match="max_distractors"):
+        evidence_prompts(questions, EvidenceExportConfig(questions=[], out="", max_distractors=-1))
+
+
+def test_question_focus_is_the_opening_cut_at_a_word():
+    vignette = "A 54-year-old woman comes with chest pain " * 10 + "What is the most likely cause?"
+    focus = question_focus(vignette)
+    assert focus.startswith("A 54-year-old woman") and focus.endswith(" …") and len(focus) <= 162
+    assert question_focus("  Short   question? ") == "Short question?"
