@@ -516,6 +516,20 @@ def main() -> None:
 
 
 @dataclass(frozen=True)
+def float32_model(base: str, out: Path) -> str:
+    """The base model saved in float32, as `merged_model` saves a trained one. The offline model is stored in
+    bfloat16 and the hf: backend decodes in a checkpoint's own dtype: a before measured from it would decode in
+    bfloat16 and an after in float32, a difference that is not training's. Written once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (out / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="float32")
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return str(out)
+
+
+@dataclass
 class GRPOArm:
     """One GRPO arm: its reward weights over the respondent's defaults (empty: the defaults), the respondent's
     token budget in training and in the held-out before and after, its sampling (completions per prompt,

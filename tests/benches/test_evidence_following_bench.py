@@ -1,0 +1,75 @@
+"""The evidence-following bench (benches/learning/evidence_following.py): its held-out sets on real questions, the
+figures read off kept replies, and its `--smoke` run end to end (the real GRPO trainer on a tiny random model)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from ermedrag.agents.extractor import NO_EVIDENCE
+from tests.benches.test_learning_bench import bench_module
+from tests.conftest import REPO
+
+SCRIPT = REPO / "benches" / "learning" / "evidence_following.py"
+
+
+def test_heldout_sets_name_x_at_every_d_and_the_gold_in_the_gold_set(shared_data: Path) -> None:
+    bench = bench_module("evidence_following")
+    heldout, pool = bench.pools(shared_data, 300, 24)
+    assert not {q.id for q in heldout} & {q.id for q in pool}
+    assert Counter(q.answer for q in heldout) == {"A": 6, "B": 6, "C": 6, "D": 6}  # balanced positions
+    rows = bench.heldout_rows(heldout, pool)
+    assert Counter(r["set"] for r in rows) == {s: 24 for s in ("d0", "d2", "d4", "gold_evidence", "no_evidence")}
+    by_question: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        by_question.setdefault(row["run_id"], {})[row["set"]] = row
+    xs = []
+    for sets in by_question.values():
+        x = sets["d0"]["evidence_key"]
+        xs.append(x)
+        for d in (0, 2, 4):
+            row = sets[f"d{d}"]
+            named = [t["conclusion"] for t in row["triplets"] if not t["distractor"]]
+            assert row["evidence_key"] == x and named == [row["options"][x]] and row["n_distractors"] == d
+        gold = sets["gold_evidence"]
+        assert [t["conclusion"] for t in gold["triplets"] if not t["distractor"]] == [gold["options"][gold["gold"]]]
+        assert NO_EVIDENCE in sets["no_evidence"]["prompt"][-1]["content"]
+    assert len(set(xs)) > 1 and sum(x == q.answer for x, q in zip(xs, heldout)) < len(xs)  # X is not the gold
+
+
+def test_figures_count_follows_and_right_answers_per_set() -> None:
+    bench = bench_module("evidence_following")
+    kept = [
+        {"set": "d2", "answer": "B", "evidence_key": "B", "gold": "A", "well_formed": True},
+        {"set": "d2", "answer": "A", "evidence_key": "C", "gold": "A", "well_formed": True},
+        {"set": "d2", "answer": None, "evidence_key": "D", "gold": "D", "well_formed": False},
+    ]
+    d2 = bench.figures(kept)["d2"]
+    assert (d2["follow_rate"]["hits"], d2["accuracy"]["hits"], d2["well_formed"]["hits"]) == (1, 1, 2)
+    assert d2["follow_rate"]["n"] == 3 and d2["modal_answer_share"] == round(1 / 3, 4)
+
+
+def test_smoke_run_records_baselines_seeds_and_kept_replies(shared_data: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
+    command = [sys.executable, str(SCRIPT), "--smoke", "--seeds", "1", "--data", str(shared_data)]
+    done = subprocess.run(
+        [*command, "--work", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "smoke" / "evidence_following.json").read_text())
+    assert set(result["baselines"]) == {"chance", "no_evidence", "copy_example"}
+    assert result["baselines"]["chance"] == 0.25
+    seeds = result["seeds"]
+    assert seeds["n"] == 1 and set(seeds["follow_rate"]) == {"d0", "d2", "d4"}
+    assert len(seeds["follow_rate"]["d2"]["after"]["values"]) == 1 and "accuracy_gold_evidence" in seeds
+    assert result["runs"][0]["export"]["rows"] == 4 and "seed_changes" in result["runs"][0]
+    replies = tmp_path / "smoke" / "evidence_following" / "replies"
+    for phase in ("before", "seed0_after"):
+        with gzip.open(replies / f"{phase}.jsonl.gz", "rt") as kept:
+            lines = [json.loads(line) for line in kept]
+        assert len(lines) == 20 and {"prompt_id", "reply", "answer", "gold", "evidence_key"} <= set(lines[0])
