@@ -515,7 +515,6 @@ def main() -> None:
     write_result(result, out, started)
 
 
-@dataclass(frozen=True)
 def float32_model(base: str, out: Path) -> str:
     """The base model saved in float32, as `merged_model` saves a trained one. The offline model is stored in
     bfloat16 and the hf: backend decodes in a checkpoint's own dtype: a before measured from it would decode in
@@ -529,7 +528,7 @@ def float32_model(base: str, out: Path) -> str:
     return str(out)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GRPOArm:
     """One GRPO arm: its reward weights over the respondent's defaults (empty: the defaults), the respondent's
     token budget in training and in the held-out before and after, its sampling (completions per prompt,
