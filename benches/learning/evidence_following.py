@@ -219,7 +219,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-questions", type=int, default=48)
     parser.add_argument("--train-prompts", type=int, default=96, help="GRPO prompts each seed draws")
     parser.add_argument("--max-question-chars", type=int, default=300)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--prompts-per-step", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=96, help="respondent budget in training and measurement")

@@ -268,13 +268,25 @@ def extractor_metrics(completions: list[str], events: list[dict[str, Any]]) -> d
 
 
 def merged_model(adapter_dir: str, base: str, out: Path) -> str:
-    """The base model with a LoRA adapter merged in, saved as a plain folder for the hf: backend."""
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoTokenizer
+    """The base model with a LoRA adapter merged in, in float32, saved as a plain folder for the hf: backend.
+    Merged in the checkpoint's bfloat16 (peft's default here), small LoRA updates round away (bfloat16 keeps 8
+    bits of a weight): float32 keeps them, and decodes as `float32_model`'s before does."""
+    from ermedrag.training.stages import merge_adapter
 
-    model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir).merge_and_unload()
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    merge_adapter(Path(adapter_dir), out, "float32")
+    return str(out)
+
+
+def float32_model(base: str, out: Path) -> str:
+    """The base model saved in float32, as `merged_model` saves a trained one. The offline model is stored in
+    bfloat16 and the hf: backend decodes in a checkpoint's own dtype: a before measured from it would decode in
+    bfloat16 and a float32 after otherwise. Written once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (out / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="float32")
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(base).save_pretrained(out)
     return str(out)
 
 
@@ -434,6 +446,7 @@ def main() -> None:
 
         model_path = str(offline_model_dir())
     model = f"hf:{model_path}"
+    before_model = f"hf:{float32_model(model_path, work / 'base-float32')}"  # decodes as the merged seeds do
 
     out = Path(args.out) if not args.smoke else work / "learning.json"
     result = json.loads(out.read_text()) if out.exists() else {}
@@ -478,7 +491,8 @@ def main() -> None:
         key, arm = grpo_arm(args)
         eval_prompts = [EXAMPLES[arm.example](r["prompt"]) for r in eval_rows]
         before = respondent_metrics(
-            generate_kept(model, eval_prompts, arm.tokens, respondent.STOP, work / f"{arm.folder}-before"), eval_rows
+            generate_kept(before_model, eval_prompts, arm.tokens, respondent.STOP, work / f"{arm.folder}-before"),
+            eval_rows,
         )
         log(f"before: respondent {before}")
         prior, earlier = recorded_afters(key, before), recorded_arm(key)
@@ -495,7 +509,9 @@ def main() -> None:
 
     if arms:
         before = extractor_metrics(
-            generate_kept(model, extract_prompts, args.extract_tokens, extractor.STOP, work / "extractor-before"),
+            generate_kept(
+                before_model, extract_prompts, args.extract_tokens, extractor.STOP, work / "extractor-before"
+            ),
             eval_events,
         )
         log(f"before: extractor {before}")
@@ -513,19 +529,6 @@ def main() -> None:
 
     result.pop("progress", None)  # every part's seeds are recorded
     write_result(result, out, started)
-
-
-def float32_model(base: str, out: Path) -> str:
-    """The base model saved in float32, as `merged_model` saves a trained one. The offline model is stored in
-    bfloat16 and the hf: backend decodes in a checkpoint's own dtype: a before measured from it would decode in
-    bfloat16 and an after in float32, a difference that is not training's. Written once."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not (out / "config.json").exists():
-        model = AutoModelForCausalLM.from_pretrained(base, dtype="float32")
-        model.save_pretrained(out)
-        AutoTokenizer.from_pretrained(base).save_pretrained(out)
-    return str(out)
 
 
 @dataclass(frozen=True)
