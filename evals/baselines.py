@@ -8,8 +8,9 @@ number that looks like learning on a set whose golds lean that way. Beside any a
 - `copy_example`: answering with the prompt's worked example's answer (only where prompts have one);
 and, for a set of replies, `modal_share`: the share of its most common answer (a collapse detector: 1.0 is one
 answer for everything). A gain counts only above the strongest baseline's 95% interval (`beats_baselines`).
-`balanced_positions` moves each gold answer to a position of its own in turn, so that a model that always names
-one position scores chance on a held-out set, not the set's lean.
+`balanced_positions` moves each gold answer to a position of its own in turn (multiple choice), and
+`balanced_by_answer` draws as many questions of each gold answer (yes/no/maybe, whose options cannot move), so
+that a model that always names one answer scores chance on a held-out set, not the set's lean.
 """
 
 from __future__ import annotations
@@ -98,3 +99,18 @@ def balanced_positions(questions: Sequence[Any]) -> list[Any]:
         rotated = {key: texts[(i + shift) % len(keys)] for i, key in enumerate(keys)}
         balanced.append(dataclasses.replace(question, options=rotated, answer=keys[target]))
     return balanced
+
+
+def balanced_by_answer(questions: Sequence[Any], n: int) -> list[Any]:
+    """`n` of the questions, in their order, taking each gold answer in turn (yes, no, maybe, yes, …), so that every
+    answer is gold equally often (within one); an answer whose questions run out leaves its turns to the others."""
+    by_answer: dict[str, list[Any]] = {}
+    for question in questions:
+        by_answer.setdefault(question.answer, []).append(question)
+    queues = [list(reversed(group)) for _, group in sorted(by_answer.items())]
+    drawn: list[Any] = []
+    while len(drawn) < n and any(queues):
+        for queue in queues:
+            if queue and len(drawn) < n:
+                drawn.append(queue.pop())
+    return drawn

@@ -16,8 +16,8 @@ Training: each seed exports its own GRPO prompts from the other questions with `
 code (`training.export.export_evidence_prompts`, the seed drawing the sample, order, kinds and distractors:
 evidence supporting the gold among 0-4 distractors, a quarter with only distractors), trains the respondent with
 the product's GRPO (LoRA, the respondent's default rewards: correctness, format, length, evidence use) from the
-base model, merges and measures again on the same held-out prompts (before and after both decode in float32:
-`learning_signal.float32_model`). Every reply is kept
+base model, merges (in float32, saved in the base checkpoint's dtype: `learning_signal.merged_model`) and measures
+again on the same held-out prompts, decoded as the before is. Every reply is kept
 (`<out dir>/evidence_following/replies/<phase>.jsonl.gz`: prompt id, set, reply, parsed answer, gold, X).
 
     .venv/bin/python benches/learning/evidence_following.py --data ../shared/data          # ≈ 2 h on 2 cores
@@ -43,7 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from learning_signal import float32_model, generate, log, trained  # noqa: E402  (learning_signal goes offline at import)
+from learning_signal import generate, log, trained  # noqa: E402  (learning_signal goes offline at import)
 from seeds import LEARNING_WORK, hold_work_folder, spread  # noqa: E402
 
 from ermedrag.agents import respondent  # noqa: E402
@@ -255,8 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = heldout_rows(heldout, pool)
     started = time.time()
     earlier = json.loads(out.read_text()) if args.reuse and out.exists() else {}
-    before_model = float32_model(model_path, work / "base-float32")  # decoded as the merged seeds are
-    before = earlier.get("before") or measure(f"hf:{before_model}", rows, args.tokens, replies / "before.jsonl.gz")
+    before = earlier.get("before") or measure(f"hf:{model_path}", rows, args.tokens, replies / "before.jsonl.gz")
     log(f"before: d2 follow {before['d2']['follow_rate']}, no-evidence accuracy {before['no_evidence']['accuracy']}")
     baselines = follow_baselines(rows, before)
     runs = [r for r in earlier.get("runs", []) if r["seed"] < args.first_seed]

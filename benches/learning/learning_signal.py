@@ -17,7 +17,8 @@ Writes benches/results/learning.json (and the curves of both trainings next to i
 With `--seeds N` every training runs N times from the same start (seeds 0..N-1: LoRA initialisation, data order,
 sampled rollouts) against one before, measured once on the same held-out prompts; `seeds.over_seeds` reports
 each metric's mean ± sd after, per-seed values and how many seeds improved it. Held-out prompts: the
-`--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them).
+`--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them), yes,
+no and maybe taken in turn (`evals.baselines.balanced_by_answer`: always one answer scores a third).
 `--reuse-trained` measures again each seed whose merged model an earlier run finished with the same training
 config (`seeds.RUN_FILE` marks it), so that adding a seed, or a metric, costs no retraining of the others.
 The results file is written after each seed: a run stopped part way keeps the seeds it finished (`progress` names
@@ -75,7 +76,7 @@ from ermedrag.agents import extractor, respondent  # noqa: E402
 from ermedrag.agents.base import to_chat, to_langchain  # noqa: E402
 from ermedrag.tools.agent_calls import text_with_stop  # noqa: E402
 from ermedrag.tools.data.benchmarks import Question, load_questions_file  # noqa: E402
-from ermedrag.evals.baselines import modal_share, trivial_baselines  # noqa: E402
+from ermedrag.evals.baselines import balanced_by_answer, modal_share, trivial_baselines  # noqa: E402
 from ermedrag.evals.rows import EvalConfig
 from ermedrag.evals.runner import run_questions  # noqa: E402
 from ermedrag.tools.models import load_chat_model  # noqa: E402
@@ -268,25 +269,18 @@ def extractor_metrics(completions: list[str], events: list[dict[str, Any]]) -> d
 
 
 def merged_model(adapter_dir: str, base: str, out: Path) -> str:
-    """The base model with a LoRA adapter merged in, in float32, saved as a plain folder for the hf: backend.
-    Merged in the checkpoint's bfloat16 (peft's default here), small LoRA updates round away (bfloat16 keeps 8
-    bits of a weight): float32 keeps them, and decodes as `float32_model`'s before does."""
-    from ermedrag.training.stages import merge_adapter
+    """The base model with a LoRA adapter merged in, saved as a plain folder for the hf: backend in the base
+    checkpoint's own dtype, so that the after decodes as the before does (the offline model is stored in bfloat16;
+    float32 decoding is several times slower on these CPUs). The merge itself is done in float32 and rounded once."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
 
-    merge_adapter(Path(adapter_dir), out, "float32")
-    return str(out)
+    from ermedrag.tools.machine import checkpoint_dtype
 
-
-def float32_model(base: str, out: Path) -> str:
-    """The base model saved in float32, as `merged_model` saves a trained one. The offline model is stored in
-    bfloat16 and the hf: backend decodes in a checkpoint's own dtype: a before measured from it would decode in
-    bfloat16 and a float32 after otherwise. Written once."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not (out / "config.json").exists():
-        model = AutoModelForCausalLM.from_pretrained(base, dtype="float32")
-        model.save_pretrained(out)
-        AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype="float32").merge_and_unload()
+    model.to(getattr(torch, checkpoint_dtype(base) or "float32")).save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
     return str(out)
 
 
@@ -446,7 +440,6 @@ def main() -> None:
 
         model_path = str(offline_model_dir())
     model = f"hf:{model_path}"
-    before_model = f"hf:{float32_model(model_path, work / 'base-float32')}"  # decodes as the merged seeds do
 
     out = Path(args.out) if not args.smoke else work / "learning.json"
     result = json.loads(out.read_text()) if out.exists() else {}
@@ -491,7 +484,7 @@ def main() -> None:
         key, arm = grpo_arm(args)
         eval_prompts = [EXAMPLES[arm.example](r["prompt"]) for r in eval_rows]
         before = respondent_metrics(
-            generate_kept(before_model, eval_prompts, arm.tokens, respondent.STOP, work / f"{arm.folder}-before"),
+            generate_kept(model, eval_prompts, arm.tokens, respondent.STOP, work / f"{arm.folder}-before"),
             eval_rows,
         )
         log(f"before: respondent {before}")
@@ -509,9 +502,7 @@ def main() -> None:
 
     if arms:
         before = extractor_metrics(
-            generate_kept(
-                before_model, extract_prompts, args.extract_tokens, extractor.STOP, work / "extractor-before"
-            ),
+            generate_kept(model, extract_prompts, args.extract_tokens, extractor.STOP, work / "extractor-before"),
             eval_events,
         )
         log(f"before: extractor {before}")
@@ -731,7 +722,7 @@ def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, ev
     pool = load_questions_file(Path(args.data) / "benchmarks" / "pubmedqa_train.jsonl")
     random.Random(0).shuffle(pool)
     train_q = pool[: args.train_questions]
-    eval_q = pool[args.train_questions : args.train_questions + args.eval_questions]
+    eval_q = balanced_by_answer(pool[args.train_questions :], args.eval_questions)  # yes/no/maybe equally often
     index_dir = work / "index"
     stats = build_index(abstracts_as_documents(pool), index_dir, progress=False)
     log(f"indexed {len(pool)} abstracts: {stats['chunks_total']} chunks in {stats['seconds']:.0f}s")

@@ -18,7 +18,8 @@ seed's earlier stage. A model's greedy replies are made once per mode and scored
 stage 3's before are the same replies). Each finished seed records its chain in its folder, which `--reuse`
 takes instead of training that seed again (`reused_seeds`). `seeds` in the JSON reports per stage and metric
 before and after as mean ± sd, the gain, and how many seeds improved it. Held-out prompts: the
-`--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them).
+`--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them), yes,
+no and maybe taken in turn (`evals.baselines.balanced_by_answer`: always one answer scores a third).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from learning_signal import (  # noqa: E402
 from seeds import hold_work_folder, inputs_key, part_over_seeds, run_or_reuse  # noqa: E402
 
 from ermedrag.agents.respondent import parse_answer  # noqa: E402
-from ermedrag.evals.baselines import modal_share  # noqa: E402
+from ermedrag.evals.baselines import balanced_by_answer, modal_share  # noqa: E402
 from ermedrag.tools.data.benchmarks import load_questions_file  # noqa: E402
 from ermedrag.tools.retrieval.index import build_index, open_index  # noqa: E402
 from ermedrag.training.rewards.answers import correctness_reward, format_reward  # noqa: E402
@@ -233,7 +234,7 @@ def main() -> None:
     )
     index_ids = {cid.rsplit("#", 1)[0] for cid in index.bm25_ids}
     train_rows = rows_for(pool[: args.train_questions], index_ids)
-    eval_rows = rows_for(pool[args.train_questions : args.train_questions + args.eval_questions], index_ids)
+    eval_rows = rows_for(balanced_by_answer(pool[args.train_questions :], args.eval_questions), index_ids)
     med_r3_dataset(train_rows).save_to_disk(str(work / "train-dataset"))
     search = index_search(index, k=5)
 

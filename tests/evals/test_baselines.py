@@ -70,3 +70,21 @@ def test_balanced_positions_put_each_gold_at_every_position_equally_often():
     assert (
         trivial_baselines([q.answer for q in balanced], [list(q.options) for q in balanced])["majority"]["rate"] == 0.25
     )
+
+
+def test_balanced_by_answer_takes_each_gold_in_turn_and_only_what_exists():
+    from collections import Counter
+
+    from ermedrag.evals.baselines import balanced_by_answer
+    from ermedrag.tools.data.benchmarks import Question
+
+    golds = "AAAAAAABBBC"
+    questions = [
+        Question(id=f"q{i}", question="?", options={"A": "yes", "B": "no", "C": "maybe"}, answer=g, benchmark="x")
+        for i, g in enumerate(golds)
+    ]
+    six = balanced_by_answer(questions, 6)
+    assert Counter(q.answer for q in six) == {"A": 3, "B": 2, "C": 1}  # one C exists: its turns go to the others
+    three = balanced_by_answer(questions, 3)
+    assert [q.answer for q in three] == ["A", "B", "C"] and three[0].id == "q0"  # the first of each, in order
+    assert len(balanced_by_answer(questions, 50)) == len(questions)
