@@ -29,8 +29,9 @@ in the work folder).
     .venv/bin/python benches/learning/mmedagent_learning.py --smoke      # tiny random model, < 1 min: the pipeline
 
 With `--seeds N` triage and the attending's curriculum are trained N times from the base model (training seeds
-42, 43, …: LoRA initialisation, data order, sampled rollouts; the question split and the opinions stay those of
-`--seed`); the base model's befores are measured once. `seeds` in the JSON reports per part and metric before and
+42, 43, …: LoRA initialisation, data order, sampled rollouts; from the second seed on, also a training sample of
+the seed's own, drawn from the questions not held out, with opinions of its own; the held-out questions and their
+opinions stay those of `--seed`); the base model's befores are measured once. `seeds` in the JSON reports per part and metric before and
 after as mean ± sd, the gain, and how many seeds improved it. The entropy ablation (c) runs for the first seed.
 
 Without the shared data (`--data`, ERMEDRAG_SHARED_DATA, else ../shared/data) it says so and exits 0.
@@ -69,6 +70,10 @@ go_offline()
 
 BENCHMARK_FILES = ("medmcqa_dev.jsonl", "medxpertqa_text_test.jsonl")
 TRAINING_SEED = 42  # the first seed's; --seeds N trains with 42 .. 42 + N - 1
+SEED_CHANGES = (
+    "its own training questions (drawn from those not held out) and specialists' opinions, LoRA initialisation, "
+    "data order, sampled rollouts"
+)
 ATTENDING_STAGES = ("easy", "medium", "hard")
 RELIABILITIES = (0.8, 0.5, 0.2)  # specialist 1, 2, 3: probability of naming the gold option
 # The smoke keeps the full run's training split (same questions, same opinions, so the same buckets: every stage
@@ -128,16 +133,30 @@ def labelled_questions(folder: Path, max_chars: int) -> dict[str, list[Any]]:
 
 
 def split_questions(
-    by_specialty: dict[str, list[Any]], n_train: int, n_eval: int, seed: int, sampling: str
+    by_specialty: dict[str, list[Any]], n_train: int, n_eval: int, seed: int, sampling: str, train_draw: int = 0
 ) -> tuple[list[Any], list[Any]]:
     """Train and held-out questions, disjoint, drawn with `seed`. `balanced`: the same number per specialty in
-    each (round robin; a specialty that runs out leaves its turn to the others); `natural`: as the data has them."""
+    each (round robin; a specialty that runs out leaves its turn to the others); `natural`: as the data has them.
+    The held-out ones depend on `seed` alone; `train_draw` 0 takes the training questions drawn with them, another
+    value draws a training sample of its own from every question not held out (a training seed's own sample)."""
     rng = random.Random(seed)
     pools = {s: rng.sample(qs, len(qs)) for s, qs in by_specialty.items()}
     if sampling == "natural":
         everything = rng.sample([q for qs in pools.values() for q in qs], sum(map(len, pools.values())))
-        return everything[:n_train], everything[n_train : n_train + n_eval]
-    return round_robin(pools, n_train), round_robin(pools, n_eval)
+        train, held_out = everything[:n_train], everything[n_train : n_train + n_eval]
+    else:
+        train, held_out = round_robin(pools, n_train), round_robin(pools, n_eval)
+    if train_draw == 0:
+        return train, held_out
+    held = {q.id for q in held_out}
+    own = random.Random(f"train:{seed}:{train_draw}")
+    rest = {
+        s: own.sample([q for q in qs if q.id not in held], sum(q.id not in held for q in qs))
+        for s, qs in by_specialty.items()
+    }
+    if sampling == "natural":
+        return own.sample([q for qs in rest.values() for q in qs], min(n_train, sum(map(len, rest.values())))), held_out
+    return round_robin(rest, n_train), held_out
 
 
 def round_robin(pools: dict[str, list[Any]], n: int) -> list[Any]:
@@ -613,6 +632,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "same settings from its record (to add seeds, or go on after a stop); only while the "
         "training code is unchanged",
     )
+    parser.add_argument(
+        "--parts",
+        choices=("all", "triage"),
+        default="all",
+        help="triage: train and measure the triage stage only, and write its figures (triage, seeds.triage) into "
+        "the results file beside the attending's recorded ones",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -659,23 +685,30 @@ class BenchData:
     stage_rows: dict[str, int]  # training rows per stage (0: the bucket is empty and the stage is skipped)
 
 
-def prepare_data(args: argparse.Namespace, folder: Path, export: Path) -> BenchData:
+def prepare_data(args: argparse.Namespace, folder: Path, export: Path, train_draw: int = 0) -> BenchData:
     """Split the labelled questions, build the triage and attending rows, write the export folders the trainer
-    reads (`export/triage`, `export/easy`, ...; an empty bucket gets no folder)."""
+    reads (`export/triage`, `export/easy`, ...; an empty bucket gets no folder). `train_draw` other than 0: a
+    training sample of its own (`split_questions`), with opinions of its own; the held-out rows stay the same."""
     by_specialty = labelled_questions(folder, args.max_question_chars)
-    train_q, eval_q = split_questions(by_specialty, args.train_questions, args.eval_questions, args.seed, args.sampling)
+    split = (by_specialty, args.train_questions, args.eval_questions, args.seed, args.sampling)
+    first_train, eval_q = split_questions(*split)
+    train_q = first_train if train_draw == 0 else split_questions(*split, train_draw=train_draw)[0]
     log(
         f"labelled questions by specialty (≤ {args.max_question_chars} chars): "
-        f"{ {s: len(qs) for s, qs in by_specialty.items()} }; train {len(train_q)}, held out {len(eval_q)}"
+        f"{ {s: len(qs) for s, qs in by_specialty.items()} }; train {len(train_q)} (draw {train_draw}), "
+        f"held out {len(eval_q)}"
     )
     opinions_rng = random.Random(args.seed + 1)  # train first, then held out: the train rows do not depend on n_eval
+    first_train_attending = attending_rows(first_train, opinions_rng, args.reliabilities)
+    eval_attending = attending_rows(eval_q, opinions_rng, args.reliabilities)
+    own_opinions = random.Random(f"opinions:{args.seed}:{train_draw}")
     data = BenchData(
         train_q,
         eval_q,
         triage_rows(train_q),
         triage_rows(eval_q),
-        attending_rows(train_q, opinions_rng, args.reliabilities),
-        attending_rows(eval_q, opinions_rng, args.reliabilities),
+        first_train_attending if train_draw == 0 else attending_rows(train_q, own_opinions, args.reliabilities),
+        eval_attending,
         {},
     )
     if export.exists():
@@ -830,8 +863,11 @@ def attending_part(
 def seed_part(
     config, model_path: str, data: BenchData, args: argparse.Namespace, measured: dict[tuple[str, str], dict]
 ) -> dict[str, Any]:
-    """(a) and (b) for one training seed: triage, the attending's curriculum, and each stage's summary."""
+    """(a) and (b) for one training seed: triage, the attending's curriculum (unless `--parts triage`), and each
+    stage's summary."""
     triage, triage_summary = triage_part(config, model_path, data, args, measured)
+    if args.parts == "triage":
+        return {"triage": triage, "summaries": {"triage": triage_summary}}
     attending, summaries = attending_part(config, data, args, measured)
     return {"triage": triage, "attending": attending, "summaries": {"triage": triage_summary, **summaries}}
 
@@ -870,8 +906,50 @@ def seeds_summary(runs: Sequence[dict[str, Any]], data: BenchData) -> dict[str, 
 
     summary: dict[str, Any] = {"n": len(runs), "training_seeds": [TRAINING_SEED + i for i in range(len(runs))]}
     for part, rows in (("triage", data.eval_triage), ("attending", data.eval_attending)):
-        summary[part] = part_over_seeds(runs, part, len(rows))
+        if all(part in run for run in runs):
+            summary[part] = part_over_seeds(runs, part, len(rows))
     return summary
+
+
+def write_triage_only(
+    out: Path,
+    runs: Sequence[dict[str, Any]],
+    data: BenchData,
+    settings: dict,
+    started: float,
+    at_start: str,
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+) -> int:
+    """`--parts triage`: the triage's figures replace those in the results file; the attending's and the entropy
+    ablation's recorded ones stay, with the run they came from (`settings`, `command`)."""
+    result = json.loads(out.read_text()) if out.exists() else {}
+    from ermedrag.evals.baselines import beats_baselines
+
+    baselines = runs[0]["triage"]["baselines"]
+    against = {name: baselines[name] for name in ("chance", "majority")}  # the issue's bar; the keyword rule beside
+    afters = [run["triage"]["after"]["accuracy"] for run in runs]
+    result["triage"] = {
+        **runs[0]["triage"],
+        "seeds_after": [run["triage"]["after"] for run in runs],
+        "seeds_beating_chance_and_majority": sum(beats_baselines(a, against) for a in afters),
+        "seeds_beating_every_baseline": sum(beats_baselines(a, baselines) for a in afters),
+    }
+    result.setdefault("seeds", {})["triage"] = seeds_summary(runs, data)["triage"]
+    result["triage_run"] = {
+        "settings": settings,
+        "training_seeds": [TRAINING_SEED + i for i in range(len(runs))],
+        "seed_changes": [run["seed_changes"] for run in runs],
+        "seconds": round(time.time() - started, 1),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": at_start,
+        "command": " ".join(
+            ["python", "benches/learning/mmedagent_learning.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+    }
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    log(f"wrote the triage's figures into {out} ({result['triage_run']['seconds'] / 60:.1f} min)")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -926,21 +1004,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     measured: dict[tuple[str, str], dict] = {}
     runs, reused_seeds = [], []
     for number in range(args.seeds):
+        # Seed 0 trains on the split's own training questions; seed k > 0 on a sample it draws itself (its own
+        # export), so that the spread over seeds holds the training data's variation as well as the trainer's.
+        own = data if number == 0 else prepare_data(args, folder, work / f"export-s{number}", train_draw=number)
         seeded = dataclasses.replace(
-            config, seed=TRAINING_SEED + number, output_dir=str(work / ("train" if number == 0 else f"train-s{number}"))
+            config,
+            seed=TRAINING_SEED + number,
+            dataset=str(work / ("export" if number == 0 else f"export-s{number}")),
+            output_dir=str(work / ("train" if number == 0 else f"train-s{number}")),
         )
+        own_inputs = {
+            **inputs,
+            **inputs_key(args.data, [q.id for q in own.train_questions], [q.id for q in own.eval_questions]),
+        }
         run, reused = run_or_reuse(
             Path(seeded.output_dir),
-            {"config": comparable_settings(seeded), **inputs},
-            lambda: seed_part(seeded, model_path, data, args, measured),
+            {"config": comparable_settings(seeded), **own_inputs},
+            lambda: seed_part(seeded, model_path, own, args, measured),
             args.reuse,
         )
+        run["seed_changes"] = SEED_CHANGES if number else "LoRA initialisation, data order, sampled rollouts"
+        run["train_rows_by_stage"] = own.stage_rows
         if reused:
             log(f"training seed {seeded.seed}: reusing what an earlier run finished in {seeded.output_dir}")
             measured[model_path, "triage"] = run["triage"]["before"]
             measured[stage_start_model(seeded, "easy"), "attending"] = run["attending"]["before"]
             reused_seeds.append(seeded.seed)
         runs.append(run)
+    if args.parts == "triage":
+        return write_triage_only(out, runs, data, settings, started, at_start, args, argv)
     result: dict[str, Any] = {
         "triage": runs[0]["triage"],
         "attending": runs[0]["attending"],

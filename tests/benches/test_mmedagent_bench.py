@@ -137,6 +137,42 @@ def test_balanced_split_is_disjoint_seeded_and_even_across_specialties() -> None
     assert sum(q.id.startswith("R") for q in train + held_out) == 4 and len(train) + len(held_out) == 21
 
 
+def test_a_training_draw_keeps_the_held_out_questions_and_draws_its_own_training_sample() -> None:
+    pools = {s: [question(f"{s}-{i}") for i in range(n)] for s, n in (("P", 20), ("R", 8), ("S", 30))}
+    train, held_out = bench.split_questions(pools, 9, 6, seed=3, sampling="balanced")
+    own, same_held_out = bench.split_questions(pools, 9, 6, seed=3, sampling="balanced", train_draw=1)
+    other, _ = bench.split_questions(pools, 9, 6, seed=3, sampling="balanced", train_draw=2)
+    assert [q.id for q in same_held_out] == [q.id for q in held_out]
+    assert not {q.id for q in own} & {q.id for q in held_out} and len(own) == 9
+    assert sorted(q.id[0] for q in own) == list("PPPRRRSSS")  # still balanced across specialties
+    assert {q.id for q in own} != {q.id for q in train} and {q.id for q in own} != {q.id for q in other}
+    natural, _ = bench.split_questions(pools, 9, 6, seed=3, sampling="natural", train_draw=1)
+    assert len(natural) == 9 and not {q.id for q in natural} & {
+        q.id for q in bench.split_questions(pools, 9, 6, seed=3, sampling="natural")[1]
+    }
+
+
+def test_triage_only_writes_its_figures_beside_the_recorded_attending(shared_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "smoke" / "mmedagent_learning.json"
+    out.parent.mkdir(parents=True)
+    recorded = {"attending": {"accuracy": 0.5}, "seeds": {"n": 3, "attending": {"accuracy": "recorded"}}}
+    out.write_text(json.dumps(recorded))
+    proc = run_bench(
+        "--smoke", "--parts", "triage", "--seeds", "2", "--data", str(shared_data), "--work", str(tmp_path)
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["attending"] == recorded["attending"]
+    assert result["seeds"]["attending"] == recorded["seeds"]["attending"] and result["seeds"]["n"] == 3
+    assert len(result["seeds"]["triage"]["accuracy"]["after"]["values"]) == 2
+    assert len(result["triage"]["seeds_after"]) == 2 and 0 <= result["triage"]["seeds_beating_chance_and_majority"] <= 2
+    assert (
+        result["triage_run"]["training_seeds"] == [42, 43]
+        and "own training questions" in result["triage_run"]["seed_changes"][1]
+    )
+    assert not (tmp_path / "smoke" / "train" / "easy").exists()  # the attending's stages did not train
+
+
 def test_scripted_specialists_are_right_at_their_reliability_and_wrong_uniformly() -> None:
     rng = random.Random(0)
     draws = [bench.scripted_opinions(question(str(i)), "Pathologist", rng, (0.8, 0.5, 0.2)) for i in range(4000)]
