@@ -132,6 +132,15 @@ def measure(model_spec: str, rows: Sequence[dict[str, Any]], tokens: int, replie
     return figures(kept)
 
 
+def kept_figures(path: Path, rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The figures of replies kept by an earlier run to these very prompts (`--reuse`), else None."""
+    if not path.exists():
+        return None
+    with gzip.open(path, "rt", encoding="utf-8") as kept:
+        replies = [json.loads(line) for line in kept]
+    return figures(replies) if [r["prompt_id"] for r in replies] == [r["prompt_id"] for r in rows] else None
+
+
 def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per set: follow rate (answer = X), accuracy, well formed, modal answer share; each rate with its interval."""
     result: dict[str, Any] = {}
@@ -224,7 +233,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts-per-step", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=96, help="respondent budget in training and measurement")
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--smoke", action="store_true", help="a tiny random model and tiny sizes: the pipeline")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -255,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = heldout_rows(heldout, pool)
     started = time.time()
     earlier = json.loads(out.read_text()) if args.reuse and out.exists() else {}
-    before = earlier.get("before") or measure(f"hf:{model_path}", rows, args.tokens, replies / "before.jsonl.gz")
+    before = (earlier.get("before") or kept_figures(replies / "before.jsonl.gz", rows)) if args.reuse else None
+    before = before or measure(f"hf:{model_path}", rows, args.tokens, replies / "before.jsonl.gz")
     log(f"before: d2 follow {before['d2']['follow_rate']}, no-evidence accuracy {before['no_evidence']['accuracy']}")
     baselines = follow_baselines(rows, before)
     runs = [r for r in earlier.get("runs", []) if r["seed"] < args.first_seed]

@@ -306,6 +306,31 @@ def test_dynamic_sampling_trains_on_batches_with_a_signal(tiny_model, tmp_path):
     assert silent["steps_without_signal"] == silent["steps_resampled"] == 3
 
 
+def test_a_step_without_any_signal_leaves_the_weights_as_they_were(tiny_model, tmp_path):
+    """Every group of gold A gets equal rewards (0.7): TRL's advantages are then rounding remainders, ~6e-4, and
+    Adam turns them into full-sized steps (LoRA B reached ~2e-3 without the hold). The trainer holds each such
+    step: LoRA B stays at its initial 0."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    config = small(
+        GRPOTrainingConfig,
+        tiny_model,
+        one_prompt_per_gold(tmp_path / "aa", "AA"),
+        tmp_path / "aa-out",
+        per_device_train_batch_size=8,
+        num_generations=8,
+        max_completion_length=8,
+        stop_strings=[],
+    )
+    summary = train_grpo(config, [signal_only_for_b])
+    records = step_records(read_metrics(config.output_dir))
+    assert [(r["frac_reward_zero_std"], r["silent_steps_held"]) for r in records] == [(1.0, 1.0)] * summary["steps"]
+    model = AutoPeftModelForCausalLM.from_pretrained(config.output_dir)
+    lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
+    assert lora_b and all(torch.count_nonzero(p) == 0 for p in lora_b)
+
+
 class Interrupted(Exception):
     pass
 

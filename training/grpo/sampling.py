@@ -6,8 +6,15 @@ rewards whose sum is inexact (0.7 in a group of 8) is ~6e-8, so TRL counts such 
 Equal rewards give a group bitwise-equal advantages (not zero ones: the mean's rounding remainder, divided by
 std + 1e-4, reaches ~1e-3), so the exact test is a spread of advantages within a group.
 
-Dynamic sampling (as in DAPO), by whole generation batches. When every group of a step's
-generation batch is like that, the step changes nothing (with `beta` 0 the loss is zero up to rounding). The share
+Silent steps. When every group of a step's generation batch is silent, its loss is zero up to rounding (with `beta`
+0 and no entropy bonus), but TRL still calls the optimizer, and Adam moves the weights by its momentum from the
+last steps with a signal (and turns a rounding-sized gradient into a full-sized step): two steps with a signal then
+kept sharpening the respondent's policy through 10 silent ones, its entropy falling from 0.5 to 0.04, until every
+sample was the same reply (benches/README.md, evidence following). `SignalCountingGRPOTrainer` therefore holds such a
+step: the gradients are dropped before `optimizer.step`, which leaves the weights and Adam's moments as they were
+(`silent_steps_held` in the logs; one training process, `beta` 0 and no entropy bonus only).
+
+Dynamic sampling (as in DAPO), by whole generation batches. The share
 of such groups is logged as `frac_reward_zero_std` (counted exactly, above); TRL trains on such a
 batch anyway (dynamic sampling is not in its GRPOTrainer: huggingface/trl#3708). `ResamplingGRPOTrainer` samples a
 fresh batch of training prompts instead, up to `resample_attempts` times, and trains on the first batch with a
@@ -24,6 +31,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 # Advantages of rewards that differ are O(1) apart; equal rewards give a spread of exactly 0.
@@ -41,14 +49,39 @@ def silent_group_share(batch: dict[str, Any], group_size: int) -> float:
 
 
 class SignalCountingGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` whose logged `frac_reward_zero_std` is the exact share of silent groups. In one training
-    process only: with several, each holds a slice of the batch, and TRL's figure (over all of it) is kept."""
+    """`trl.GRPOTrainer` whose logged `frac_reward_zero_std` is the exact share of silent groups, and which holds
+    the optimizer on a step whose generation batch is all silent (module docstring). In one training process only:
+    with several, each holds a slice of the batch, and TRL's figure (over all of it) is kept."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_has_signal = True
+        only_rewards = not self.args.beta and not getattr(self.args, "entropy_coef", 0.0)
+        if only_rewards and self.accelerator.num_processes == 1:
+            self.add_callback(HoldSilentSteps(self))
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         batch = super()._generate_and_score_completions(inputs)
         if self.model.training and self.accelerator.num_processes == 1:
-            self._metrics["train"]["frac_reward_zero_std"][-1] = silent_group_share(batch, self.num_generations)
+            share = silent_group_share(batch, self.num_generations)
+            self._metrics["train"]["frac_reward_zero_std"][-1] = share
+            self.batch_has_signal = share < 1.0
         return batch
+
+
+class HoldSilentSteps(TrainerCallback):
+    """Drops the gradients of a step whose generation batch had no signal before the optimizer sees them: torch's
+    optimizers skip a parameter without a gradient, so neither the weights nor Adam's moments move."""
+
+    def __init__(self, trainer: SignalCountingGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        held = not self.trainer.batch_has_signal
+        if held:
+            for parameter in (model or self.trainer.model).parameters():
+                parameter.grad = None
+        self.trainer._metrics["train"]["silent_steps_held"].append(float(held))
 
 
 class ResamplingGRPOTrainer(SignalCountingGRPOTrainer):
