@@ -11,6 +11,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from ermedrag.agents.extractor import NO_EVIDENCE
 from tests.benches.test_learning_bench import bench_module
 from tests.conftest import REPO
@@ -54,6 +56,7 @@ def test_figures_count_follows_and_right_answers_per_set() -> None:
     assert d2["follow_rate"]["n"] == 3 and d2["modal_answer_share"] == round(1 / 3, 4)
 
 
+@pytest.mark.slow  # ~40 s: `make test-all` (the fast suite keeps its 10-minute budget)
 def test_smoke_run_records_baselines_seeds_and_kept_replies(shared_data: Path, tmp_path: Path) -> None:
     env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
     command = [sys.executable, str(SCRIPT), "--smoke", "--seeds", "1", "--data", str(shared_data)]
