@@ -20,7 +20,7 @@ base model, merges (in float32, saved in the base checkpoint's dtype: `learning_
 again on the same held-out prompts, decoded as the before is. Every reply is kept
 (`<out dir>/evidence_following/replies/<phase>.jsonl.gz`: prompt id, set, reply, parsed answer, gold, X).
 
-    .venv/bin/python benches/learning/evidence_following.py --data ../shared/data          # ≈ 2 h on 2 cores
+    .venv/bin/python benches/learning/evidence_following.py --data ../shared/data          # ≈ 1.5 h on 2 cores
     .venv/bin/python benches/learning/evidence_following.py --smoke                          # tiny random model
     .venv/bin/python benches/learning/evidence_following.py --reuse --first-seed 2 --seeds 1  # add a seed
 """
