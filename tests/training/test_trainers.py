@@ -267,20 +267,25 @@ def one_prompt_per_gold(path: Path, golds: str) -> str:
     return str(path)
 
 
+def gold_letter_config(tiny_model, tmp_path: Path, golds: str, group: int, **overrides) -> GRPOTrainingConfig:
+    """A short GRPO run on one prompt per gold letter, one group of `group` completions a step."""
+    return small(
+        GRPOTrainingConfig,
+        tiny_model,
+        one_prompt_per_gold(tmp_path / golds.lower(), golds),
+        tmp_path / f"{golds.lower()}-out",
+        per_device_train_batch_size=group,
+        num_generations=group,
+        max_completion_length=8,
+        stop_strings=[],
+        **overrides,
+    )
+
+
 def test_dynamic_sampling_trains_on_batches_with_a_signal(tiny_model, tmp_path):
     """A step whose group got equal rewards is replaced by fresh prompts until one has a signal; the logged figures
     are the kept batch's, and `resampled_batches` says how many were set aside."""
-    config = small(
-        GRPOTrainingConfig,
-        tiny_model,
-        one_prompt_per_gold(tmp_path / "ab", "AB"),
-        tmp_path / "ab-out",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        stop_strings=[],
-        resample_zero_variance_batches=10,
-    )
+    config = gold_letter_config(tiny_model, tmp_path, "AB", 4, resample_zero_variance_batches=10)
     summary = train_grpo(config, [signal_only_for_b])
     records = step_records(read_metrics(config.output_dir))
     assert summary["steps"] == 3 and [r["step"] for r in records] == [1, 2, 3]
@@ -313,16 +318,7 @@ def test_a_step_without_any_signal_leaves_the_weights_as_they_were(tiny_model, t
     import torch
     from peft import AutoPeftModelForCausalLM
 
-    config = small(
-        GRPOTrainingConfig,
-        tiny_model,
-        one_prompt_per_gold(tmp_path / "aa", "AA"),
-        tmp_path / "aa-out",
-        per_device_train_batch_size=8,
-        num_generations=8,
-        max_completion_length=8,
-        stop_strings=[],
-    )
+    config = gold_letter_config(tiny_model, tmp_path, "AA", 8)
     summary = train_grpo(config, [signal_only_for_b])
     records = step_records(read_metrics(config.output_dir))
     assert [(r["frac_reward_zero_std"], r["silent_steps_held"]) for r in records] == [(1.0, 1.0)] * summary["steps"]
