@@ -210,7 +210,15 @@ def summary(before: dict[str, Any], afters: Sequence[dict[str, Any]], baselines:
         "accuracy_gold_evidence": over("gold_evidence", "accuracy"),
         "accuracy_no_evidence": over("no_evidence", "accuracy"),
         "well_formed_d2": over("d2", "well_formed"),
-        "seeds_beating_baselines_d2": sum(beats_baselines(a["d2"]["follow_rate"]["rate"], baselines) for a in afters),
+        # against the baselines and the same trained model without evidence (one answer whatever the evidence
+        # says would otherwise "follow" as often as its letters happen to be X)
+        "seeds_beating_baselines_d2": sum(
+            beats_baselines(
+                a["d2"]["follow_rate"]["rate"], {**baselines, "own_no_evidence": a["no_evidence"]["follow_rate"]}
+            )
+            for a in afters
+        ),
+        "own_no_evidence_follow_rate": [a["no_evidence"]["follow_rate"]["rate"] for a in afters],
         "no_evidence_accuracy_not_below_before": [
             a["no_evidence"]["accuracy"]["rate"] >= before["no_evidence"]["accuracy"]["rate"] for a in afters
         ],
