@@ -283,23 +283,9 @@ def _grpo_record(run: dict[str, Any], per_run: dict[str, tuple[list, Any]], conf
     rng = random.Random(f"{config.seed}:{run['run_id']}")
     pool = [t for other, (triplets, _) in sorted(per_run.items()) if other != run["run_id"] for t in triplets]
     distractors = rng.sample(pool, min(len(pool), distractor_count(len(own), config.noise_fraction)))
-    mixed = [{**t, "distractor": False} for t in own] + [{**t, "distractor": True} for t in distractors]
-    rng.shuffle(mixed)
     question = run["question"]
-    messages = respondent.build_messages(
-        question["question"], question.get("options"), extractor.render_triplets(mixed)
-    )
-    row = {
-        "prompt": to_chat(messages),
-        "question": question["question"],
-        "options": question.get("options"),
-        "gold": run["gold"],
-        "triplets": mixed,
-        "n_distractors": len(distractors),
-        "run_id": run["run_id"],
-        "event_id": respondent_event["event_id"] if respondent_event else None,
-        "snippet_ids": sorted({t["snippet_id"] for t in own}),
-    }
+    row = respondent_row(question["question"], question.get("options"), run["gold"], own, distractors, rng)
+    row.update(run_id=run["run_id"], event_id=respondent_event["event_id"] if respondent_event else None)
     return {"run_id": run["run_id"], "row": row}
 
 
@@ -370,6 +356,30 @@ def gold_triplet(question: Any) -> dict[str, str]:
     return option_triplet(question, question.answer)
 
 
+def respondent_row(
+    question: str,
+    options: dict[str, str] | None,
+    gold: str,
+    own: Sequence[dict[str, str]],
+    distractors: Sequence[dict[str, str]],
+    rng: random.Random,
+) -> dict[str, Any]:
+    """One respondent GRPO prompt: the question's own triplets and the distractors, flagged and shuffled (`rng`),
+    rendered as the graph renders them, with the columns the rewards read (`gold`, `options`, `triplets`)."""
+    mixed = [{**t, "distractor": False} for t in own] + [{**t, "distractor": True} for t in distractors]
+    rng.shuffle(mixed)
+    messages = respondent.build_messages(question, options, extractor.render_triplets(mixed))
+    return {
+        "prompt": to_chat(messages),
+        "question": question,
+        "options": options,
+        "gold": gold,
+        "triplets": mixed,
+        "n_distractors": len(distractors),
+        "snippet_ids": sorted({t["snippet_id"] for t in own}),
+    }
+
+
 def evidence_row(
     question: Any,
     supporting: Sequence[dict[str, str]],
@@ -378,25 +388,10 @@ def evidence_row(
     kind: str,
     evidence_key: str | None,
 ) -> dict[str, Any]:
-    """One respondent prompt with this evidence, shuffled (`rng`), and the columns the rewards read: `triplets`
-    with their `distractor` flags, `gold`, `options`; `kind` and `evidence_key` (the option the supporting evidence
-    names, None without one) say what the prompt tests."""
-    mixed = [{**t, "distractor": False} for t in supporting] + [{**t, "distractor": True} for t in distractors]
-    rng.shuffle(mixed)
-    messages = respondent.build_messages(question.question, question.options, extractor.render_triplets(mixed))
-    return {
-        "prompt": to_chat(messages),
-        "question": question.question,
-        "options": question.options,
-        "gold": question.answer,
-        "triplets": mixed,
-        "n_distractors": len(distractors),
-        "kind": kind,
-        "evidence_key": evidence_key,
-        "run_id": question.id,
-        "event_id": None,
-        "snippet_ids": sorted(t["snippet_id"] for t in supporting),
-    }
+    """`respondent_row` for a benchmark question (`tools.data.benchmarks.Question`) with this evidence; `kind` and
+    `evidence_key` (the option the supporting evidence names, None without one) say what the prompt tests."""
+    row = respondent_row(question.question, question.options, question.answer, supporting, distractors, rng)
+    return {**row, "kind": kind, "evidence_key": evidence_key, "run_id": question.id, "event_id": None}
 
 
 def draw_distractors(
