@@ -76,6 +76,8 @@ SEED_CHANGES = (
 )
 ATTENDING_STAGES = ("easy", "medium", "hard")
 RELIABILITIES = (0.8, 0.5, 0.2)  # specialist 1, 2, 3: probability of naming the gold option
+# How the held-out attending rows place their gold answers (recorded in settings; absent: as the benchmark has them)
+BALANCED_POSITIONS = "balanced (evals.baselines.balanced_positions)"
 # The smoke keeps the full run's training split (same questions, same opinions, so the same buckets: every stage
 # trains) with a tiny model, a few steps and short budgets.
 SMOKE_SIZES = dict(
@@ -689,6 +691,8 @@ def prepare_data(args: argparse.Namespace, folder: Path, export: Path, train_dra
     """Split the labelled questions, build the triage and attending rows, write the export folders the trainer
     reads (`export/triage`, `export/easy`, ...; an empty bucket gets no folder). `train_draw` other than 0: a
     training sample of its own (`split_questions`), with opinions of its own; the held-out rows stay the same."""
+    from ermedrag.evals.baselines import balanced_positions
+
     by_specialty = labelled_questions(folder, args.max_question_chars)
     split = (by_specialty, args.train_questions, args.eval_questions, args.seed, args.sampling)
     first_train, eval_q = split_questions(*split)
@@ -700,7 +704,8 @@ def prepare_data(args: argparse.Namespace, folder: Path, export: Path, train_dra
     )
     opinions_rng = random.Random(args.seed + 1)  # train first, then held out: the train rows do not depend on n_eval
     first_train_attending = attending_rows(first_train, opinions_rng, args.reliabilities)
-    eval_attending = attending_rows(eval_q, opinions_rng, args.reliabilities)
+    # Gold positions balanced (options rotated): always one letter, or an attending collapsed onto one, scores chance
+    eval_attending = attending_rows(balanced_positions(eval_q), opinions_rng, args.reliabilities)
     own_opinions = random.Random(f"opinions:{args.seed}:{train_draw}")
     data = BenchData(
         train_q,
@@ -767,6 +772,7 @@ def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[st
         "reliabilities": list(args.reliabilities),
         "train_rows_by_stage": data.stage_rows,
         "eval_rows_by_bucket": {b: sum(r["bucket"] == b for r in data.eval_attending) for b in ATTENDING_STAGES},
+        "attending_gold_positions": BALANCED_POSITIONS,
         "steps": {
             "triage": args.triage_steps,
             "easy": args.easy_steps,

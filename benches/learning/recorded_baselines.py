@@ -28,7 +28,7 @@ RESULTS = REPO / "benches" / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ermedrag.agents import respondent  # noqa: E402
-from ermedrag.evals.baselines import beats_baselines, trivial_baselines  # noqa: E402
+from ermedrag.evals.baselines import balanced_positions, beats_baselines, trivial_baselines  # noqa: E402
 from ermedrag.tools.data.benchmarks import Question, load_questions_file  # noqa: E402
 from ermedrag.tools.records.jsonl import replace_text  # noqa: E402
 
@@ -113,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def attending_baselines(data: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """The attending's held-out rows rebuilt as mmedagent_learning.py builds them from its recorded settings."""
-    from mmedagent_learning import attending_rows, benchmarks_dir, labelled_questions, split_questions
+    from mmedagent_learning import BALANCED_POSITIONS, attending_rows, benchmarks_dir, labelled_questions
+    from mmedagent_learning import split_questions
 
     by_specialty = labelled_questions(benchmarks_dir(str(data)), settings["max_question_chars"])
     train_q, eval_q = split_questions(
@@ -121,7 +122,8 @@ def attending_baselines(data: Path, settings: dict[str, Any]) -> dict[str, Any]:
     )
     rng = random.Random(settings["seed"] + 1)
     attending_rows(train_q, rng, settings["reliabilities"])  # the held-out opinions come after the training ones
-    rows = attending_rows(eval_q, rng, settings["reliabilities"])
+    balanced = settings.get("attending_gold_positions") == BALANCED_POSITIONS  # runs before it: as the data has them
+    rows = attending_rows(balanced_positions(eval_q) if balanced else eval_q, rng, settings["reliabilities"])
     baselines = trivial_baselines(
         [r["gold"] for r in rows], [list(r["options"]) for r in rows], [r["prompt"] for r in rows]
     )

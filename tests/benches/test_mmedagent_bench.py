@@ -152,6 +152,26 @@ def test_a_training_draw_keeps_the_held_out_questions_and_draws_its_own_training
     }
 
 
+def test_held_out_attending_golds_stand_at_every_position_in_turn(shared_data: Path, tmp_path: Path) -> None:
+    """Always one letter (or an attending collapsed onto one) scores chance on the held-out attending rows."""
+    args = SimpleNamespace(
+        max_question_chars=1500,
+        train_questions=12,
+        eval_questions=24,
+        seed=0,
+        sampling="balanced",
+        reliabilities=bench.RELIABILITIES,
+    )
+    data = bench.prepare_data(args, bench.benchmarks_dir(str(shared_data)), tmp_path / "export")
+    rows = data.eval_attending
+    assert [r["id"] for r in rows] == [q.id for q in data.eval_questions]
+    for index, row in enumerate(rows):
+        assert list(row["options"]).index(row["gold"]) == index % len(row["options"])
+        original = data.eval_questions[index]
+        assert row["options"][row["gold"]] == original.options[original.answer]  # the gold text moved with its key
+        assert sorted(row["options"].values()) == sorted(original.options.values())
+
+
 def test_triage_only_writes_its_figures_beside_the_recorded_attending(shared_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "smoke" / "mmedagent_learning.json"
     out.parent.mkdir(parents=True)
