@@ -27,7 +27,12 @@ from ermedrag.training.mmedagent.train import (
     stage_rewards,
     train_mmedagent,
 )
-from ermedrag.training.rewards.triage import triage_correctness_reward, well_formed_triage_correctness_reward
+from ermedrag.training.rewards.answers import format_reward
+from ermedrag.training.rewards.triage import (
+    triage_correctness_reward,
+    triage_format_reward,
+    well_formed_triage_correctness_reward,
+)
 from ermedrag.tools.data.specialties import (
     MEDMCQA_SUBJECT_SPECIALTY,
     MEDXPERTQA_BODY_SYSTEM_SPECIALTY,
@@ -246,6 +251,18 @@ def test_triage_rewards_paper_and_gated():
     assert triage_correctness_reward(completions[:1], gold_specialty=[None], specialties=["Pathologist"]) == [0.0]
 
 
+def test_triage_format_needs_an_answer_naming_a_listed_specialty():
+    """Tags around the worked example's specialty (listed nowhere) are not a triage: no format reward for copying."""
+    copied = "<think>Chest pain.</think><answer>Cardiologist</answer>"
+    wrong = "<think>X-ray.</think><answer>Radiologist</answer>"
+    untagged = "Radiologist"
+    completions = [[{"role": "assistant", "content": t}] for t in (copied, wrong, untagged, "", "<answer>" * 50_000)]
+    columns = {"gold_specialty": ["Pathologist"] * 5, "specialties": [["Pathologist", "Radiologist"]] * 5}
+    assert triage_format_reward(completions, **columns) == [0.0, 1.0, 0.0, 0.0, 0.0]  # a wrong triage is still one
+    assert format_reward(completions[:2]) == [1.0, 1.0]  # the tags alone cannot tell them apart
+    assert triage_format_reward(completions[:2], specialties=[None, "Radiologist"]) == [0.0, 0.0]  # no list: none
+
+
 # ------------------------------------------------------------------------------------------- schedule
 
 
@@ -294,10 +311,10 @@ def test_stage_schedule_sets_gamma_and_beta_per_stage(tmp_path):
 
     # rewards: the paper's or the gated ones, by role
     names = lambda c, n: {r.name: r.weight for r in stage_rewards(stage_config(c, n), n)}
-    assert names(config(tmp_path), "triage") == {"triage_correctness_ungated": 1.0, "format": 0.5}
+    assert names(config(tmp_path), "triage") == {"triage_correctness_ungated": 1.0, "triage_format": 0.5}
     assert names(config(tmp_path), "hard") == {"correctness_ungated": 1.0, "format": 0.5}
     assert names(config(tmp_path, reward="gated"), "easy") == {"correctness": 1.0, "format": 0.5}
-    assert names(config(tmp_path, reward="gated"), "triage") == {"triage_correctness": 1.0, "format": 0.5}
+    assert names(config(tmp_path, reward="gated"), "triage") == {"triage_correctness": 1.0, "triage_format": 0.5}
 
     for bad, match in (
         ({"reward": "other"}, "paper, gated"),
@@ -457,7 +474,7 @@ def test_four_stages_chain_end_to_end(recorded, tiny_model, tmp_path):
     assert stages["hard"]["start_model"] == str(out / "medium" / "merged")
     assert result["triage_model"] == str(out / "triage" / "merged")
     assert result["attending_model"] == str(out / "hard" / "merged")
-    assert stages["triage"]["reward_functions"] == ["triage_correctness_reward", "format_reward"]
+    assert stages["triage"]["reward_functions"] == ["triage_correctness_reward", "triage_format_reward"]
     assert stages["hard"]["reward_functions"] == ["correctness_reward", "format_reward"]
     for name, gamma in (("triage", 0.0), ("easy", 1e-4), ("medium", 5e-3), ("hard", 3e-2)):
         steps = [r for r in map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r]

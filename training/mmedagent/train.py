@@ -34,7 +34,8 @@ Rewards (curves `rewards/<function>/mean`), by config name:
 | `triage_correctness` | `triage_rewards.well_formed_triage_correctness_reward`: the same, in a well-formed reply only | triage, gated |
 | `correctness_ungated` | `answer_rewards.correctness_reward`: the answer is `gold` | attending, paper |
 | `correctness` | `answer_rewards.well_formed_correctness_reward`: the same, in a well-formed reply only | attending, gated |
-| `format` | `answer_rewards.format_reward`: one `<think>…</think>` then one `<answer>…</answer>` (weight 0.5) | both |
+| `triage_format` | `triage_rewards.triage_format_reward`: well formed, and the answer names one of the listed specialties (weight 0.5; the paper's is the tags alone, which the 270M model earned by copying the worked example's unlisted specialty) | triage |
+| `format` | `answer_rewards.format_reward`: one `<think>…</think>` then one `<answer>…</answer>` (weight 0.5) | attending |
 | `length` | `answer_rewards.length_penalty` (not used by default) | both |
 
 Stages chain as in `training.med_r3`: each trains a fresh LoRA adapter on its start model, saves it in
@@ -78,15 +79,20 @@ Role = Literal["triage", "attending"]
 # The rewards (of the one registry, `training.rewards.REWARDS`) that read each role's rows: a triage row has a gold
 # specialty, an attending row a gold answer.
 ROLE_REWARD_NAMES: dict[Role, tuple[str, ...]] = {
-    "triage": ("triage_correctness", "triage_correctness_ungated", "format", "length"),
+    "triage": ("triage_correctness", "triage_correctness_ungated", "triage_format", "format", "length"),
     "attending": ("correctness", "correctness_ungated", "format", "length"),
 }
+# The triage's format is `triage_format` (tags, and an answer naming a listed specialty) in both modes: the paper's
+# tag-only format let the offline model earn it by copying the worked example's unlisted specialty.
 REWARD_MODES: dict[str, dict[Role, dict[str, float]]] = {
     "paper": {
-        "triage": {"triage_correctness_ungated": 1.0, "format": 0.5},
+        "triage": {"triage_correctness_ungated": 1.0, "triage_format": 0.5},
         "attending": {"correctness_ungated": 1.0, "format": 0.5},
     },
-    "gated": {"triage": {"triage_correctness": 1.0, "format": 0.5}, "attending": {"correctness": 1.0, "format": 0.5}},
+    "gated": {
+        "triage": {"triage_correctness": 1.0, "triage_format": 0.5},
+        "attending": {"correctness": 1.0, "format": 0.5},
+    },
 }
 
 

@@ -13,6 +13,7 @@ weights into the reward functions and weights a `GRPOTrainer` takes.
 | correctness_ungated | `correctness_reward` | the answer equals `gold`, whatever the format (MMedAgent's paper mode) | `answers` |
 | triage_correctness | `well_formed_triage_correctness_reward` | the specialty named is `gold_specialty`, in a well-formed reply | `triage` |
 | triage_correctness_ungated | `triage_correctness_reward` | the specialty named is `gold_specialty` (the paper's) | `triage` |
+| triage_format | `triage_format_reward` | a well-formed reply whose answer names one of the listed specialties | `triage` |
 
 Weights are named everywhere: `GRPOTrainingConfig.rewards` (the respondent: `RESPONDENT_REWARDS` when
 unset) and each Med-R³ stage's `stage_overrides.N.rewards` (on top of `training.med_r3.STAGES`), e.g.
@@ -46,7 +47,11 @@ from ermedrag.training.rewards.answers import (
 )
 from ermedrag.training.rewards.text import RewardFunc
 from ermedrag.training.rewards.search import med_r3_penalties, retrieval_hit_reward, search_format_reward
-from ermedrag.training.rewards.triage import triage_correctness_reward, well_formed_triage_correctness_reward
+from ermedrag.training.rewards.triage import (
+    triage_correctness_reward,
+    triage_format_reward,
+    well_formed_triage_correctness_reward,
+)
 
 # The modules that define rewards (this registry's, the extractor's, MMedAgent's triage); with the parsers they
 # call, they are what `reward_code_sha256` fingerprints.
@@ -66,6 +71,7 @@ REWARDS: dict[str, RewardFunc] = {
     "penalties": med_r3_penalties,
     "triage_correctness": well_formed_triage_correctness_reward,
     "triage_correctness_ungated": triage_correctness_reward,
+    "triage_format": triage_format_reward,
 }
 
 RESPONDENT_REWARDS: dict[str, float] = {"correctness": 1.0, "format": 0.5, "length": 0.2, "evidence": 0.2}
