@@ -14,9 +14,10 @@ Writes benches/results/learning.json (and the curves of both trainings next to i
     .venv/bin/python benches/learning/learning_signal.py --seeds 3       # each training 3 times (seeds 0, 1, 2)
     .venv/bin/python benches/learning/learning_signal.py --reuse --reuse-trained --seeds 3   # train seed 2 only
 
-With `--seeds N` every training runs N times from the same start (seeds 0..N-1: LoRA initialisation, data order,
-sampled rollouts) against one before, measured once on the same held-out prompts; `seeds.over_seeds` reports
-each metric's mean ± sd after, per-seed values and how many seeds improved it. Held-out prompts: the
+With `--seeds N` every training runs N times from the base model (seeds 0..N-1: each records ER-MedRAG runs on
+its own training questions, `seeds.training_sample`, and exports its own GRPO prompts and DPO pairs from them; LoRA
+initialisation, data order, sampled rollouts) against one before, measured once on the same held-out prompts;
+`seeds.over_seeds` reports each metric's mean ± sd after, per-seed values and how many seeds improved it. Held-out prompts: the
 `--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them), yes,
 no and maybe taken in turn (`evals.baselines.balanced_by_answer`: always one answer scores a third).
 `--reuse-trained` measures again each seed whose merged model an earlier run finished with the same training
@@ -107,6 +108,7 @@ from ermedrag.training.trainers import train_dpo, train_grpo  # noqa: E402
 from seeds import (
     LEARNING_WORK,
     RUN_FILE,
+    SEED_CHANGES,
     accuracy_interval,
     afters_from_summary,
     allocator_env,  # noqa: E402
@@ -118,6 +120,7 @@ from seeds import (
     over_seeds,
     record_trained,
     trained_earlier,
+    training_sample,
 )
 from worked_examples import EXAMPLES  # noqa: E402
 
@@ -446,10 +449,14 @@ def main() -> None:
     refuse_combined(
         result, out, ([grpo_arm(args)[0]] if "grpo" in parts else []) + (dpo_keys(args) if "dpo" in parts else [])
     )
+    questions = split_questions(args)
     train_db, eval_db = work / "traces-train.sqlite", work / "traces-eval.sqlite"
     if not (args.reuse and grpo_prompts(work, "eval").exists()):
-        prepare(args, work, model, train_db, eval_db)
-    arms = dpo_arms(args, work, train_db) if "dpo" in parts else {}
+        prepare(args, work, model, train_db, eval_db, questions)
+    seeds = list(range(args.first_seed, args.first_seed + max(args.seeds, 1)))
+    # Each seed learns from questions of its own (seed 0: the recorded ones): their traces, GRPO prompts, DPO pairs
+    splits = {seed: seed_training_split(args, work, model, questions, seed) for seed in seeds}
+    arms = {seed: dpo_arms(args, work, splits[seed]) for seed in seeds} if "dpo" in parts else {}
 
     eval_rows = [dict(r) for r in load_from_disk(str(grpo_prompts(work, "eval")))]
     eval_events = list(TraceStore(eval_db).events(agent="extractor"))
@@ -461,7 +468,6 @@ def main() -> None:
     extract_prompts = [to_chat(e["messages"]) for e in eval_events]
     results_dir = Path(args.out).parent
 
-    seeds = list(range(args.first_seed, args.first_seed + max(args.seeds, 1)))
     recorded = result.get("seeds", {})
     result["seeds"] = dict(recorded)  # --parts grpo keeps the DPO summary
 
@@ -491,7 +497,7 @@ def main() -> None:
         prior, earlier = recorded_afters(key, before), recorded_arm(key)
         runs = []
         for seed in seeds:
-            runs.append(grpo_run(args, work, model_path, eval_prompts, eval_rows, seed, arm))
+            runs.append(grpo_run(args, work, model_path, eval_prompts, eval_rows, seed, arm, splits[seed]))
             afters = prior + [r["after"] for r in runs]
             result[key], result["seeds"][key] = grpo_records(
                 args, arm, before, afters, runs, seeds, earlier, len(eval_rows)
@@ -506,14 +512,14 @@ def main() -> None:
             eval_events,
         )
         log(f"before: extractor {before}")
-    for key, dpo_dir in arms.items():
+    for key in dpo_keys(args) if arms else []:
         prior, earlier = recorded_afters(key, before), recorded_arm(key)
         runs = []
         for seed in seeds:
-            runs.append(dpo_run(args, dpo_dir, work, model_path, extract_prompts, eval_events, seed))
+            runs.append(dpo_run(args, arms[seed][key], work, model_path, extract_prompts, eval_events, seed))
             afters = prior + [r["after"] for r in runs]
             result[key], result["seeds"][key] = dpo_records(
-                args, key, dpo_dir, before, afters, runs, seeds, earlier, len(eval_events)
+                args, key, arms[seeds[0]][key], before, afters, runs, seeds, earlier, len(eval_events)
             )
             write_progress(result, out, started, f"{key} seed {seed}", seeds)
         copy_curves(runs, args, results_dir / f"learning_{key}_curves.png")
@@ -538,14 +544,14 @@ class GRPOArm:
     example: str
     folder: str
 
-    def prepare_train_dataset(self, work: Path) -> Path:
+    def prepare_train_dataset(self, work: Path, split: str = "train") -> Path:
         """The training prompts: the exported ones, or a copy with this arm's worked example (written whole or not
         at all: a killed write leaves no folder to reuse). A copy whose prompts are no longer the export rewritten
         by today's `EXAMPLES` entry is written again, and the seeds trained on it are no longer reused."""
-        exported = grpo_prompts(work, "train")
+        exported = grpo_prompts(work, split)
         if self.example == GRPO_DEFAULTS["example"]:
             return exported
-        rewritten = work / f"{self.folder}-train" / "dataset"
+        rewritten = work / f"{self.folder}-{split}" / "dataset"
         rewrite = EXAMPLES[self.example]
         exported_rows = load_from_disk(str(exported))  # in memory: no cache files in the shared export
         expected = [rewrite(prompt) for prompt in exported_rows["prompt"]]
@@ -622,11 +628,13 @@ def grpo_run(
     eval_rows: list[dict],
     seed: int,
     arm: GRPOArm,
+    split: TrainingSplit,
 ) -> dict[str, Any]:
-    """Train the respondent with GRPO from the base model (one seed) and measure it on the held-out prompts."""
+    """Train the respondent with GRPO from the base model (one seed, on its own split) and measure it on the
+    held-out prompts."""
     config = GRPOTrainingConfig(
         model=model_path,
-        dataset=str(arm.prepare_train_dataset(work)),
+        dataset=str(arm.prepare_train_dataset(work, split.name)),
         output_dir=str(work / f"{arm.folder}-out-s{seed}"),
         max_steps=args.grpo_steps,
         learning_rate=1e-4,
@@ -717,20 +725,62 @@ def resumable(config: Any) -> bool:
     return True
 
 
-def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, eval_db: Path) -> None:
-    """Index the abstracts, record graph runs, and export GRPO prompts from them."""
+@dataclass(frozen=True)
+class Questions:
+    """PubMedQA-train after one seeded shuffle: every question (the corpus's abstracts), the first training
+    ones (seed 0's) and the held-out ones after them, yes/no/maybe equally often."""
+
+    pool: list[Question]
+    train: list[Question]
+    held_out: list[Question]
+
+
+def split_questions(args: argparse.Namespace) -> Questions:
     pool = load_questions_file(Path(args.data) / "benchmarks" / "pubmedqa_train.jsonl")
     random.Random(0).shuffle(pool)
-    train_q = pool[: args.train_questions]
-    eval_q = balanced_by_answer(pool[args.train_questions :], args.eval_questions)  # yes/no/maybe equally often
-    index_dir = work / "index"
-    stats = build_index(abstracts_as_documents(pool), index_dir, progress=False)
-    log(f"indexed {len(pool)} abstracts: {stats['chunks_total']} chunks in {stats['seconds']:.0f}s")
-    record(train_q, model, index_dir, train_db, work, args)
-    record(eval_q, model, index_dir, eval_db, work, args)
+    held_out = balanced_by_answer(pool[args.train_questions :], args.eval_questions)
+    return Questions(pool, pool[: args.train_questions], held_out)
+
+
+def prepare(args: argparse.Namespace, work: Path, model: str, train_db: Path, eval_db: Path, questions: Questions):
+    """Index the abstracts, record graph runs, and export GRPO prompts from them."""
+    stats = build_index(abstracts_as_documents(questions.pool), work / "index", progress=False)
+    log(f"indexed {len(questions.pool)} abstracts: {stats['chunks_total']} chunks in {stats['seconds']:.0f}s")
+    record(questions.train, model, work / "index", train_db, work, args)
+    record(questions.held_out, model, work / "index", eval_db, work, args)
     for name, db in (("train", train_db), ("eval", eval_db)):
-        counts = export_grpo(GRPOExportConfig(traces=str(db), out=str(grpo_prompts(work, name).parent)), progress=False)
-        log(f"grpo export {name}: {counts}")
+        export_traces(db, work, name, seed=0)
+
+
+def export_traces(db: Path, work: Path, split: str, seed: int) -> None:
+    config = GRPOExportConfig(traces=str(db), out=str(grpo_prompts(work, split).parent), seed=seed)
+    log(f"grpo export {split}: {export_grpo(config, progress=False)}")
+
+
+@dataclass(frozen=True)
+class TrainingSplit:
+    """What one seed trains on: its GRPO prompts' split (`grpo_prompts`) and the traces its DPO pairs come from."""
+
+    name: str
+    traces: Path
+
+
+def seed_training_split(
+    args: argparse.Namespace, work: Path, model: str, questions: Questions, seed: int
+) -> TrainingSplit:
+    """Seed 0 trains on the recorded training traces; another seed records ER-MedRAG runs on its own training
+    questions (`seeds.training_sample`, none held out) and exports them, its distractors drawn with its seed
+    (kept with --reuse)."""
+    if seed == 0:
+        return TrainingSplit("train", work / "traces-train.sqlite")
+    split = TrainingSplit(f"train-s{seed}", work / f"traces-train-s{seed}.sqlite")
+    if not (args.reuse and grpo_prompts(work, split.name).exists()):
+        split.traces.unlink(missing_ok=True)
+        shutil.rmtree(work / f"runs-{split.traces.stem}", ignore_errors=True)
+        own = training_sample(questions.pool, questions.held_out, questions.train, seed)
+        record(own, model, work / "index", split.traces, work, args)
+        export_traces(split.traces, work, split.name, seed)
+    return split
 
 
 def refuse_combined(result: dict[str, Any], out: Path, keys: list[str]) -> None:
@@ -759,12 +809,13 @@ def dpo_keys(args: argparse.Namespace) -> list[str]:
     }[args.dpo_close_cut]
 
 
-def dpo_arms(args: argparse.Namespace, work: Path, train_db: Path) -> dict[str, Path]:
+def dpo_arms(args: argparse.Namespace, work: Path, split: TrainingSplit) -> dict[str, Path]:
     """The DPO settings to train, by result key, with their exported pairs: the extractor's pairs from the
-    training traces (sampled alternatives, reward margin), exported once; with `--dpo-close-cut both` the arm
-    without closed candidates reselects its pairs from the same scored samples."""
+    split's training traces (sampled alternatives, reward margin), exported once; with `--dpo-close-cut both` the
+    arm without closed candidates reselects its pairs from the same scored samples."""
     closing = args.dpo_close_cut != "off"
-    folder_suffix = dpo_temperature_suffix(args).replace("_", "-")
+    train_db = split.traces
+    folder_suffix = dpo_temperature_suffix(args).replace("_", "-") + split.name.removeprefix("train")
     export = work / (("dpo-train-closed" if closing else "dpo-train") + folder_suffix)
     margin = 0.0 if args.smoke else 0.1
     if not (args.reuse and (export / "dataset").exists()):
@@ -866,6 +917,7 @@ def grpo_records(
         "respond_tokens": arm.tokens,
         "command": command_line(),
         "cpu": cpu_model(),
+        "seed_changes": SEED_CHANGES,
         "zero_variance_steps": record.get("zero_variance_steps", [])[:kept] + [r["zero_variance_steps"] for r in runs],
     }
     seeds_summary = {
@@ -904,6 +956,7 @@ def dpo_records(
         "close_cut_lists": "close_cut" in key,
         "command": command_line(),
         "cpu": cpu_model(),
+        "seed_changes": SEED_CHANGES + " (the pairs above: the first seed's)",
     }
     summary = over_seeds(before, afters)
     return arm_record, {

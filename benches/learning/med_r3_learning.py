@@ -12,8 +12,8 @@ benches/results/med_r3_learning.json and one curves plot per stage.
     .venv/bin/python benches/learning/med_r3_learning.py --seeds 3 --reuse   # go on: finished seeds are kept
     .venv/bin/python benches/learning/med_r3_learning.py --smoke      # tiny random model, a few minutes
 
-With `--seeds N` the chain of three stages runs N times from the base model (seeds 0..N-1: LoRA initialisation,
-data order, sampled rollouts); the base model's before is measured once, and a later stage's before is its own
+With `--seeds N` the chain of three stages runs N times from the base model (seeds 0..N-1: each its own training
+questions, `seeds.training_sample`, LoRA initialisation, data order, sampled rollouts); the base model's before is measured once, and a later stage's before is its own
 seed's earlier stage. A model's greedy replies are made once per mode and scored per stage (stage 2's after and
 stage 3's before are the same replies). Each finished seed records its chain in its folder, which `--reuse`
 takes instead of training that seed again (`reused_seeds`). `seeds` in the JSON reports per stage and metric
@@ -43,7 +43,8 @@ from learning_signal import (  # noqa: E402
     log,
     write_result,
 )
-from seeds import hold_work_folder, inputs_key, part_over_seeds, run_or_reuse  # noqa: E402
+from seeds import SEED_CHANGES, hold_work_folder, inputs_key, part_over_seeds, run_or_reuse  # noqa: E402
+from seeds import training_sample  # noqa: E402
 
 from ermedrag.agents.respondent import parse_answer  # noqa: E402
 from ermedrag.evals.baselines import balanced_by_answer, modal_share  # noqa: E402
@@ -233,14 +234,13 @@ def main() -> None:
         f"{stats['seconds']:.0f} s)"
     )
     index_ids = {cid.rsplit("#", 1)[0] for cid in index.bm25_ids}
-    train_rows = rows_for(pool[: args.train_questions], index_ids)
-    eval_rows = rows_for(balanced_by_answer(pool[args.train_questions :], args.eval_questions), index_ids)
-    med_r3_dataset(train_rows).save_to_disk(str(work / "train-dataset"))
+    held_out = balanced_by_answer(pool[args.train_questions :], args.eval_questions)
+    eval_rows = rows_for(held_out, index_ids)
     search = index_search(index, k=5)
 
     config = MedR3TrainingConfig(
         model=model_path,
-        dataset=str(work / "train-dataset"),
+        dataset="",  # each seed's own, below
         output_dir=str(work / "train"),
         index_dir=str(index_dir),
         max_steps=args.steps,
@@ -255,11 +255,14 @@ def main() -> None:
         mask_truncated_completions=False,
     )
     evaluations = Evaluations(eval_rows, search, args)
-    inputs = inputs_key(args.data, [r["id"] for r in train_rows], [r["id"] for r in eval_rows])
     chains, reused_seeds = [], []
     for seed in range(max(args.seeds, 1)):
+        train_rows = rows_for(training_sample(pool, held_out, pool[: args.train_questions], seed), index_ids)
+        dataset = work / f"train-dataset-s{seed}"
+        med_r3_dataset(train_rows).save_to_disk(str(dataset))
+        inputs = inputs_key(args.data, [r["id"] for r in train_rows], [r["id"] for r in eval_rows])
         chain, reused = run_stages(
-            replace(config, seed=seed, output_dir=str(work / f"train-s{seed}")),
+            replace(config, seed=seed, dataset=str(dataset), output_dir=str(work / f"train-s{seed}")),
             evaluations,
             {**inputs, "eval_batch": args.eval_batch},
             args.reuse,
@@ -282,7 +285,7 @@ def main() -> None:
             "model": "tiny random (smoke)"
             if args.smoke
             else "gemma3-270m (base, LoRA per stage, merged between stages)",
-            "train_prompts": len(train_rows),
+            "train_prompts": args.train_questions,  # each seed's own (`seed_changes`)
             "eval_prompts": len(eval_rows),
             "num_generations": args.generations,
             "step_tokens": args.step_tokens,
@@ -291,6 +294,7 @@ def main() -> None:
             "micro_batch": args.micro_batch,
             "decoding": "greedy, same held-out prompts before and after each stage, in the stage's mode",
             "reused_seeds": reused_seeds,  # their minutes are those of the run that trained them
+            "seed_changes": SEED_CHANGES,
         }
     )
     write_result(result, Path(args.out) if not args.smoke else work / "med_r3_learning.json", started)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import statistics
 from collections.abc import Callable, Sequence
@@ -166,6 +167,23 @@ def learning_run(work: Path, smoke: bool = False) -> Path:
 def grpo_prompts(run: Path, split: str) -> Path:
     """The respondent prompts exported from a run's recorded traces: `train` ones, or the held-out `eval` ones."""
     return run / f"grpo-{split}" / "dataset"
+
+
+def training_sample(pool: Sequence[Any], held_out: Sequence[Any], first: Sequence[Any], seed: int) -> list[Any]:
+    """A training seed's own questions (each with an `id`): seed 0 trains on `first` (what the earlier records
+    trained on); another seed on as many drawn with a stream of its own from every question of `pool` not held
+    out, so that seeds differ in what they learn from, not only in initialisation and order."""
+    if seed == 0:
+        return list(first)
+    held = {q.id for q in held_out}
+    candidates = [q for q in pool if q.id not in held]
+    return random.Random(f"training sample:{seed}").sample(candidates, min(len(first), len(candidates)))
+
+
+SEED_CHANGES = (
+    "its own training questions (seed 0: the first ones after one seeded shuffle; another: as many drawn from every "
+    "question not held out), LoRA initialisation, data order and sampled rollouts; the held-out prompts stay"
+)
 
 
 def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:

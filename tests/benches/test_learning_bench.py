@@ -58,6 +58,9 @@ def run_smoke_until(shared_data: Path, work: Path, line: str, *args: str) -> boo
     return False
 
 
+TRAIN_SPLITS = ("grpo-train", "grpo-train-s1")
+
+
 def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, tmp_path: Path) -> None:
     proc = run_smoke(shared_data, tmp_path, "--seeds", "2", "--dpo-close-cut", "both")
     out = tmp_path / "smoke" / "learning.json"
@@ -98,9 +101,15 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
             "grpo-merged-s0",
             "grpo-merged-s1",
             "extractor-before",
-            "dpo-train-closed-merged-s1",
+            "dpo-train-closed-s1-merged-s1",  # seed 1's own pairs (its own training questions)
         )
     }
+    # each seed learned from questions of its own: seed 1 recorded runs on them and exported its own prompts
+    from datasets import load_from_disk
+
+    asked = [set(load_from_disk(str(tmp_path / "smoke" / split / "dataset"))["question"]) for split in TRAIN_SPLITS]
+    assert asked[0] and asked[1] and asked[0] != asked[1]
+    assert "own training questions" in result["grpo_respondent"]["seed_changes"]
     prompts = {"grpo": result["grpo_respondent"]["eval_prompts"], "dpo": result["dpo_extractor"]["eval_prompts"]}
     assert all(len(kept[f]["replies"]) == prompts["grpo" if f.startswith("grpo") else "dpo"] for f in kept)
     assert len({kept[f]["prompts_sha256"] for f in kept if f.startswith("grpo")}) == 1  # the same prompts

@@ -8,7 +8,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+from datasets import load_from_disk
+
+from benches.learning.seeds import training_sample
 from tests.conftest import REPO
 
 SCRIPT = REPO / "benches" / "learning" / "med_r3_learning.py"
@@ -42,6 +46,9 @@ def test_seeds_share_the_base_replies_and_a_finished_seed_is_reused(shared_data:
     assert seeds["stage1"]["accuracy"]["before"]["values"] == [base, base]
     for stage in STAGES:
         assert len(seeds[stage]["accuracy_after"]) == 2 and seeds[stage]["accuracy_after"][0]["n"] == 3
+    # Each seed trains on questions of its own (`seeds.training_sample`: none of them held out).
+    trained_on = [set(load_from_disk(str(tmp_path / "smoke" / f"train-dataset-s{seed}"))["id"]) for seed in (0, 1)]
+    assert trained_on[0] != trained_on[1] and "own training questions" in result["seed_changes"]
 
     proc = run_smoke(shared_data, tmp_path, "--seeds", "3", "--reuse")
     grown = json.loads(out.read_text())
@@ -51,3 +58,15 @@ def test_seeds_share_the_base_replies_and_a_finished_seed_is_reused(shared_data:
         for metric in ("accuracy", "mean_reward", "format_rate"):
             assert grown["seeds"][stage][metric]["after"]["values"][:2] == seeds[stage][metric]["after"]["values"]
     assert grown["seeds"]["stage1"]["accuracy"]["before"]["values"] == [base] * 3
+
+
+def test_a_seed_draws_its_own_training_questions_and_never_a_held_out_one() -> None:
+    pool = [SimpleNamespace(id=f"q{i}") for i in range(40)]
+    held_out, first = pool[10:20], pool[:10]
+    assert training_sample(pool, held_out, first, seed=0) == first  # what the recorded seed 0 trained on
+    drawn = [training_sample(pool, held_out, first, seed) for seed in (1, 2)]
+    for sample in drawn:
+        assert len(sample) == 10 and len({q.id for q in sample}) == 10
+        assert not {q.id for q in sample} & {q.id for q in held_out}
+    assert {q.id for q in drawn[0]} != {q.id for q in drawn[1]} != {q.id for q in first}
+    assert training_sample(pool, held_out, first, seed=1) == drawn[0]  # seeded: a rerun draws the same
