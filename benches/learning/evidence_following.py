@@ -308,13 +308,20 @@ def write(out: Path, args: argparse.Namespace, model_path: str, before: dict, ba
             "learning_rate": args.learning_rate,
             "rewards": "the respondent's defaults (training.rewards.RESPONDENT_REWARDS)",
         },
+    }
+    write_with_provenance(out, result, started)
+
+
+def write_with_provenance(out: Path, result: dict[str, Any], started: float) -> None:
+    """The result with where and how it was made (machine, load average, minutes, command), written whole."""
+    made = {
         "machine": describe_machine(),
         "load_average": list(os.getloadavg()),
         "minutes": round((time.time() - started) / 60, 1),
         "command": " ".join(["python", *sys.argv]),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    replace_text(out, json.dumps(result, indent=1) + "\n")
+    replace_text(out, json.dumps({**result, **made}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

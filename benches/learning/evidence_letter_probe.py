@@ -21,7 +21,6 @@ to the line's option, X or the gold), each with its Wilson 95% interval, chance 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,15 +31,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from evidence_following import heldout_rows, pools  # noqa: E402  (goes offline at import, via learning_signal)
+from evidence_following import heldout_rows, pools, write_with_provenance  # noqa: E402  (goes offline at import, via learning_signal)
 from learning_signal import log  # noqa: E402
 from seeds import LEARNING_WORK  # noqa: E402
 
 from ermedrag.agents.base import to_langchain  # noqa: E402
 from ermedrag.agents.confidence import option_probabilities  # noqa: E402
 from ermedrag.evals.baselines import share  # noqa: E402
-from ermedrag.tools.machine import describe_machine  # noqa: E402
-from ermedrag.tools.records.jsonl import replace_text  # noqa: E402
 
 RESULT = REPO / "benches" / "results" / "evidence_letter_probe.json"
 SETS = ("d0", "d2", "gold_evidence")
@@ -141,13 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "answer": "the most probable option letter after the written reasoning (exact next-token scores)",
             "variants": list(VARIANTS),
         },
-        "machine": describe_machine(),
-        "load_average": list(os.getloadavg()),
-        "minutes": round((time.time() - started) / 60, 1),
-        "command": " ".join(["python", *sys.argv]),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    replace_text(out, json.dumps(result, indent=1) + "\n")
+    write_with_provenance(out, result, started)
     log(f"wrote {out}")
     return 0
 
