@@ -8,7 +8,10 @@ and its next token after `<answer>` is read exactly, through the product's answe
 option letter. Reasoning written for it:
 - `no_quote`: `<think></think>` (nothing read);
 - `quotes_line`: the evidence line naming X, quoted whole (`Evidence [k] says condition — relation — conclusion`);
-- `quotes_conclusion`: only that line's conclusion, which is X's text.
+- `quotes_conclusion`: only that line's conclusion, which is X's text;
+- `keys_after_text`: every option printed with its key after its text as well (`C. text (C)`, the worked example's
+  too), the reasoning quoting the conclusion and going on with ` (`: the letter is then what followed that text in
+  the list, a forward copy, not a look-up of what stood before it.
 A model that can map a quoted option text to its letter follows X far above chance once the reasoning quotes it.
 Same held-out prompts as the bench (its `d0`, `d2` and `gold_evidence` sets; follow rate = share of answers equal
 to the line's option, X or the gold), each with its Wilson 95% interval, chance beside it.
@@ -21,7 +24,9 @@ to the line's option, X or the gold), each with its Wilson 95% interval, chance 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -41,7 +46,8 @@ from ermedrag.evals.baselines import share  # noqa: E402
 
 RESULT = REPO / "benches" / "results" / "evidence_letter_probe.json"
 SETS = ("d0", "d2", "gold_evidence")
-VARIANTS = ("no_quote", "quotes_line", "quotes_conclusion")
+VARIANTS = ("no_quote", "quotes_line", "quotes_conclusion", "keys_after_text")
+OPTION_LINE = re.compile(r"([A-Z])\. (.*)")
 
 
 def named_line(row: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -53,16 +59,31 @@ def named_line(row: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
 
 def reasoning(row: dict[str, Any], variant: str) -> str:
-    """What the model is made to have written before `<answer>`."""
+    """What the model is made to have written before its answer letter."""
     if variant == "no_quote":
         return "<think></think><answer>"
     number, line = named_line(row)
+    if variant == "keys_after_text":
+        return f"<think>Evidence [{number}] says {line['conclusion']} ("
     quoted = (
         f"{line['condition']} — {line['relation']} — {line['conclusion']}"
         if variant == "quotes_line"
         else line["conclusion"]
     )
     return f"<think>Evidence [{number}] says {quoted}</think><answer>"
+
+
+def keys_after_text(prompt: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The prompt with every option line of its user turns ending in its key as well: `C. text` → `C. text (C)`."""
+    shown = []
+    for message in prompt:
+        if message["role"] != "user" or "\nOptions:\n" not in message["content"]:
+            shown.append(message)
+            continue
+        head, options = message["content"].split("\nOptions:\n", 1)
+        lines = [OPTION_LINE.sub(r"\1. \2 (\1)", line) for line in options.split("\n")]
+        shown.append({**message, "content": head + "\nOptions:\n" + "\n".join(lines)})
+    return shown
 
 
 def answers(model_spec: str, rows: Sequence[dict[str, Any]], variant: str) -> list[str | None]:
@@ -74,7 +95,8 @@ def answers(model_spec: str, rows: Sequence[dict[str, Any]], variant: str) -> li
     model = load_chat_model(model_spec, max_new_tokens=1)
     picked: list[str | None] = []
     for row in rows:  # one call each: the letters scored are the row's own options
-        messages = [*to_langchain(row["prompt"]), AIMessage(content=reasoning(row, variant))]
+        prompt = keys_after_text(row["prompt"]) if variant == "keys_after_text" else row["prompt"]
+        messages = [*to_langchain(prompt), AIMessage(content=reasoning(row, variant))]
         reply = model.invoke(messages, score_tokens=list(row["options"]))
         first = ((reply.response_metadata.get("logprobs") or {}).get("content") or [{}])[0]
         probs = option_probabilities(first.get("top_logprobs"), row["options"])
@@ -82,10 +104,10 @@ def answers(model_spec: str, rows: Sequence[dict[str, Any]], variant: str) -> li
     return picked
 
 
-def probe(model_spec: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def probe(model_spec: str, rows: Sequence[dict[str, Any]], variants: Sequence[str]) -> dict[str, Any]:
     """Per variant and set: how often the answer is the option the evidence line names."""
     result: dict[str, Any] = {}
-    for variant in VARIANTS:
+    for variant in variants:
         picked = answers(model_spec, rows, variant)
         result[variant] = {}
         for name in SETS:
@@ -104,6 +126,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-question-chars", type=int, default=300)
     parser.add_argument("--trained", action="append", default=[], help="a merged model to probe too (repeatable)")
     parser.add_argument("--label", action="append", default=[], help="its name in the results, in --trained order")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--reuse", action="store_true", help="keep what --out holds for the same models; add the rest")
     parser.add_argument("--smoke", action="store_true", help="a tiny random model and 4 questions: the pipeline")
     return parser.parse_args(argv)
 
@@ -129,9 +153,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [row for row in heldout_rows(heldout, pool) if row["set"] in SETS]
     labels = args.label or [Path(path).name for path in args.trained]
     models = {"base": str(base), **dict(zip(labels, args.trained))}
+    variants = [v for v in args.variants.split(",") if v]
+    if unknown := sorted(set(variants) - set(VARIANTS)):
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+    earlier = json.loads(out.read_text()).get("models", {}) if args.reuse and out.exists() else {}
     started = time.time()
+    probed = {}
+    for label, path in models.items():
+        kept = earlier.get(label, {}) if earlier.get(label, {}).get("path") == path else {"path": path}
+        todo = [v for v in variants if v not in kept]
+        probed[label] = {**kept, **probe(f"hf:{path}", rows, todo)}
     result = {
-        "models": {label: {"path": path, **probe(f"hf:{path}", rows)} for label, path in models.items()},
+        "models": probed,
         "chance": round(sum(1 / len(r["options"]) for r in rows) / len(rows), 4),
         "settings": {
             "held_out": f"evidence_following.py's held-out prompts ({args.eval_questions} questions), sets {SETS}",

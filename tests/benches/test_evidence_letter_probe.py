@@ -30,16 +30,28 @@ def test_the_written_reasoning_quotes_the_line_naming_the_option_by_its_shown_nu
         )
         assert line["relation"] in probe.reasoning(row, "quotes_line")
         assert probe.reasoning(row, "no_quote") == "<think></think><answer>"
+        # keys after the text: the letter follows the quoted text in the list as in the reasoning
+        keyed = probe.keys_after_text(row["prompt"])[-1]["content"]
+        assert f"{row['evidence_key']}. {line['conclusion']} ({row['evidence_key']})" in keyed
+        assert probe.reasoning(row, "keys_after_text").endswith(f"says {line['conclusion']} (")
+        assert keyed.split("\nOptions:\n")[0] == shown.split("\nOptions:\n")[0]  # only the options changed
+
+
+def run_probe(shared_data: Path, work: Path, *args: str) -> dict:
+    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
+    command = [sys.executable, str(SCRIPT), "--smoke", "--data", str(shared_data), "--work", str(work), *args]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((work / "evidence_letter_probe.json").read_text())
 
 
 def test_smoke_run_scores_every_variant_and_set(shared_data: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
-    command = [sys.executable, str(SCRIPT), "--smoke", "--data", str(shared_data), "--work", str(tmp_path)]
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "evidence_letter_probe.json").read_text())
+    first = run_probe(shared_data, tmp_path, "--variants", "no_quote")
+    assert list(first["models"]["base"]) == ["path", "no_quote"]
+    result = run_probe(shared_data, tmp_path, "--reuse")  # keeps the recorded variant, adds the others
+    assert result["models"]["base"]["no_quote"] == first["models"]["base"]["no_quote"]
     assert result["chance"] == 0.25 and list(result["models"]) == ["base"]
-    for variant in ("no_quote", "quotes_line", "quotes_conclusion"):
+    for variant in ("no_quote", "quotes_line", "quotes_conclusion", "keys_after_text"):
         for name in ("d0", "d2", "gold_evidence"):
             figure = result["models"]["base"][variant][name]
             assert figure["n"] == 4 and 0 <= figure["hits"] <= 4
