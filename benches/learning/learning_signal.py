@@ -17,9 +17,10 @@ Writes benches/results/learning.json (and the curves of both trainings next to i
 With `--seeds N` every training runs N times from the base model (seeds 0..N-1: each records ER-MedRAG runs on
 its own training questions, `seeds.training_sample`, and exports its own GRPO prompts and DPO pairs from them; LoRA
 initialisation, data order, sampled rollouts) against one before, measured once on the same held-out prompts;
-`seeds.over_seeds` reports each metric's mean ± sd after, per-seed values and how many seeds improved it. Held-out prompts: the
-`--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them), yes,
-no and maybe taken in turn (`evals.baselines.balanced_by_answer`: always one answer scores a third).
+`seeds.over_seeds` reports each metric's mean ± sd after, per-seed values and how many seeds improved it.
+Held-out prompts: the `--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle
+(disjoint from them), yes, no and maybe taken in turn (`evals.baselines.balanced_by_answer`: always one answer
+scores a third).
 `--reuse-trained` measures again each seed whose merged model an earlier run finished with the same training
 config (`seeds.RUN_FILE` marks it), so that adding a seed, or a metric, costs no retraining of the others.
 The results file is written after each seed: a run stopped part way keeps the seeds it finished (`progress` names
