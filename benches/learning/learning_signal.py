@@ -451,7 +451,7 @@ def main() -> None:
         result, out, ([grpo_arm(args)[0]] if "grpo" in parts else []) + (dpo_keys(args) if "dpo" in parts else [])
     )
     questions = split_questions(args)
-    train_db, eval_db = work / "traces-train.sqlite", work / "traces-eval.sqlite"
+    train_db, eval_db = TrainingSplit.of_seed(work, 0).traces, work / "traces-eval.sqlite"
     if not (args.reuse and grpo_prompts(work, "eval").exists()):
         prepare(args, work, model, train_db, eval_db, questions)
     seeds = list(range(args.first_seed, args.first_seed + max(args.seeds, 1)))
@@ -765,6 +765,12 @@ class TrainingSplit:
     name: str
     traces: Path
 
+    @staticmethod
+    def of_seed(work: Path, seed: int) -> TrainingSplit:
+        """Seed 0's is the recorded `train` split; another seed's has its own name, traces and exports."""
+        suffix = "" if seed == 0 else f"-s{seed}"
+        return TrainingSplit(f"train{suffix}", work / f"traces-train{suffix}.sqlite")
+
 
 def seed_training_split(
     args: argparse.Namespace, work: Path, model: str, questions: Questions, seed: int
@@ -772,9 +778,9 @@ def seed_training_split(
     """Seed 0 trains on the recorded training traces; another seed records ER-MedRAG runs on its own training
     questions (`seeds.training_sample`, none held out) and exports them, its distractors drawn with its seed
     (kept with --reuse)."""
+    split = TrainingSplit.of_seed(work, seed)
     if seed == 0:
-        return TrainingSplit("train", work / "traces-train.sqlite")
-    split = TrainingSplit(f"train-s{seed}", work / f"traces-train-s{seed}.sqlite")
+        return split
     if not (args.reuse and grpo_prompts(work, split.name).exists()):
         split.traces.unlink(missing_ok=True)
         shutil.rmtree(work / f"runs-{split.traces.stem}", ignore_errors=True)
