@@ -5,7 +5,7 @@ names none ("nothing")."""
 
 import re
 
-OPTION = re.compile(r"^([A-Z])\. (.*)$", re.MULTILINE)
+OPTION = re.compile(r"^([A-Z])\. (.*?)(?: \(\1\))?$", re.MULTILINE)  # `B. Metformin (B)`: the text
 
 
 def reply(messages) -> str:
