@@ -17,7 +17,7 @@ from typing import Literal
 from ermedrag.agents import respondent
 from ermedrag.agents.base import chat_messages, clip, fold_case, with_images
 from ermedrag.agents.markup import defuse, quote
-from ermedrag.agents.respondent import example_choice, example_options, format_options
+from ermedrag.agents.respondent import example_options, format_options
 
 from ermedrag.agents.specialist import MAX_OPINION_REASONING_CHARS, Opinion
 from ermedrag.agents.triage import MAX_SPECIALTY_CHARS
@@ -81,10 +81,10 @@ def attending_example(question: str, options: dict[str, str] | None) -> tuple[st
     user = ATTENDING_TEMPLATE.format(
         question=EXAMPLE_QUESTION, options=format_options(shown), opinions=render_opinions(opinions)
     )
+    because = f": option {answer}" if shown else ""
     return user, (
         "<think>Specialists 1 and 3 name rickets, the disorder of bone mineralisation caused by vitamin D "
-        f"deficiency; specialist 2's reason does not explain rickets. I agree with 1 and 3"
-        f"{example_choice(shown, answer)}."
+        f"deficiency; specialist 2's reason does not explain rickets. I agree with 1 and 3{because}."
         f"</think><answer>{answer}</answer>"
     )
 

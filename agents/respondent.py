@@ -84,13 +84,8 @@ def example(question: str, options: dict[str, str] | None) -> tuple[str, str]:
     user = USER_TEMPLATE.format(
         evidence=EXAMPLE_EVIDENCE, question=EXAMPLE_QUESTION, options=format_options(shown)
     ).rstrip()
-    return user, f"<think>{EXAMPLE_REASONING}{example_choice(shown, answer)}.</think><answer>{answer}</answer>"
-
-
-def example_choice(shown: dict[str, str] | None, answer: str) -> str:
-    """How a worked example's reasoning ends on its choice (the respondent's, the attending's): the option's text,
-    then its key as the options list prints it after that text (`format_options`), e.g. ": Vitamin D (B)"."""
-    return f": {shown[answer]} ({answer})" if shown else ""
+    because = f": option {answer}" if shown else ""
+    return user, f"<think>{EXAMPLE_REASONING}{because}.</think><answer>{answer}</answer>"
 
 
 MAX_PARSE_CHARS = 1_000_000  # a completion is parsed up to here (1 MB): far beyond any generation budget
@@ -134,15 +129,10 @@ MAX_MATCH_CHARS = 2 * MAX_OPTION_CHARS
 
 def format_options(options: dict[str, str] | None) -> str:
     """The options block, one line per option, each quoted (`agents.markup.quote`): an option's text is input
-    as untrusted as a document, and cannot start a line or carry a live tag.
-
-    Each key stands before its text and again after it (`C. Vitamin D (C)`): a reasoning that names an option's
-    text then writes its key as what followed that text in the list, a forward copy. With keys before the texts
-    only, the offline 270M model picked the letter of the option its own reasoning quoted at chance (12 and 16 of
-    48, chance 12); with keys after them too, 22 of 48 (benches/results/evidence_letter_probe.json)."""
+    as untrusted as a document, and cannot start a line or carry a live tag."""
     if not options:
         return ""
-    return "Options:\n" + "\n".join(f"{key}. {quote(text, MAX_OPTION_CHARS)} ({key})" for key, text in options.items())
+    return "Options:\n" + "\n".join(f"{key}. {quote(text, MAX_OPTION_CHARS)}" for key, text in options.items())
 
 
 def build_messages(question: str, options: dict[str, str] | None, evidence: str) -> list:

@@ -11,8 +11,7 @@ option letter. Reasoning written for it:
 - `quotes_conclusion`: only that line's conclusion, which is X's text;
 - `keys_after_text`: every option printed with its key after its text as well (`C. text (C)`, the worked example's
   too), the reasoning quoting the conclusion and going on with ` (`: the letter is then what followed that text in
-  the list, a forward copy, not a look-up of what stood before it. The product's prompts print options this way
-  since respondent prompts version 3 (`agents.respondent.format_options`); the recorded result predates it.
+  the list, a forward copy, not a look-up of what stood before it.
 A model that can map a quoted option text to its letter follows X far above chance once the reasoning quotes it.
 Same held-out prompts as the bench (its `d0`, `d2` and `gold_evidence` sets; follow rate = share of answers equal
 to the line's option, X or the gold), each with its Wilson 95% interval, chance beside it.
@@ -48,7 +47,7 @@ from ermedrag.evals.baselines import share  # noqa: E402
 RESULT = REPO / "benches" / "results" / "evidence_letter_probe.json"
 SETS = ("d0", "d2", "gold_evidence")
 VARIANTS = ("no_quote", "quotes_line", "quotes_conclusion", "keys_after_text")
-OPTION_LINE = re.compile(r"([A-Z])\. (.*?)(?: \(\1\))?$")  # a key already after its text is kept once
+OPTION_LINE = re.compile(r"([A-Z])\. (.*)")
 
 
 def named_line(row: dict[str, Any]) -> tuple[int, dict[str, Any]]:

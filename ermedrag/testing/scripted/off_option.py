@@ -5,7 +5,7 @@ names none ("nothing")."""
 
 import re
 
-OPTION = re.compile(r"^([A-Z])\. (.*?)(?: \(\1\))?$", re.MULTILINE)  # `B. Metformin (B)`: the text
+OPTION = re.compile(r"^([A-Z])\. (.*)$", re.MULTILINE)
 
 
 def reply(messages) -> str:
