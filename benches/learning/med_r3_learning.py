@@ -16,10 +16,11 @@ With `--seeds N` the chain of three stages runs N times from the base model (see
 questions, `seeds.training_sample`, LoRA initialisation, data order, sampled rollouts); the base model's before is
 measured once, and a later stage's before is its own seed's earlier stage. A model's greedy replies are made once
 per mode and scored per stage (stage 2's after and stage 3's before are the same replies). Each finished seed
-records its chain in its folder, which `--reuse` takes instead of training that seed again (`reused_seeds`). `seeds` in the JSON reports per stage and metric
-before and after as mean ± sd, the gain, and how many seeds improved it. Held-out prompts: the
-`--eval-questions` PubMedQA-train questions after the training ones in one seeded shuffle (disjoint from them), yes,
-no and maybe taken in turn (`evals.baselines.balanced_by_answer`: always one answer scores a third).
+records its chain in its folder, which `--reuse` takes instead of training that seed again (`reused_seeds`).
+`seeds` in the JSON reports per stage and metric before and after as mean ± sd, the gain, and how many seeds
+improved it. Held-out prompts: the `--eval-questions` PubMedQA-train questions after the training ones in one
+seeded shuffle (disjoint from them), yes, no and maybe taken in turn (`evals.baselines.balanced_by_answer`: always
+one answer scores a third).
 """
 
 from __future__ import annotations
