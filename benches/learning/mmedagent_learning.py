@@ -607,6 +607,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the stage trained again with entropy_bonus: false",
     )
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (GRPO group)")
+    parser.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=1,
+        help="prompts (each with its group) per optimizer step, by gradient accumulation; the product's "
+        "training/configs/mmedagent.yaml has 2 (per_device_train_batch_size 8 = num_generations, accumulation 2)",
+    )
     parser.add_argument("--triage-tokens", type=int, default=64, help="triage completion budget (training and eval)")
     parser.add_argument("--attending-tokens", type=int, default=96, help="attending completion budget")
     parser.add_argument(
@@ -649,14 +656,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.reliabilities = tuple(float(p) for p in str(args.reliabilities).split(",") if p.strip())
     if not args.reliabilities or not all(0 <= p <= 1 for p in args.reliabilities):
         parser.error(f"--reliabilities must be probabilities, got {args.reliabilities}")
-    if min(args.train_questions, args.eval_questions, args.generations, args.eval_batch, args.seeds) < 1:
-        parser.error("--train-questions, --eval-questions, --generations, --eval-batch and --seeds must be at least 1")
+    if (
+        min(
+            args.train_questions,
+            args.eval_questions,
+            args.generations,
+            args.prompts_per_step,
+            args.eval_batch,
+            args.seeds,
+        )
+        < 1
+    ):
+        parser.error(
+            "--train-questions, --eval-questions, --generations, --prompts-per-step, --eval-batch and --seeds "
+            "must be at least 1"
+        )
     return args
 
 
 def estimate_minutes(args: argparse.Namespace, stage_rows: dict[str, int]) -> float:
     """A rough wall time for the offline model on 2 cores (constants above), printed before the run."""
-    scale = args.generations / 4
+    scale = args.generations * args.prompts_per_step / 4
     steps = {"triage": args.triage_steps, "easy": args.easy_steps, "medium": args.medium_steps, "hard": args.hard_steps}
     train = sum(
         steps[name]
@@ -740,7 +760,7 @@ def bench_config(args: argparse.Namespace, model_path: str, export: Path, output
         learning_rate=args.learning_rate,
         num_generations=args.generations,
         per_device_train_batch_size=args.generations,
-        gradient_accumulation_steps=1,
+        gradient_accumulation_steps=args.prompts_per_step,
         max_completion_length=args.attending_tokens,
         temperature=args.temperature,
         save_steps=10_000,
@@ -783,6 +803,7 @@ def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[st
             n: [stage_config(config, n).entropy_coef, stage_config(config, n).beta] for n in STAGES if n != "attending"
         },
         "num_generations": args.generations,
+        "prompts_per_step": args.prompts_per_step,
         "temperature": args.temperature,
         "learning_rate": args.learning_rate,
         "reward": args.reward,
