@@ -178,10 +178,24 @@ def test_triage_only_writes_its_figures_beside_the_recorded_attending(shared_dat
     recorded = {"attending": {"accuracy": 0.5}, "seeds": {"n": 3, "attending": {"accuracy": "recorded"}}}
     out.write_text(json.dumps(recorded))
     proc = run_bench(
-        "--smoke", "--parts", "triage", "--seeds", "2", "--data", str(shared_data), "--work", str(tmp_path)
+        "--smoke",
+        "--parts",
+        "triage",
+        "--seeds",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--data",
+        str(shared_data),
+        "--work",
+        str(tmp_path),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
+    # Two prompts an optimizer step: the first step went through 2 of the 48 training rows
+    first_step = json.loads((tmp_path / "smoke" / "train" / "triage" / "metrics.jsonl").read_text().splitlines()[0])
+    assert result["triage_run"]["settings"]["prompts_per_step"] == 2
+    assert first_step["step"] == 1 and first_step["epoch"] == pytest.approx(2 / 48)
     assert result["attending"] == recorded["attending"]
     assert result["seeds"]["attending"] == recorded["seeds"]["attending"] and result["seeds"]["n"] == 3
     assert len(result["seeds"]["triage"]["accuracy"]["after"]["values"]) == 2
