@@ -28,7 +28,6 @@ again on the same held-out prompts, decoded as the before is. Every reply is kep
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import random
@@ -44,6 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from learning_signal import generate, log, trained  # noqa: E402  (learning_signal goes offline at import)
+from kept_replies import read_replies, write_replies  # noqa: E402
 from seeds import LEARNING_WORK, hold_work_folder, spread  # noqa: E402
 
 from ermedrag.agents import respondent  # noqa: E402
@@ -126,18 +126,15 @@ def measure(model_spec: str, rows: Sequence[dict[str, Any]], tokens: int, replie
         }
         for row, reply, p in zip(rows, replies, parsed)
     ]
-    replies_file.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(replies_file, "wt", encoding="utf-8") as out:
-        out.writelines(json.dumps(k) + "\n" for k in kept)
+    write_replies(replies_file, kept)
     return figures(kept)
 
 
 def kept_figures(path: Path, rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The figures of replies kept by an earlier run to these very prompts (`--reuse`), else None."""
-    if not path.exists():
+    replies = read_replies(path)
+    if replies is None:
         return None
-    with gzip.open(path, "rt", encoding="utf-8") as kept:
-        replies = [json.loads(line) for line in kept]
     return figures(replies) if [r["prompt_id"] for r in replies] == [r["prompt_id"] for r in rows] else None
 
 

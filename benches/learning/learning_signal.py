@@ -26,12 +26,15 @@ config (`seeds.RUN_FILE` marks it), so that adding a seed, or a metric, costs no
 The results file is written after each seed: a run stopped part way keeps the seeds it finished (`progress` names
 the last one) and goes on with `--reuse --first-seed K`. Each measurement keeps the held-out replies it scored
 (`heldout_replies.json` in the seed's merged model, and in `<arm>-before` / `extractor-before` for the base
-model), so a metric added later can be read off them.
+model), so a metric added later can be read off them; and beside the results file, in the repository, with what
+each answered, its gold and its reward parts (`<out stem>/replies/<arm>_<before|seedN_after>.jsonl.gz`,
+`kept_replies`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -123,6 +126,7 @@ from seeds import (
     trained_earlier,
     training_sample,
 )
+from kept_replies import replies_path, write_replies  # noqa: E402
 from worked_examples import EXAMPLES  # noqa: E402
 
 
@@ -198,14 +202,32 @@ def answer_parsed_rate(texts: list[str], options: list[dict[str, str] | None]) -
     return sum(respondent.parse_answer(t, o)["ok"] for t, o in zip(texts, options)) / max(len(texts), 1)
 
 
-def respondent_metrics(completions: list[str], rows: list[dict[str, Any]]) -> dict[str, float]:
+def respondent_metrics(
+    completions: list[str], rows: list[dict[str, Any]], keep: Path | None = None
+) -> dict[str, float]:
     """Every reward component separately (a gain that is only format or only brevity shows as such), the app's
-    accuracy, and how long the reasoning is."""
+    accuracy, and how long the reasoning is; each reply with its parsed answer, gold and reward parts kept in
+    `keep` (`kept_replies`)."""
     columns = {key: [row.get(key) for row in rows] for key in ("gold", "options", "triplets", "question")}
     rewards = resolve_rewards(None, RESPONDENT_REWARDS)  # what train_grpo trains with
     scores = {r.func.__name__: r.func(completions, **columns) for r in rewards}
     total = [sum(r.weight * scores[r.func.__name__][i] for r in rewards) for i in range(len(completions))]
     parsed = [respondent.parse_answer(c, o) for c, o in zip(completions, columns["options"])]
+    if keep is not None:
+        write_replies(
+            keep,
+            (
+                {
+                    "prompt_id": row.get("run_id"),
+                    "reply": reply,
+                    "answer": answer["answer"],
+                    "well_formed": answer["well_formed"],
+                    "gold": row.get("gold"),
+                    "rewards": {name: values[i] for name, values in scores.items()},
+                }
+                for i, (reply, answer, row) in enumerate(zip(completions, parsed, rows))
+            ),
+        )
     n = max(len(completions), 1)
     return {
         "modal_answer_share": modal_share([p["answer"] for p in parsed]),  # 1.0: one answer for everything
@@ -253,12 +275,30 @@ def citations(parsed: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[
     return {name: count / max(len(parsed), 1) for name, count in counts.items()}
 
 
-def extractor_metrics(completions: list[str], events: list[dict[str, Any]]) -> dict[str, float]:
+def extractor_metrics(
+    completions: list[str], events: list[dict[str, Any]], keep: Path | None = None
+) -> dict[str, float]:
+    """The extractor's parse rates and reward parts on held-out snippets; each reply with its triplets and reward
+    parts kept in `keep` (`kept_replies`)."""
     parsed = [extractor.parse_triplets(c, "s") for c in completions]
     scored = [
         extractor_reward(c, e["inputs"]["snippet"], question=e["inputs"]["question"])
         for c, e in zip(completions, events)
     ]
+    if keep is not None:
+        write_replies(
+            keep,
+            (
+                {
+                    "prompt_id": event.get("event_id"),
+                    "reply": reply,
+                    "triplets": triplets["triplets"],
+                    "parsed": triplets["ok"],
+                    "rewards": dataclasses.asdict(s),
+                }
+                for reply, triplets, s, event in zip(completions, parsed, scored, events)
+            ),
+        )
     with_claims = [s for s, p in zip(scored, parsed) if p["triplets"]]  # faithfulness and conciseness judge claims
     return {
         "parseable_rate": sum(p["ok"] for p in parsed) / len(parsed),
@@ -468,6 +508,7 @@ def main() -> None:
         )
     extract_prompts = [to_chat(e["messages"]) for e in eval_events]
     results_dir = Path(args.out).parent
+    kept = out.with_suffix("") / "replies"  # benches/results/learning/replies/<arm>_<phase>.jsonl.gz
 
     recorded = result.get("seeds", {})
     result["seeds"] = dict(recorded)  # --parts grpo keeps the DPO summary
@@ -493,12 +534,14 @@ def main() -> None:
         before = respondent_metrics(
             generate_kept(model, eval_prompts, arm.tokens, respondent.STOP, work / f"{arm.folder}-before"),
             eval_rows,
+            keep=replies_path(kept, key, "before"),
         )
         log(f"before: respondent {before}")
         prior, earlier = recorded_afters(key, before), recorded_arm(key)
         runs = []
         for seed in seeds:
-            runs.append(grpo_run(args, work, model_path, eval_prompts, eval_rows, seed, arm, splits[seed]))
+            replies = replies_path(kept, key, f"seed{seed}_after")
+            runs.append(grpo_run(args, work, model_path, eval_prompts, eval_rows, seed, arm, splits[seed], replies))
             afters = prior + [r["after"] for r in runs]
             result[key], result["seeds"][key] = grpo_records(
                 args, arm, before, afters, runs, seeds, earlier, len(eval_rows)
@@ -511,13 +554,15 @@ def main() -> None:
         before = extractor_metrics(
             generate_kept(model, extract_prompts, args.extract_tokens, extractor.STOP, work / "extractor-before"),
             eval_events,
+            keep=replies_path(kept, "extractor", "before"),
         )
         log(f"before: extractor {before}")
     for key in dpo_keys(args) if arms else []:
         prior, earlier = recorded_afters(key, before), recorded_arm(key)
         runs = []
         for seed in seeds:
-            runs.append(dpo_run(args, arms[seed][key], work, model_path, extract_prompts, eval_events, seed))
+            replies = replies_path(kept, key, f"seed{seed}_after")
+            runs.append(dpo_run(args, arms[seed][key], work, model_path, extract_prompts, eval_events, seed, replies))
             afters = prior + [r["after"] for r in runs]
             result[key], result["seeds"][key] = dpo_records(
                 args, key, arms[seeds[0]][key], before, afters, runs, seeds, earlier, len(eval_events)
@@ -630,9 +675,10 @@ def grpo_run(
     seed: int,
     arm: GRPOArm,
     split: TrainingSplit,
+    replies: Path,
 ) -> dict[str, Any]:
     """Train the respondent with GRPO from the base model (one seed, on its own split) and measure it on the
-    held-out prompts."""
+    held-out prompts (its replies kept in `replies`)."""
     config = GRPOTrainingConfig(
         model=model_path,
         dataset=str(arm.prepare_train_dataset(work, split.name)),
@@ -652,7 +698,9 @@ def grpo_run(
     )
     run = trained(args, config, work / f"{arm.folder}-merged-s{seed}", train_grpo)
     after = respondent_metrics(
-        generate_kept(f"hf:{run['merged']}", eval_prompts, arm.tokens, respondent.STOP, Path(run["merged"])), eval_rows
+        generate_kept(f"hf:{run['merged']}", eval_prompts, arm.tokens, respondent.STOP, Path(run["merged"])),
+        eval_rows,
+        keep=replies,
     )
     log(f"after grpo (seed {seed}): {after} ({run['minutes']} min; {run.get('zero_variance_steps')})")
     return {"after": after, **run}
@@ -666,8 +714,10 @@ def dpo_run(
     extract_prompts: list,
     eval_events: list[dict],
     seed: int,
+    replies: Path,
 ) -> dict[str, Any]:
-    """Train the extractor with DPO from the base model (one seed) and measure it on the held-out prompts."""
+    """Train the extractor with DPO from the base model (one seed) and measure it on the held-out prompts (its
+    replies kept in `replies`)."""
     config = DPOTrainingConfig(
         model=model_path,
         dataset=str(dpo_dir / "dataset"),
@@ -684,6 +734,7 @@ def dpo_run(
     after = extractor_metrics(
         generate_kept(f"hf:{run['merged']}", extract_prompts, args.extract_tokens, extractor.STOP, Path(run["merged"])),
         eval_events,
+        keep=replies,
     )
     log(f"after dpo (seed {seed}): {after} ({run['minutes']} min)")
     return {"after": after, **run}

@@ -20,7 +20,8 @@ records its chain in its folder, which `--reuse` takes instead of training that 
 `seeds` in the JSON reports per stage and metric before and after as mean ± sd, the gain, and how many seeds
 improved it. Held-out prompts: the `--eval-questions` PubMedQA-train questions after the training ones in one
 seeded shuffle (disjoint from them), yes, no and maybe taken in turn (`evals.baselines.balanced_by_answer`: always
-one answer scores a third).
+one answer scores a third). Every scoring keeps its replies beside the results file, with each one's answer, gold,
+searches and reward parts (`med_r3_learning/replies/stage<S>_seed<N>_<before|after>.jsonl.gz`, `kept_replies`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from learning_signal import (  # noqa: E402
 )
 from seeds import SEED_CHANGES, hold_work_folder, inputs_key, part_over_seeds, run_or_reuse  # noqa: E402
 from seeds import training_sample  # noqa: E402
+from kept_replies import replies_path, write_replies  # noqa: E402
 
 from ermedrag.agents.respondent import parse_answer  # noqa: E402
 from ermedrag.evals.baselines import balanced_by_answer, modal_share  # noqa: E402
@@ -119,12 +121,32 @@ def greedy_rollouts(model_dir: str, rows: list[dict[str, Any]], search, args: ar
     return {"rollouts": rollouts, "columns": columns, "completions": completions}
 
 
-def score(replies: dict[str, Any], stage: int, config: MedR3TrainingConfig) -> dict:
-    """`greedy_rollouts`' replies scored with `stage`'s rewards and weights (as `config` sets them)."""
+def score(
+    replies: dict[str, Any], stage: int, config: MedR3TrainingConfig, rows: list[dict[str, Any]], keep: Path
+) -> dict:
+    """`greedy_rollouts`' replies to `rows` scored with `stage`'s rewards and weights (as `config` sets them); each
+    reply with its answer, gold, searches and reward parts kept in `keep` (`kept_replies`)."""
     rollouts, columns, completions = replies["rollouts"], replies["columns"], replies["completions"]
     rewards = stage_rewards(stage, settings=config.reward_settings())
     scores = {r.func.__name__: r.func(completions, **columns) for r in rewards}  # by curve name, as TRL logs them
     n = len(rollouts)
+    answers = [parse_answer(t, o)["answer"] for t, o in zip(columns["answer_text"], columns["options"])]
+    write_replies(
+        keep,
+        (
+            {
+                "prompt_id": row["id"],
+                "reply": rollout.model_text,
+                "answer": answer,
+                "gold": row["gold"],
+                "searches": list(rollout.searches),
+                "retrieved_ids": list(rollout.retrieved_ids),
+                "ended": rollout.ended,
+                "rewards": {name: values[i] for name, values in scores.items()},
+            }
+            for i, (row, rollout, answer) in enumerate(zip(rows, rollouts, answers))
+        ),
+    )
     total = [sum(r.weight * (scores[r.func.__name__][i] or 0.0) for r in rewards) for i in range(n)]
     formats = format_reward(completions, **columns)
     hits = [h for h in retrieval_hit_reward(completions, **columns) if h is not None]
@@ -135,9 +157,7 @@ def score(replies: dict[str, Any], stage: int, config: MedR3TrainingConfig) -> d
         "format_rate": round(sum(f == 1.0 for f in formats) / n, 4),
         "answer_parsed_rate": round(answer_parsed_rate(columns["model_text"], columns["options"]), 4),
         "accuracy": round(sum(correctness_reward(completions, **columns)) / n, 4),
-        "modal_answer_share": modal_share(
-            [parse_answer(t, o)["answer"] for t, o in zip(columns["answer_text"], columns["options"])]
-        ),
+        "modal_answer_share": modal_share(answers),
         "searches_per_question": round(sum(len(r.searches) for r in rollouts) / n, 3),
         "retrieval_hit_rate": round(sum(hits) / len(hits), 4) if hits else 0.0,
         "mean_model_tokens": round(sum(r.generated_tokens for r in rollouts) / n, 1),
@@ -148,14 +168,15 @@ def score(replies: dict[str, Any], stage: int, config: MedR3TrainingConfig) -> d
 
 class Evaluations:
     """Each model's greedy replies made once per mode and scored per stage: stage 2's after and stage 3's before
-    are the same model searching, and the base model's before is shared by every seed."""
+    are the same model searching, and the base model's before is shared by every seed. Each scoring keeps its
+    replies in `kept/stage<S>_<phase>.jsonl.gz`."""
 
-    def __init__(self, rows: list[dict[str, Any]], search, args: argparse.Namespace) -> None:
-        self.rows, self.search, self.args = rows, search, args
+    def __init__(self, rows: list[dict[str, Any]], search, args: argparse.Namespace, kept: Path) -> None:
+        self.rows, self.search, self.args, self.kept = rows, search, args, kept
         self.replies: dict[tuple[str, bool], dict[str, Any]] = {}
         self.known: dict[tuple[str, int], dict] = {}  # scores an earlier run recorded (a reused seed's base before)
 
-    def __call__(self, model_dir: str, stage: int, config: MedR3TrainingConfig) -> dict:
+    def __call__(self, model_dir: str, stage: int, config: MedR3TrainingConfig, phase: str) -> dict:
         if (model_dir, stage) in self.known:
             return self.known[model_dir, stage]
         searching = STAGES[stage].search
@@ -166,7 +187,8 @@ class Evaluations:
                 f"rolled out {len(self.rows)} held-out prompts with {model_dir} "
                 f"({'searching' if searching else 'without search'})"
             )
-        return score(self.replies[model_dir, searching], stage, config)
+        keep = replies_path(self.kept, f"stage{stage}", phase)
+        return score(self.replies[model_dir, searching], stage, config, self.rows, keep)
 
 
 def main() -> None:
@@ -255,7 +277,8 @@ def main() -> None:
         save_steps=10_000,
         mask_truncated_completions=False,
     )
-    evaluations = Evaluations(eval_rows, search, args)
+    out = Path(args.out) if not args.smoke else work / "med_r3_learning.json"
+    evaluations = Evaluations(eval_rows, search, args, out.with_suffix("") / "replies")
     chains, reused_seeds = [], []
     for seed in range(max(args.seeds, 1)):
         train_rows = rows_for(training_sample(pool, held_out, pool[: args.train_questions], seed), index_ids)
@@ -298,7 +321,7 @@ def main() -> None:
             "seed_changes": SEED_CHANGES,
         }
     )
-    write_result(result, Path(args.out) if not args.smoke else work / "med_r3_learning.json", started)
+    write_result(result, out, started)
 
 
 def run_stages(
@@ -322,12 +345,12 @@ def run_stages(
 def train_and_measure(config: MedR3TrainingConfig, evaluations: Evaluations) -> dict[str, dict]:
     result = {}
     for stage in STAGES:
-        before = evaluations(stage_start_model(config, stage), stage, config)
+        before = evaluations(stage_start_model(config, stage), stage, config, f"seed{config.seed}_before")
         log(f"stage {stage} (seed {config.seed}) before: {json.dumps(before)}")
         stage_started = time.time()
         summary = train_med_r3(config, stages=[stage])["stages"][stage]
         minutes = (time.time() - stage_started) / 60
-        after = evaluations(summary["model_dir"], stage, config)
+        after = evaluations(summary["model_dir"], stage, config, f"seed{config.seed}_after")
         log(f"stage {stage} (seed {config.seed}) after ({minutes:.1f} min): {json.dumps(after)}")
         result[f"stage{stage}"] = {
             "name": STAGES[stage].name,

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import gzip
 import json
 import math
 import os
@@ -67,6 +66,8 @@ from ermedrag.tools.machine import describe_machine
 
 REPO = Path(__file__).resolve().parents[2]
 go_offline()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, imported by file name
+from kept_replies import replies_path, write_replies  # noqa: E402
 
 BENCHMARK_FILES = ("medmcqa_dev.jsonl", "medxpertqa_text_test.jsonl")
 TRAINING_SEED = 42  # the first seed's; --seeds N trains with 42 .. 42 + N - 1
@@ -264,13 +265,6 @@ def ceilings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def keep_replies(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    """The held-out replies behind a figure, one JSON line each (gzip)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(row) + "\n" for row in rows)
-
-
 def save_dataset(rows: Sequence[dict[str, Any]], folder: Path) -> None:
     """`folder/dataset` (datasets.save_to_disk) and `folder/data.jsonl`: the layout of an export folder."""
     from datasets import Dataset
@@ -426,8 +420,8 @@ def evaluate_triage(
     examples = [worked_example_answer(r["prompt"]) for r in rows]
     copied = [copied_example(p, e) for p, e in zip(parsed, examples)]
     correct = triage_correctness_reward(completions, **columns)
-    keep_replies(
-        Path(args.replies_dir) / f"triage_{label}.jsonl.gz",
+    write_replies(
+        replies_path(Path(args.replies_dir), "triage", label),
         [
             {
                 "id": r["id"],

@@ -22,7 +22,6 @@ on PYTHONPATH and its .venv (a checkout with `evals/baselines.py`: 7d22253 or la
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import subprocess
@@ -37,6 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The helpers come from this script's own folder, whatever checkout PYTHONPATH names first for ermedrag.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kept_replies import replies_path, write_replies  # noqa: E402
 from mmedagent_learning import (  # noqa: E402
     benchmarks_dir,
     case_keyword,
@@ -147,10 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **figures,
     }
     out.write_text(json.dumps(record, indent=2) + "\n")
-    replies = out.with_name(out.stem + "_replies")
-    replies.mkdir(exist_ok=True)
-    with gzip.open(replies / f"{args.label}.jsonl.gz", "wt") as handle:
-        handle.writelines(json.dumps(r) + "\n" for r in rows)
+    write_replies(replies_path(out.with_name(out.stem + "_replies"), args.label), rows)
     base = figures["baselines"]
     print(
         f"{args.label} ({record['runs'][args.label]['commit']}): accuracy {figures['accuracy']['rate']} "

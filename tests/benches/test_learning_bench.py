@@ -113,6 +113,28 @@ def test_smoke_with_two_seeds_reports_each_metric_over_seeds(shared_data: Path, 
     prompts = {"grpo": result["grpo_respondent"]["eval_prompts"], "dpo": result["dpo_extractor"]["eval_prompts"]}
     assert all(len(kept[f]["replies"]) == prompts["grpo" if f.startswith("grpo") else "dpo"] for f in kept)
     assert len({kept[f]["prompts_sha256"] for f in kept if f.startswith("grpo")}) == 1  # the same prompts
+    # and beside the results file, per arm and phase: what each reply answered, its gold and its reward parts
+    beside = tmp_path / "smoke" / "learning" / "replies"
+    assert sorted(p.name for p in beside.iterdir()) == sorted(
+        f"{arm}_{phase}.jsonl.gz"
+        for arm, phases in (
+            ("grpo_respondent", ("before", "seed0_after", "seed1_after")),
+            ("extractor", ("before",)),
+            ("dpo_extractor", ("seed0_after", "seed1_after")),
+            ("dpo_extractor_close_cut", ("seed0_after", "seed1_after")),
+        )
+        for phase in phases
+    )
+    read_replies = bench_module("kept_replies").read_replies
+    respondent_rows = read_replies(beside / "grpo_respondent_seed1_after.jsonl.gz")
+    assert [r["reply"] for r in respondent_rows] == kept["grpo-merged-s1"]["replies"]
+    assert [r["gold"] for r in respondent_rows] == [
+        r["gold"] for r in read_replies(beside / "grpo_respondent_before.jsonl.gz")
+    ]
+    assert {"format_reward", "well_formed_correctness_reward"} <= set(respondent_rows[0]["rewards"])
+    extractor_rows = read_replies(beside / "extractor_before.jsonl.gz")
+    assert [r["reply"] for r in extractor_rows] == kept["extractor-before"]["replies"]
+    assert {"structure", "faithfulness", "conciseness", "total"} <= set(extractor_rows[0]["rewards"])
 
     for arm in ("dpo_extractor", "dpo_extractor_close_cut"):  # both settings, on the same sampled candidates
         dpo = seeds[arm]

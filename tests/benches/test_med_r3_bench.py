@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from datasets import load_from_disk
 
+from benches.learning.kept_replies import read_replies
 from benches.learning.seeds import training_sample
 from tests.conftest import REPO
 
@@ -46,6 +47,19 @@ def test_seeds_share_the_base_replies_and_a_finished_seed_is_reused(shared_data:
     assert seeds["stage1"]["accuracy"]["before"]["values"] == [base, base]
     for stage in STAGES:
         assert len(seeds[stage]["accuracy_after"]) == 2 and seeds[stage]["accuracy_after"][0]["n"] == 3
+    # Every scoring keeps its replies beside the results: per stage, seed and phase, with answer, gold and rewards
+    kept = tmp_path / "smoke" / "med_r3_learning" / "replies"
+    assert sorted(p.name for p in kept.iterdir()) == sorted(
+        f"{stage}_seed{seed}_{phase}.jsonl.gz" for stage in STAGES for seed in (0, 1) for phase in ("before", "after")
+    )
+    stage3 = read_replies(kept / "stage3_seed1_after.jsonl.gz")
+    assert len(stage3) == 3 and {r["gold"] for r in stage3} <= {"A", "B", "C"}
+    assert set(stage3[0]["rewards"]) == set(result["stage3"]["after"]["rewards"])  # the stage's own reward parts
+    same_model = [
+        read_replies(kept / name)[0]["reply"]
+        for name in ("stage2_seed0_after.jsonl.gz", "stage3_seed0_before.jsonl.gz")
+    ]
+    assert same_model[0] == same_model[1]
     # Each seed trains on questions of its own (`seeds.training_sample`: none of them held out).
     trained_on = [set(load_from_disk(str(tmp_path / "smoke" / f"train-dataset-s{seed}"))["id"]) for seed in (0, 1)]
     assert trained_on[0] != trained_on[1] and "own training questions" in result["seed_changes"]
