@@ -624,9 +624,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=",".join(map(str, RELIABILITIES)),
         help="the scripted specialists' probabilities of naming the gold option, comma-separated",
     )
+    parser.add_argument(
+        "--triage-beta",
+        type=float,
+        default=None,
+        help="the triage stage's KL coefficient β (default: the schedule's, training.mmedagent.train.STAGES)",
+    )
     parser.add_argument("--eval-batch", type=int, default=8)
     parser.add_argument(
         "--seeds", type=int, default=1, help="train the stages this many times (training seeds 42, 43, …)"
+    )
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="start at training seed 42 + K, with its own training draw K (with --parts triage: one seed alone)",
     )
     parser.add_argument(
         "--reuse",
@@ -650,6 +662,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.reliabilities = tuple(float(p) for p in str(args.reliabilities).split(",") if p.strip())
     if not args.reliabilities or not all(0 <= p <= 1 for p in args.reliabilities):
         parser.error(f"--reliabilities must be probabilities, got {args.reliabilities}")
+    if args.first_seed < 0 or (args.first_seed and args.parts != "triage"):
+        parser.error(
+            "--first-seed must be at least 0, and above 0 only with --parts triage (the entropy ablation follows "
+            "the first seed's chain)"
+        )
+    if args.triage_beta is not None and args.triage_beta < 0:
+        parser.error(f"--triage-beta must be at least 0, got {args.triage_beta}")
     if (
         min(
             args.train_questions,
@@ -761,7 +780,11 @@ def bench_config(args: argparse.Namespace, model_path: str, export: Path, output
         logging_steps=1,
         seed=TRAINING_SEED,
         stage_overrides={
-            "triage": {"max_steps": args.triage_steps, "max_completion_length": args.triage_tokens},
+            "triage": {
+                "max_steps": args.triage_steps,
+                "max_completion_length": args.triage_tokens,
+                **({} if args.triage_beta is None else {"beta": args.triage_beta}),
+            },
             "easy": {"max_steps": args.easy_steps},
             "medium": {"max_steps": args.medium_steps},
             "hard": {"max_steps": args.hard_steps},
@@ -925,7 +948,7 @@ def seeds_summary(runs: Sequence[dict[str, Any]], data: BenchData) -> dict[str, 
     with its Wilson 95% interval per seed."""
     from seeds import part_over_seeds
 
-    summary: dict[str, Any] = {"n": len(runs), "training_seeds": [TRAINING_SEED + i for i in range(len(runs))]}
+    summary: dict[str, Any] = {"n": len(runs), "training_seeds": [run["training_seed"] for run in runs]}
     for part, rows in (("triage", data.eval_triage), ("attending", data.eval_attending)):
         if all(part in run for run in runs):
             summary[part] = part_over_seeds(runs, part, len(rows))
@@ -959,7 +982,7 @@ def write_triage_only(
     result.setdefault("seeds", {})["triage"] = seeds_summary(runs, data)["triage"]
     result["triage_run"] = {
         "settings": settings,
-        "training_seeds": [TRAINING_SEED + i for i in range(len(runs))],
+        "training_seeds": [run["training_seed"] for run in runs],
         "seed_changes": [run["seed_changes"] for run in runs],
         "seconds": round(time.time() - started, 1),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -1024,7 +1047,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     measured: dict[tuple[str, str], dict] = {}
     runs, reused_seeds = [], []
-    for number in range(args.seeds):
+    for number in range(args.first_seed, args.first_seed + args.seeds):
         # Seed 0 trains on the split's own training questions; seed k > 0 on a sample it draws itself (its own
         # export), so that the spread over seeds holds the training data's variation as well as the trainer's.
         own = data if number == 0 else prepare_data(args, folder, work / f"export-s{number}", train_draw=number)
@@ -1045,6 +1068,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.reuse,
         )
         run["seed_changes"] = SEED_CHANGES if number else "LoRA initialisation, data order, sampled rollouts"
+        run["training_seed"] = seeded.seed
         run["train_rows_by_stage"] = own.stage_rows
         if reused:
             log(f"training seed {seeded.seed}: reusing what an earlier run finished in {seeded.output_dir}")

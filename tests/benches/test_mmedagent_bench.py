@@ -298,3 +298,18 @@ def test_trivial_triage_baselines_with_the_keyword_rule():
     assert baselines["chance"] == pytest.approx(1 / 3, abs=1e-4)
     assert (baselines["majority"]["hits"], baselines["first_option"]["hits"]) == (2, 1)
     assert (baselines["keyword"]["hits"], baselines["copy_example"]["hits"]) == (3, 0)  # examples are never listed
+
+
+def test_one_later_seed_alone_and_the_triage_beta_reach_the_trainer_config() -> None:
+    from ermedrag.training.mmedagent.train import stage_config
+
+    args = bench.parse_args(["--parts", "triage", "--first-seed", "1", "--seeds", "1", "--triage-beta", "0.04"])
+    config = bench.bench_config(args, "model", Path("export"), Path("train"))
+    assert stage_config(config, "triage").beta == 0.04
+    assert (
+        stage_config(config, "easy").beta
+        == stage_config(bench.bench_config(bench.parse_args([]), "m", Path("e"), Path("t")), "easy").beta
+    )
+    for wrong in (["--first-seed", "1"], ["--parts", "triage", "--first-seed", "-1"], ["--triage-beta", "-0.1"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(wrong)
