@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules,
 from kept_replies import replies_path, write_replies  # noqa: E402
 
 BENCHMARK_FILES = ("medmcqa_dev.jsonl", "medxpertqa_text_test.jsonl")
-TRAINING_SEED = 42  # the first seed's; --seeds N trains with 42 .. 42 + N - 1
+TRAINING_SEED = 42  # the first seed's; --first-seed K --seeds N trains with 42 + K .. 42 + K + N - 1
 SEED_CHANGES = (
     "its own training questions (drawn from those not held out) and specialists' opinions, LoRA initialisation, "
     "data order, sampled rollouts"
@@ -1073,7 +1073,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if reused:
             log(f"training seed {seeded.seed}: reusing what an earlier run finished in {seeded.output_dir}")
             measured[model_path, "triage"] = run["triage"]["before"]
-            measured[stage_start_model(seeded, "easy"), "attending"] = run["attending"]["before"]
+            if "attending" in run:  # a --parts triage run trained no attending
+                measured[stage_start_model(seeded, "easy"), "attending"] = run["attending"]["before"]
             reused_seeds.append(seeded.seed)
         runs.append(run)
     if args.parts == "triage":

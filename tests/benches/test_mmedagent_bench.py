@@ -206,6 +206,19 @@ def test_triage_only_writes_its_figures_beside_the_recorded_attending(shared_dat
     )
     assert not (tmp_path / "smoke" / "train" / "easy").exists()  # the attending's stages did not train
 
+    # Going on after a stop: the finished triage seeds are taken from their records, not trained again
+    proc = run_bench(
+        "--smoke", "--parts", "triage", "--seeds", "2", "--prompts-per-step", "2", "--reuse",
+        "--data", str(shared_data), "--work", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (
+        proc.stdout.count("reusing what an earlier run finished")
+        + proc.stderr.count("reusing what an earlier run finished")
+        == 2
+    )
+    assert json.loads(out.read_text())["triage"]["seeds_after"] == result["triage"]["seeds_after"]
+
 
 def test_scripted_specialists_are_right_at_their_reliability_and_wrong_uniformly() -> None:
     rng = random.Random(0)
