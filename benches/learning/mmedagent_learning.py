@@ -630,6 +630,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the triage stage's KL coefficient β (default: the schedule's, training.mmedagent.train.STAGES)",
     )
+    parser.add_argument(
+        "--triage-format-weight",
+        type=float,
+        default=None,
+        help="the triage's triage_format reward weight (default: the reward mode's, 0.5; 0 drops it, so only a "
+        "right specialty pays)",
+    )
     parser.add_argument("--eval-batch", type=int, default=8)
     parser.add_argument(
         "--seeds", type=int, default=1, help="train the stages this many times (training seeds 42, 43, …)"
@@ -669,6 +676,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if args.triage_beta is not None and args.triage_beta < 0:
         parser.error(f"--triage-beta must be at least 0, got {args.triage_beta}")
+    if args.triage_format_weight is not None and not 0 <= args.triage_format_weight < float("inf"):
+        parser.error(f"--triage-format-weight must be a finite number at least 0, got {args.triage_format_weight}")
     if (
         min(
             args.train_questions,
@@ -784,6 +793,11 @@ def bench_config(args: argparse.Namespace, model_path: str, export: Path, output
                 "max_steps": args.triage_steps,
                 "max_completion_length": args.triage_tokens,
                 **({} if args.triage_beta is None else {"beta": args.triage_beta}),
+                **(
+                    {}
+                    if args.triage_format_weight is None
+                    else {"rewards": {"triage_format": args.triage_format_weight}}
+                ),
             },
             "easy": {"max_steps": args.easy_steps},
             "medium": {"max_steps": args.medium_steps},
@@ -793,7 +807,8 @@ def bench_config(args: argparse.Namespace, model_path: str, export: Path, output
 
 
 def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[str, Any]:
-    from ermedrag.training.mmedagent.train import STAGES, stage_config
+    from ermedrag.training.mmedagent.train import STAGES, stage_config, stage_rewards
+    from ermedrag.training.rewards import named_weights
 
     return {
         "model": "tiny random (smoke)"
@@ -824,6 +839,7 @@ def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[st
         "temperature": args.temperature,
         "learning_rate": args.learning_rate,
         "reward": args.reward,
+        "triage_rewards": named_weights(stage_rewards(stage_config(config, "triage"), "triage")),
         "triage_tokens": args.triage_tokens,
         "attending_tokens": args.attending_tokens,
         "entropy_stage": args.entropy_stage,

@@ -323,6 +323,25 @@ def test_one_later_seed_alone_and_the_triage_beta_reach_the_trainer_config() -> 
         stage_config(config, "easy").beta
         == stage_config(bench.bench_config(bench.parse_args([]), "m", Path("e"), Path("t")), "easy").beta
     )
-    for wrong in (["--first-seed", "1"], ["--parts", "triage", "--first-seed", "-1"], ["--triage-beta", "-0.1"]):
+    for wrong in (
+        ["--first-seed", "1"],
+        ["--parts", "triage", "--first-seed", "-1"],
+        ["--triage-beta", "-0.1"],
+        ["--triage-format-weight", "-1"],
+        ["--triage-format-weight", "inf"],
+    ):
         with pytest.raises(SystemExit):
             bench.parse_args(wrong)
+
+
+def test_a_triage_format_weight_of_zero_leaves_only_the_right_specialty_paying() -> None:
+    from ermedrag.training.mmedagent.train import stage_config, stage_rewards
+    from ermedrag.training.rewards import named_weights
+
+    def triage_weights(argv: list[str]) -> dict[str, float]:
+        config = bench.bench_config(bench.parse_args(argv), "model", Path("export"), Path("train"))
+        return named_weights(stage_rewards(stage_config(config, "triage"), "triage"))
+
+    assert triage_weights([]) == {"triage_correctness_ungated": 1.0, "triage_format": 0.5}
+    assert triage_weights(["--triage-format-weight", "0"]) == {"triage_correctness_ungated": 1.0}
+    assert triage_weights(["--triage-format-weight", "0.1"])["triage_format"] == 0.1
