@@ -770,6 +770,18 @@ def prepare_data(args: argparse.Namespace, folder: Path, export: Path, train_dra
     return data
 
 
+def policy_model(smoke: bool, model: str, work: Path) -> str:
+    """The model the stages start from: `model` resolved (`offline:NAME`, a path, a hub id), or for a smoke run a
+    tiny random one built in `work`."""
+    if smoke:
+        from ermedrag.testing.tiny_model import build_tiny_causal_lm
+
+        return str(build_tiny_causal_lm(work / "tiny"))
+    from ermedrag.training.config import resolve_model
+
+    return resolve_model(model)
+
+
 def bench_config(args: argparse.Namespace, model_path: str, export: Path, output_dir: Path):
     """The trainer's config: the schedule's γ and β per stage, the bench's sizes and step counts."""
     from ermedrag.training.mmedagent.config import MMedAgentTrainingConfig
@@ -1031,7 +1043,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if os.environ.get("ERMEDRAG_TORCH_THREADS"):  # the trainers do not read it; the hf backend does
         torch.set_num_threads(int(os.environ["ERMEDRAG_TORCH_THREADS"]))
-    from ermedrag.training.config import comparable_settings, resolve_model
+    from ermedrag.training.config import comparable_settings
 
     at_start = describe_machine()
     work = Path(args.work) / ("smoke" if args.smoke else "full")
@@ -1042,13 +1054,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = work / "mmedagent_learning.json" if args.smoke else Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     args.replies_dir = str(out.with_name(out.stem + "_replies"))
-    if args.smoke:
-        from ermedrag.testing.tiny_model import build_tiny_causal_lm
-
-        model_path = build_tiny_causal_lm(work / "tiny")
-    else:
-        model_path = resolve_model(args.model)
-
+    model_path = policy_model(args.smoke, args.model, work)
     data = prepare_data(args, folder, work / "export")
     if not data.train_questions or not data.eval_questions:
         print(f"mmedagent_learning: no labelled questions to train on or hold out in {folder}", file=sys.stderr)

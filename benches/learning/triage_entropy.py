@@ -135,7 +135,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from seeds import hold_work_folder
 
     from ermedrag.tools.machine import describe_machine
-    from ermedrag.training.config import resolve_model
     from ermedrag.training.mmedagent.train import stage_config
 
     at_start = describe_machine()
@@ -145,12 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = work / "triage_entropy.json" if args.smoke else Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     bench_args.replies_dir = str(out.with_name(out.stem + "_replies"))
-    if args.smoke:
-        from ermedrag.testing.tiny_model import build_tiny_causal_lm
-
-        model_path = build_tiny_causal_lm(work / "tiny")
-    else:
-        model_path = resolve_model(args.model)
+    model_path = bench.policy_model(args.smoke, args.model, work)
     data = bench.prepare_data(bench_args, folder, work / "export")
     config = bench.bench_config(bench_args, model_path, work / "export", work / "train")
     before = bench.evaluate_triage(model_path, data.eval_triage, stage_config(config, "triage"), bench_args, "before")
