@@ -1036,13 +1036,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
 
-    import torch
     from seeds import allocator_env, hold_work_folder, inputs_key, run_or_reuse
 
+    from ermedrag.tools.models.hf import apply_torch_threads
     from ermedrag.training.mmedagent.train import stage_start_model
 
-    if os.environ.get("ERMEDRAG_TORCH_THREADS"):  # the trainers do not read it; the hf backend does
-        torch.set_num_threads(int(os.environ["ERMEDRAG_TORCH_THREADS"]))
+    apply_torch_threads()  # the trainers do not read ERMEDRAG_TORCH_THREADS; the hf backend does
     from ermedrag.training.config import comparable_settings
 
     at_start = describe_machine()

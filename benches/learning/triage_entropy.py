@@ -135,8 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from seeds import hold_work_folder
 
     from ermedrag.tools.machine import describe_machine
+    from ermedrag.tools.models.hf import apply_torch_threads
     from ermedrag.training.mmedagent.train import stage_config
 
+    apply_torch_threads()  # the trainers do not read ERMEDRAG_TORCH_THREADS; the hf backend does
     at_start = describe_machine()
     work = Path(args.work) / ("smoke" if args.smoke else "full")
     hold_work_folder(work)

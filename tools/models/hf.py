@@ -131,15 +131,22 @@ def load_hf_model(model_path: str, device: str = "cpu") -> tuple[Any, Any]:
     return tokenizer, model
 
 
+def apply_torch_threads() -> None:
+    """torch's intra-op thread count from ERMEDRAG_TORCH_THREADS, when it is set (else torch's own choice)."""
+    import torch
+
+    threads = settings.read("ERMEDRAG_TORCH_THREADS")
+    if threads:
+        torch.set_num_threads(threads)
+
+
 def _prepare_loading(kind: str, model_path: str, device: str, stored_dtype: str | None) -> Any:
     """What every weight load does first: torch's thread count (ERMEDRAG_TORCH_THREADS), one line on stderr
     naming the model, device, dtype and threads, and glibc set to return freed blocks. Returns the dtype
     (`inference_dtype`)."""
     import torch
 
-    threads = settings.read("ERMEDRAG_TORCH_THREADS")
-    if threads:
-        torch.set_num_threads(threads)
+    apply_torch_threads()
     dtype = inference_dtype(device, stored_dtype)
     label = _model_label(model_path)
     where = f" ({model_path})" if label != f"hf:{model_path}" else ""
