@@ -259,8 +259,7 @@ _SYMPTOMS = [
 def synthetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
     """Respondent GRPO rows in the export's layout: prompt (chat), question, options, gold, triplets."""
     from ermedrag.agents.base import to_chat
-    from ermedrag.agents.extractor import render_triplets
-    from ermedrag.agents.respondent import build_messages
+    from ermedrag.agents.respondent import build_messages, triplet_evidence
 
     rows = []
     for i in range(n):
@@ -293,7 +292,8 @@ def synthetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
                 }
             )
         rng.shuffle(triplets)
-        messages = build_messages(question, options, render_triplets(triplets))
+        triplets, evidence = triplet_evidence(triplets, options)
+        messages = build_messages(question, options, evidence)
         rows.append(
             {
                 "prompt": to_chat(messages),  # as training.export writes prompts
