@@ -45,7 +45,7 @@ REMOVED_KEYS = {
 
 # Settings added after runs were recorded, with the value those runs trained with: left out of a config's settings
 # while they keep it, so that a record written before them (a checkpoint, a finished seed) still matches.
-ADDED_SETTINGS = {"resample_zero_variance_batches": 0}
+ADDED_SETTINGS = {"resample_zero_variance_batches": 0, "entropy_bonus_on_silent_steps": True}
 
 
 def comparable_settings(config: Any) -> dict[str, Any]:
@@ -312,6 +312,15 @@ class GRPOTrainingConfig(_TrainingConfig):
             "help": "Dynamic sampling (DAPO's, by whole batches; training.grpo): when every group of a "
             "step's generation batch got equal rewards, the step would teach nothing, so draw fresh training prompts "
             "up to this many times and train on the first batch with a signal. 0: off (TRL's behaviour)."
+        },
+    )
+    entropy_bonus_on_silent_steps: bool = field(
+        default=False,
+        metadata={
+            "help": "Apply the entropy bonus (entropy_coef) on a step whose groups all got equal rewards too "
+            "(TRL's behaviour). false: the bonus acts only on steps with a reward signal; on a silent step it is "
+            "the whole gradient, and Adam makes it a full-sized step whatever γ is (benches/README.md, triage "
+            "entropy). One training process, a static γ only; with several, or adaptive entropy, TRL's rule."
         },
     )
     rewards: dict[str, float] | None = field(

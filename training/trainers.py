@@ -161,6 +161,7 @@ def build_grpo_trainer(
             peft_config=config.lora_config(),
             callbacks=callbacks,
             rollout_func=rollout_func,
+            entropy_bonus_on_silent_steps=config.entropy_bonus_on_silent_steps,
             **resampling,
         )
     return trainer, recorder

@@ -527,14 +527,14 @@ def run_stage(config, name: str, rows: int) -> dict[str, Any]:
     return summary
 
 
-def entropy_series(metrics_path: str | None) -> list[float]:
-    """TRL's logged mean token entropy of each step (`metrics.jsonl`), in step order."""
+def entropy_series(metrics_path: str | None, name: str = "entropy") -> list[float]:
+    """TRL's logged mean token entropy of each step (`metrics.jsonl`), in step order; or another logged metric."""
     if not metrics_path or not Path(metrics_path).is_file():
         return []
     series = []
     for line in Path(metrics_path).read_text(encoding="utf-8").splitlines():
         record = json.loads(line) if line.strip() else {}
-        value = record.get("entropy")
+        value = record.get(name)
         if isinstance(value, (int, float)) and math.isfinite(value):
             series.append(round(float(value), 5))
     return series
@@ -855,6 +855,7 @@ def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[st
         "triage_tokens": args.triage_tokens,
         "attending_tokens": args.attending_tokens,
         "entropy_stage": args.entropy_stage,
+        "entropy_bonus_on_silent_steps": config.entropy_bonus_on_silent_steps,
         "decoding": "greedy, the training rollouts' loop (ends at </answer>), same held-out prompts before and after",
         "estimated_minutes_2_cores": None if args.smoke else round(estimate_minutes(args, data.stage_rows), 1),
     }

@@ -55,6 +55,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, a
     parser.add_argument("--out", default=str(REPO / "benches" / "results" / "triage_entropy.json"))
     parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
     parser.add_argument("--model", default="offline:gemma3-270m")
+    parser.add_argument(
+        "--entropy-on-silent-steps",
+        action="store_true",
+        help="the bonus on steps without a reward signal too (TRL's rule, as the first sweep ran); by default the "
+        "trainer's: only on steps with a signal (GRPOTrainingConfig.entropy_bonus_on_silent_steps)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args(argv)
     try:
@@ -101,6 +107,7 @@ def gamma_run(gamma: float, config, model_path: str, data, bench_args: argparse.
     return {
         "gamma": gamma,
         "entropy_by_step": bench.entropy_series(summary["metrics_path"]),
+        "bonus_held_by_step": bench.entropy_series(summary["metrics_path"], "entropy_bonus_held"),
         "after": after,
         "minutes": summary["minutes"],
     }
@@ -149,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_path = bench.policy_model(args.smoke, args.model, work)
     data = bench.prepare_data(bench_args, folder, work / "export")
     config = bench.bench_config(bench_args, model_path, work / "export", work / "train")
+    config = dataclasses.replace(config, entropy_bonus_on_silent_steps=args.entropy_on_silent_steps)
     before = bench.evaluate_triage(model_path, data.eval_triage, stage_config(config, "triage"), bench_args, "before")
     runs = [gamma_run(gamma, config, model_path, data, bench_args, work) for gamma in args.gammas]
     baselines = bench.triage_baselines(

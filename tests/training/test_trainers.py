@@ -315,14 +315,39 @@ def test_a_step_without_any_signal_leaves_the_weights_as_they_were(tiny_model, t
     """Every group of gold A gets equal rewards (0.7): TRL's advantages are then rounding remainders, ~6e-4, and
     Adam turns them into full-sized steps (LoRA B reached ~2e-3 without the hold). The trainer holds each such
     step: LoRA B stays at its initial 0."""
-    import torch
-    from peft import AutoPeftModelForCausalLM
-
     config = gold_letter_config(tiny_model, tmp_path, "AA", 8)
     summary = train_grpo(config, [signal_only_for_b])
     records = step_records(read_metrics(config.output_dir))
     assert [(r["frac_reward_zero_std"], r["silent_steps_held"]) for r in records] == [(1.0, 1.0)] * summary["steps"]
-    model = AutoPeftModelForCausalLM.from_pretrained(config.output_dir)
+    assert_adapter_untrained(config.output_dir)
+
+
+def test_the_entropy_bonus_waits_for_a_reward_signal(tiny_model, tmp_path):
+    """γ 0.1 on steps that are all silent (gold A): the bonus would be the whole gradient, and Adam a full-sized step
+    (the triage sweep's collapse). The trainer sets γ to 0 for such a step and, with β 0, holds it: LoRA B stays 0.
+    With entropy_bonus_on_silent_steps (TRL's rule) the same steps move the weights."""
+    config = gold_letter_config(tiny_model, tmp_path, "AA", 8, trl_overrides={"entropy_coef": 0.1})
+    summary = train_grpo(config, [signal_only_for_b])
+    held = [
+        (r["entropy_bonus_held"], r["entropy_coef"], r["silent_steps_held"])
+        for r in step_records(read_metrics(config.output_dir))
+    ]
+    assert held == [(1.0, 0.0, 1.0)] * summary["steps"]
+    assert_adapter_untrained(config.output_dir)
+
+    ungated = dataclasses.replace(config, output_dir=str(tmp_path / "ungated"), entropy_bonus_on_silent_steps=True)
+    summary = train_grpo(ungated, [signal_only_for_b])
+    records = step_records(read_metrics(ungated.output_dir))
+    assert [r["entropy_coef"] for r in records] == [0.1] * summary["steps"]
+    assert not any("entropy_bonus_held" in r or "silent_steps_held" in r for r in records)
+    assert_adapter_trained(ungated.output_dir)
+
+
+def assert_adapter_untrained(output_dir: str) -> None:
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    model = AutoPeftModelForCausalLM.from_pretrained(output_dir)
     lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
     assert lora_b and all(torch.count_nonzero(p) == 0 for p in lora_b)
 

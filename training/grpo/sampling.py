@@ -12,7 +12,14 @@ last steps with a signal (and turns a rounding-sized gradient into a full-sized 
 kept sharpening the respondent's policy through 10 silent ones, its entropy falling from 0.5 to 0.04, until every
 sample was the same reply (benches/README.md, evidence following). `SignalCountingGRPOTrainer` therefore holds such a
 step: the gradients are dropped before `optimizer.step`, which leaves the weights and Adam's moments as they were
-(`silent_steps_held` in the logs; one training process, `beta` 0 and no entropy bonus only).
+(`silent_steps_held` in the logs; one training process and `beta` 0 only).
+
+The entropy bonus on silent steps. On a step without a reward signal the bonus (TRL's `entropy_coef`) is the whole
+gradient but the KL term's, and Adam's first step has the same size whatever γ is: in the triage sweep, a first
+silent step took every γ from 0.03 to 1 to one entropy and no reply was well formed after (benches/README.md,
+triage entropy). Unless `entropy_bonus_on_silent_steps`, the trainer sets γ to 0 for such a step (logged as
+`entropy_bonus_held`), so the bonus only widens a policy that rewards are moving, and with `beta` 0 the step is
+held as above. One training process and a static γ only (the adaptive controller owns γ).
 
 Dynamic sampling (as in DAPO), by whole generation batches. The share
 of such groups is logged as `frac_reward_zero_std` (counted exactly, above); TRL trains on such a
@@ -53,11 +60,18 @@ class SignalCountingGRPOTrainer(GRPOTrainer):
     the optimizer on a step whose generation batch is all silent (module docstring). In one training process only:
     with several, each holds a slice of the batch, and TRL's figure (over all of it) is kept."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, entropy_bonus_on_silent_steps: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batch_has_signal = True
-        only_rewards = not self.args.beta and not getattr(self.args, "entropy_coef", 0.0)
-        if only_rewards and self.accelerator.num_processes == 1:
+        one_process = self.accelerator.num_processes == 1
+        self.entropy_coef_with_signal = self.entropy_coef
+        self.gates_entropy = (
+            one_process
+            and bool(self.entropy_coef)
+            and not self.use_adaptive_entropy
+            and not entropy_bonus_on_silent_steps
+        )
+        if one_process and not self.args.beta and (not self.entropy_coef or self.gates_entropy):
             self.add_callback(HoldSilentSteps(self))
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -66,6 +80,9 @@ class SignalCountingGRPOTrainer(GRPOTrainer):
             share = silent_group_share(batch, self.num_generations)
             self._metrics["train"]["frac_reward_zero_std"][-1] = share
             self.batch_has_signal = share < 1.0
+            if self.gates_entropy:  # TRL reads entropy_coef in each micro-batch's loss, after this
+                self.entropy_coef = self.entropy_coef_with_signal if self.batch_has_signal else 0.0
+                self._metrics["train"]["entropy_bonus_held"].append(float(not self.batch_has_signal))
         return batch
 
 
