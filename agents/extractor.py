@@ -17,10 +17,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from typing_extensions import (
-    NotRequired,
-    TypedDict,
-)  # pydantic (Studio's schemas) rejects typing.TypedDict on Python < 3.12
+from typing_extensions import TypedDict  # pydantic (Studio's schemas) rejects typing.TypedDict on Python < 3.12
 
 from ermedrag.agents.base import MAX_INPUT_CHARS, chat_messages, clip, fold_case
 from ermedrag.agents.markup import quote
@@ -58,7 +55,6 @@ MAX_PIPE_LINES = 200  # lines with a `|` read as possible `a | b | c` triplets
 MAX_SALVAGE_FIELDS = 200  # `"condition": "…"` pairs read from cut-off JSON
 MAX_SNIPPET_ID_CHARS = 200
 FIELDS = ("condition", "relation", "conclusion")
-OPTION_LINK = " → option "
 
 
 class Triplet(TypedDict):
@@ -66,9 +62,6 @@ class Triplet(TypedDict):
     relation: str
     conclusion: str
     snippet_id: str
-    # The key of the option its conclusion names: set by `respondent.linked_triplets` from the question's options,
-    # never parsed from a model's reply.
-    option: NotRequired[str]
 
 
 class Extraction(TypedDict):
@@ -231,14 +224,12 @@ def _triplet(item: dict[Any, Any], snippet_id: str) -> Triplet | None:
 
 
 def render_triplets(triplets: list[Triplet]) -> str:
-    """The evidence block the respondent reads: one numbered line per triplet, with its snippet id, and
-    `→ option K` after a conclusion that names option K (`respondent.linked_triplets`). Every field is quoted
-    (one line, clipped, defused): a model wrote them from an untrusted snippet."""
+    """The evidence block the respondent reads: one numbered line per triplet, with its snippet id. Every
+    field is quoted (one line, clipped, defused): a model wrote them from an untrusted snippet."""
     if not triplets:
         return NO_EVIDENCE
     return "\n".join(
         f"{i}. [{quote(t.get('snippet_id'), MAX_SNIPPET_ID_CHARS)}] {quote(t.get('condition'), MAX_FIELD_CHARS)} — "
         f"{quote(t.get('relation'), MAX_FIELD_CHARS)} — {quote(t.get('conclusion'), MAX_FIELD_CHARS)}"
-        + (f"{OPTION_LINK}{quote(t['option'], MAX_SNIPPET_ID_CHARS)}" if t.get("option") else "")
         for i, t in enumerate(triplets, 1)
     )

@@ -80,8 +80,8 @@ def respond(state: State, runtime: Runtime[Context]) -> dict[str, Any]:
     by_snippet = {e["snippet_id"]: e for e in state.get("extractions", [])}
     # Keep retrieval order (the fan-out finishes in any order).
     triplets = [t for s in state.get("snippets", []) for t in by_snippet.get(s["id"], {}).get("triplets", [])]
-    linked, evidence = respondent.triplet_evidence(triplets, state.get("options"))
-    update = respond_with(state, runtime.context, evidence, triplet_items(linked, state.get("snippets", [])))
+    shown = triplet_items(triplets, state.get("snippets", []))
+    update = respond_with(state, runtime.context, extractor.render_triplets(triplets), shown)
     return update | {"timings": update["timings"] | {"extract_s": extract_s}}
 
 

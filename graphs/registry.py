@@ -44,7 +44,7 @@ PANEL = (
 )
 # The version of each agent's prompts (`ermedrag.agents.<name>`): bump one and the results of every graph calling
 # that agent split from the old ones.
-PROMPT_VERSIONS: dict[str, int] = {"respondent": 3, "extractor": 1, "reasoner": 2, "mmedagent": 4}
+PROMPT_VERSIONS: dict[str, int] = {"respondent": 2, "extractor": 1, "reasoner": 2, "mmedagent": 3}
 
 
 @dataclass(frozen=True)

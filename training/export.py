@@ -116,9 +116,7 @@ def _usefulness(model: Any, run: dict[str, Any], parsed: extractor.Extraction) -
     question = run["question"]
     reply = model.invoke(
         respondent.build_messages(
-            question["question"],
-            question.get("options"),
-            respondent.triplet_evidence(parsed["triplets"], question.get("options"))[1],
+            question["question"], question.get("options"), extractor.render_triplets(parsed["triplets"])
         ),
         stop=respondent.STOP,
     )
@@ -370,8 +368,7 @@ def respondent_row(
     rendered as the graph renders them, with the columns the rewards read (`gold`, `options`, `triplets`)."""
     mixed = [{**t, "distractor": False} for t in own] + [{**t, "distractor": True} for t in distractors]
     rng.shuffle(mixed)
-    mixed, evidence = respondent.triplet_evidence(mixed, options)  # in the order shown: the rewards number them so
-    messages = respondent.build_messages(question, options, evidence)
+    messages = respondent.build_messages(question, options, extractor.render_triplets(mixed))
     return {
         "prompt": to_chat(messages),
         "question": question,

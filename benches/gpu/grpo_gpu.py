@@ -259,7 +259,8 @@ _SYMPTOMS = [
 def synthetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
     """Respondent GRPO rows in the export's layout: prompt (chat), question, options, gold, triplets."""
     from ermedrag.agents.base import to_chat
-    from ermedrag.agents.respondent import build_messages, triplet_evidence
+    from ermedrag.agents.extractor import render_triplets
+    from ermedrag.agents.respondent import build_messages
 
     rows = []
     for i in range(n):
@@ -292,8 +293,7 @@ def synthetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
                 }
             )
         rng.shuffle(triplets)
-        triplets, evidence = triplet_evidence(triplets, options)
-        messages = build_messages(question, options, evidence)
+        messages = build_messages(question, options, render_triplets(triplets))
         rows.append(
             {
                 "prompt": to_chat(messages),  # as training.export writes prompts

@@ -153,23 +153,6 @@ def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def linked_to_x(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per set with evidence: how many prompts show the line naming X linked to X (`→ option X`, the product's
-    `respondent.linked_triplets`), how many show it first, and how many link a distractor line to some option: what
-    the model was given to follow."""
-    result = {}
-    for name in [f"d{d}" for d in DISTRACTOR_COUNTS] + ["gold_evidence"]:
-        shown = [r for r in rows if r["set"] == name]
-        to_x = [[t.get("option") == r["evidence_key"] and not t["distractor"] for t in r["triplets"]] for r in shown]
-        result[name] = {
-            "prompts": len(shown),
-            "linked": sum(map(any, to_x)),
-            "first": sum(lines[0] for lines in to_x if lines),
-            "distractor_linked": sum(any(t.get("option") and t["distractor"] for t in r["triplets"]) for r in shown),
-        }
-    return result
-
-
 def follow_baselines(rows: Sequence[dict[str, Any]], before: dict[str, Any]) -> dict[str, Any]:
     """What trivial answers score on the counterfactual question: chance, the base model without evidence naming
     X, and copying the worked example's letter."""
@@ -298,14 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs.append(
             {"seed": seed, **{k: v for k, v in run.items() if k not in ("merged", "plot_path")}, "after": after}
         )
-        write(out, args, model_path, rows, before, baselines, runs, started)
-    write(out, args, model_path, rows, before, baselines, runs, started)
+        write(out, args, model_path, before, baselines, runs, started)
+    write(out, args, model_path, before, baselines, runs, started)
     return 0
 
 
-def write(
-    out: Path, args: argparse.Namespace, model_path: str, rows: list, before: dict, baselines: dict, runs: list, started
-):
+def write(out: Path, args: argparse.Namespace, model_path: str, before: dict, baselines: dict, runs: list, started):
     result = {
         "seeds": summary(before, [r["after"] for r in runs], baselines) if runs else {"n": 0},
         "baselines": baselines,
@@ -323,7 +304,6 @@ def write(
             "temperature": args.temperature,
             "learning_rate": args.learning_rate,
             "rewards": "the respondent's defaults (training.rewards.RESPONDENT_REWARDS)",
-            "x_linked": linked_to_x(rows),
         },
     }
     write_with_provenance(out, result, started)

@@ -90,7 +90,7 @@ def placeholder_example(question: str, options: dict[str, str] | None) -> tuple[
 
     shown = placeholder_options(["Vitamin C", respondent.EXAMPLE_ANSWER_TEXT, "Vitamin B12"])
     user = respondent.USER_TEMPLATE.format(
-        evidence="1. [ex-1] vitamin D deficiency in children — causes — rickets",  # the example as then recorded
+        evidence=respondent.EXAMPLE_EVIDENCE,
         question=respondent.EXAMPLE_QUESTION,
         options=respondent.format_options(shown),
     )

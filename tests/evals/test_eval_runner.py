@@ -146,12 +146,12 @@ def test_bool_settings_parse_and_split_the_key():
 def test_the_prompt_version_is_part_of_the_key(monkeypatch):
     base = {"respondent_model": SCRIPTED, "extractor_model": SCRIPTED}
     before = {name: EvalConfig.for_graph(name, base) for name in GRAPHS}
-    assert before["er_medrag"].record()["prompt_version"] == "extractor@1,respondent@3"
+    assert before["er_medrag"].record()["prompt_version"] == "extractor@1,respondent@2"
     monkeypatch.setitem(PROMPT_VERSIONS, "extractor", 2)
     after = {name: EvalConfig.for_graph(name, base) for name in GRAPHS}
     changed = {name for name in GRAPHS if after[name].key() != before[name].key()}
     assert changed == {"er_medrag"}, "only the graph that calls the extractor splits"
-    monkeypatch.setitem(PROMPT_VERSIONS, "respondent", 4)
+    monkeypatch.setitem(PROMPT_VERSIONS, "respondent", 3)
     assert all(EvalConfig.for_graph(name, base).key() != before[name].key() for name in GRAPHS)
 
 
@@ -159,10 +159,10 @@ def test_the_prompt_version_is_part_of_the_key(monkeypatch):
 # is asked, bump PROMPT_VERSIONS[agent] in graphs/registry.py (results of the graphs calling it split from the
 # old ones); either way set the new fingerprint here.
 PINNED_PROMPTS = {
-    "respondent": (3, "cb69fc0034b3e818"),
+    "respondent": (2, "9e114f03ee58ba28"),
     "extractor": (1, "29162c64db382b6f"),
     "reasoner": (2, "d171d346f6ef40b7"),
-    "mmedagent": (4, "7773081e739a2650"),
+    "mmedagent": (3, "9ccfa89bf76ed38e"),
 }
 
 
@@ -194,7 +194,7 @@ def _rendered_prompts(agent: str) -> list[Any]:
                 "snippet_id": "doc@0-9",
             }
         ]
-        return [conversations, respondent.triplet_evidence(triplets, four)[1]]
+        return [conversations, extractor.render_triplets(triplets)]
     if agent == "extractor":
         return [extractor.build_messages(question, snippet["text"])]
     if agent == "reasoner":

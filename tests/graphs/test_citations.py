@@ -93,19 +93,3 @@ def test_answers_carry_option_probabilities_where_the_backend_scores_them(tmp_pa
     assert "option_probs" not in off["answer"]
     free_text = cot.invoke({"question": QUESTION["question"]}, context=_context(tmp_path))
     assert "option_probs" not in free_text["answer"]
-
-
-def test_er_medrag_shows_linked_evidence_first_and_cites_it_by_its_shown_number(tmp_path):
-    """A triplet whose conclusion names an option is shown first with `→ option K`: the number the respondent
-    cites resolves to that triplet's snippet, not to the retrieval order's first."""
-    first = er_medrag.invoke(QUESTION, context=_context(tmp_path))
-    by_snippet = {t["snippet_id"]: t for e in first["extractions"] for t in e["triplets"]}
-    last = by_snippet[first["snippets"][-1]["id"]]  # shown last in retrieval order, without links
-    options = {"A": "Metformin", "B": last["conclusion"], "C": "Glipizide"}
-    state = er_medrag.invoke({**QUESTION, "options": options}, context=_context(tmp_path))
-    store = TraceStore(_context(tmp_path)["trace_db"])
-    evidence = next(store.events(state["run_id"], agent="respondent"))["inputs"]["evidence"]
-    assert evidence.splitlines()[0].startswith(f"1. [{last['snippet_id']}]")
-    assert evidence.splitlines()[0].endswith("→ option B"), evidence
-    by_id = next(c for c in state["answer"]["citations"] if c["number"] == 1)  # "[<snippet id of line 1>]"
-    assert by_id["shown"] and by_id["snippet_id"] == last["snippet_id"]
