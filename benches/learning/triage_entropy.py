@@ -10,6 +10,10 @@ own ablation (`--entropy-stage`) compares one γ on an attending stage.
 
     .venv/bin/python benches/learning/triage_entropy.py            # γ 0.1, 0.3, 1 and 0: ≈ 9 min a γ on 2 cores
 
+The bonus acts as the trainer applies it: only on steps with a reward signal (`entropy_bonus_on_silent_steps`
+false, the default; each run records the steps it was held on), or on every step with `--entropy-on-silent-steps`
+(TRL's rule).
+
 Writes `benches/results/triage_entropy.json`, a plot beside it and the held-out replies (`triage_entropy_replies/`).
 """
 
