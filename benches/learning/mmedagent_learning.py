@@ -527,8 +527,8 @@ def run_stage(config, name: str, rows: int) -> dict[str, Any]:
     return summary
 
 
-def entropy_series(metrics_path: str | None, name: str = "entropy") -> list[float]:
-    """TRL's logged mean token entropy of each step (`metrics.jsonl`), in step order; or another logged metric."""
+def logged_series(metrics_path: str | None, name: str = "entropy") -> list[float]:
+    """One logged metric of each step (`metrics.jsonl`), in step order: by default TRL's mean token entropy."""
     if not metrics_path or not Path(metrics_path).is_file():
         return []
     series = []
@@ -965,8 +965,8 @@ def entropy_part(
         (output_dir / previous).mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(config.output_dir) / previous / STAGE_RECORD, output_dir / previous / STAGE_RECORD)
     ablation = run_stage(no_bonus, name, data.stage_rows[name])
-    result["with_bonus"] = entropy_series(summaries[name]["metrics_path"])
-    result["without_bonus"] = entropy_series(ablation["metrics_path"])
+    result["with_bonus"] = logged_series(summaries[name]["metrics_path"])
+    result["without_bonus"] = logged_series(ablation["metrics_path"])
     result["mean"] = {k: _mean(result[k]) for k in ("with_bonus", "without_bonus")}
     result["minutes_without_bonus"] = ablation["minutes"]
     return result

@@ -110,8 +110,8 @@ def gamma_run(gamma: float, config, model_path: str, data, bench_args: argparse.
     bench.log(f"γ {gamma:g}: {json.dumps(after)}")
     return {
         "gamma": gamma,
-        "entropy_by_step": bench.entropy_series(summary["metrics_path"]),
-        "bonus_held_by_step": bench.entropy_series(summary["metrics_path"], "entropy_bonus_held"),
+        "entropy_by_step": bench.logged_series(summary["metrics_path"]),
+        "bonus_held_by_step": bench.logged_series(summary["metrics_path"], "entropy_bonus_held"),
         "after": after,
         "minutes": summary["minutes"],
     }
