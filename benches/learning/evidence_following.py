@@ -123,6 +123,7 @@ def measure(model_spec: str, rows: Sequence[dict[str, Any]], tokens: int, replie
             "well_formed": p["well_formed"],
             "gold": row["gold"],
             "evidence_key": row["evidence_key"],
+            "example_key": worked_example_answer(row["prompt"]),
         }
         for row, reply, p in zip(rows, replies, parsed)
     ]
@@ -139,7 +140,8 @@ def kept_figures(path: Path, rows: Sequence[dict[str, Any]]) -> dict[str, Any] |
 
 
 def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per set: follow rate (answer = X), accuracy, well formed, modal answer share; each rate with its interval."""
+    """Per set: follow rate (answer = X), accuracy, well formed, modal answer share, and the share of answers that
+    are the worked example's letter (where the replies kept it: the pull a policy can learn to follow instead)."""
     result: dict[str, Any] = {}
     for name in [f"d{d}" for d in DISTRACTOR_COUNTS] + ["gold_evidence", "no_evidence"]:
         replies = [k for k in kept if k["set"] == name]
@@ -150,6 +152,9 @@ def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "well_formed": share(sum(k["well_formed"] for k in replies), n),
             "modal_answer_share": modal_share([k["answer"] for k in replies]),
         }
+        if replies and all("example_key" in k for k in replies):
+            copied = sum(k["answer"] is not None and k["answer"] == k["example_key"] for k in replies)
+            result[name]["example_letter"] = share(copied, n)
     return result
 
 

@@ -54,6 +54,9 @@ def test_figures_count_follows_and_right_answers_per_set() -> None:
     d2 = bench.figures(kept)["d2"]
     assert (d2["follow_rate"]["hits"], d2["accuracy"]["hits"], d2["well_formed"]["hits"]) == (1, 1, 2)
     assert d2["follow_rate"]["n"] == 3 and d2["modal_answer_share"] == round(1 / 3, 4)
+    assert "example_letter" not in d2  # replies kept before the example's letter was
+    with_example = [{**k, "example_key": key} for k, key in zip(kept, ("B", "C", "D"))]
+    assert bench.figures(with_example)["d2"]["example_letter"]["hits"] == 1  # a missing answer copies nothing
 
 
 @pytest.mark.slow  # ~40 s: `make test-all` (the fast suite keeps its 10-minute budget)
@@ -75,4 +78,6 @@ def test_smoke_run_records_baselines_seeds_and_kept_replies(shared_data: Path, t
     for phase in ("before", "seed0_after"):
         with gzip.open(replies / f"{phase}.jsonl.gz", "rt") as kept:
             lines = [json.loads(line) for line in kept]
-        assert len(lines) == 20 and {"prompt_id", "reply", "answer", "gold", "evidence_key"} <= set(lines[0])
+        assert len(lines) == 20 and {"prompt_id", "reply", "answer", "gold", "evidence_key", "example_key"} <= set(
+            lines[0]
+        )
