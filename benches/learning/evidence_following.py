@@ -110,6 +110,26 @@ def heldout_rows(heldout: Sequence[Question], pool: Sequence[Question]) -> list[
     return [{**row, "prompt_id": f"{row['run_id']}:{row['set']}"} for row in rows]
 
 
+def without_example(prompt: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    """The respondent's chat prompt without its worked example (system, question): the `--no-example` arm, whose
+    policy has no example's reasoning and letter to copy."""
+    roles = [m["role"] for m in prompt]
+    if roles != ["system", "user", "assistant", "user"]:
+        raise ValueError(f"not a respondent prompt with a worked example: roles {roles}")
+    return [dict(prompt[0]), dict(prompt[3])]
+
+
+def training_dataset(export: Path, no_example: bool) -> Path:
+    """The exported GRPO dataset, or (`no_example`) a copy of it whose prompts have no worked example."""
+    if not no_example:
+        return export / "dataset"
+    from datasets import load_from_disk
+
+    stripped = load_from_disk(str(export / "dataset")).map(lambda row: {"prompt": without_example(row["prompt"])})
+    stripped.save_to_disk(str(export / "dataset-no-example"))
+    return export / "dataset-no-example"
+
+
 def measure(model_spec: str, rows: Sequence[dict[str, Any]], tokens: int, replies_file: Path) -> dict[str, Any]:
     """Greedy replies to every held-out prompt (kept in `replies_file`) and the figures read off them."""
     replies = generate(model_spec, [row["prompt"] for row in rows], tokens, respondent.STOP)
@@ -178,7 +198,7 @@ def train_seed(args: argparse.Namespace, model_path: str, pool: Sequence[Questio
     counts = export_evidence_prompts(pool, config, progress=False)
     training = GRPOTrainingConfig(
         model=model_path,
-        dataset=str(export / "dataset"),
+        dataset=str(training_dataset(export, args.no_example)),
         output_dir=str(work / f"grpo-out-s{seed}"),
         max_steps=args.steps,
         learning_rate=args.learning_rate,
@@ -244,6 +264,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=96, help="respondent budget in training and measurement")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument(
+        "--no-example",
+        action="store_true",
+        help="a lever: the respondent's prompts without the worked example, in training and measurement (the "
+        "base model answers the example's letter in about half its replies, and GRPO learned to copy it whole)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny random model and tiny sizes: the pipeline")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -272,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     replies = out.parent / out.stem / "replies"
     heldout, pool = pools(data, args.max_question_chars, args.eval_questions)
     rows = heldout_rows(heldout, pool)
+    if args.no_example:
+        rows = [{**row, "prompt": without_example(row["prompt"])} for row in rows]
     started = time.time()
     earlier = json.loads(out.read_text()) if args.reuse and out.exists() else {}
     before = (earlier.get("before") or kept_figures(replies / "before.jsonl.gz", rows)) if args.reuse else None
@@ -309,6 +337,7 @@ def write(out: Path, args: argparse.Namespace, model_path: str, before: dict, ba
             "temperature": args.temperature,
             "learning_rate": args.learning_rate,
             "rewards": "the respondent's defaults (training.rewards.RESPONDENT_REWARDS)",
+            "worked_example": not args.no_example,
         },
     }
     write_with_provenance(out, result, started)

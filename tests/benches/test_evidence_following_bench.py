@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ermedrag.agents.extractor import NO_EVIDENCE
+from ermedrag.evals.baselines import worked_example_answer
 from tests.benches.test_learning_bench import bench_module
 from tests.conftest import REPO
 
@@ -57,6 +58,16 @@ def test_figures_count_follows_and_right_answers_per_set() -> None:
     assert "example_letter" not in d2  # replies kept before the example's letter was
     with_example = [{**k, "example_key": key} for k, key in zip(kept, ("B", "C", "D"))]
     assert bench.figures(with_example)["d2"]["example_letter"]["hits"] == 1  # a missing answer copies nothing
+
+
+def test_the_no_example_arm_drops_the_worked_example_and_nothing_else(shared_data: Path) -> None:
+    bench = bench_module("evidence_following")
+    heldout, pool = bench.pools(shared_data, 300, 4)
+    row = bench.heldout_rows(heldout, pool)[1]
+    stripped = bench.without_example(row["prompt"])
+    assert stripped == [row["prompt"][0], row["prompt"][3]] and worked_example_answer(stripped) is None
+    with pytest.raises(ValueError, match="roles"):
+        bench.without_example(stripped)  # not a prompt with an example: refused, never cut wrongly
 
 
 @pytest.mark.slow  # ~40 s: `make test-all` (the fast suite keeps its 10-minute budget)
