@@ -476,16 +476,16 @@ def test_four_stages_chain_end_to_end(recorded, tiny_model, tmp_path):
     assert result["attending_model"] == str(out / "hard" / "merged")
     assert stages["triage"]["reward_functions"] == ["triage_correctness_reward", "triage_format_reward"]
     assert stages["hard"]["reward_functions"] == ["correctness_reward", "format_reward"]
+    first_steps = {}
     for name, gamma in (("triage", 0.0), ("easy", 1e-4), ("medium", 5e-3), ("hard", 3e-2)):
         steps = [r for r in map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        first_steps[name] = steps[0]
         assert len(steps) == 1 and math.isfinite(steps[0]["loss"]) and "entropy" in steps[0]
         assert stages[name]["entropy_coef"] == gamma
         record = json.loads((out / name / "mmedagent_stage.json").read_text())
         assert record["entropy_coef"] == gamma and record["beta"] == STAGES[name].beta
         AutoModelForCausalLM.from_pretrained(out / name / "merged")
-    hard_step = [r for r in map(json.loads, (out / "hard" / "metrics.jsonl").read_text().splitlines()) if "loss" in r][
-        0
-    ]
+    hard_step = first_steps["hard"]
     # TRL applied the stage's γ, or 0 on a step without a reward signal (`entropy_bonus_on_silent_steps`: false)
     assert hard_step["entropy_coef"] == (0.0 if hard_step["entropy_bonus_held"] else 3e-2)
 
