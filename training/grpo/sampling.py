@@ -60,7 +60,7 @@ class SignalCountingGRPOTrainer(GRPOTrainer):
     the optimizer on a step whose generation batch is all silent (module docstring). In one training process only:
     with several, each holds a slice of the batch, and TRL's figure (over all of it) is kept."""
 
-    def __init__(self, *args: Any, entropy_bonus_on_silent_steps: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, entropy_bonus_on_silent_steps: bool, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batch_has_signal = True
         one_process = self.accelerator.num_processes == 1
