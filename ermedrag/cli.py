@@ -199,9 +199,9 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train an agent with TRL from an exported dataset (config as YAML)")
     train.add_argument(
         "kind",
-        choices=["dpo", "grpo", "med-r3", "mmedagent"],
-        help="dpo: extractor pairs; grpo: respondent prompts; med-r3: the Med-R³ stage schedule; "
-        "mmedagent: MMedAgent-RL's triage and attending curriculum",
+        choices=["dpo", "sft", "grpo", "med-r3", "mmedagent"],
+        help="dpo: extractor pairs; sft: the respondent's warm start on reference replies; grpo: respondent "
+        "prompts; med-r3: the Med-R³ stage schedule; mmedagent: MMedAgent-RL's triage and attending curriculum",
     )
     train.add_argument(
         "--config",

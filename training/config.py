@@ -6,7 +6,8 @@ A config is what a YAML file under `training/configs/` holds, flat, one key per 
     cfg = load_config("grpo_respondent", GRPOTrainingConfig)   # the same file by preset name, from any directory
     trl_args = cfg.to_trl()          # a trl.GRPOConfig
 
-`DPOTrainingConfig` (the extractor), `GRPOTrainingConfig` (the respondent; rewards weighted by name,
+`DPOTrainingConfig` (the extractor), `SFTTrainingConfig` (the respondent's warm start on reference replies),
+`GRPOTrainingConfig` (the respondent; rewards weighted by name,
 `rewards: {correctness: 1.0, format: 0.5}`, see `training.rewards`), `MedR3TrainingConfig` (the three
 Med-R³ stages, `training.med_r3`) and `MMedAgentTrainingConfig` (MMedAgent-RL's triage and curriculum stages,
 `training.mmedagent`). The fields are the ones a run of this project changes; anything else TRL
@@ -275,6 +276,31 @@ class DPOTrainingConfig(_TrainingConfig):
             precompute_ref_log_probs=self.precompute_ref_log_probs,
         )
         return self._build_trl(DPOConfig, kwargs)
+
+
+@dataclass
+class SFTTrainingConfig(_TrainingConfig):
+    """Supervised warm start on reference replies (`reference_reply`, written by `ermedrag export grpo --questions`):
+    the respondent learns the reply's shape and to read its answer off the evidence before GRPO, which needs groups
+    whose samples sometimes get it right. The loss is on the reply only, never on the prompt."""
+
+    learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate of AdamW (LoRA's usual)."})
+    max_steps: int = field(
+        default=-1,
+        metadata={"help": "Number of optimizer steps. -1 (the default) means `num_train_epochs` over the replies."},
+    )
+    max_length: int | None = field(
+        default=1024,
+        metadata={"help": "Maximum tokens of prompt + reply; a longer row is truncated (TRL keeps the start)."},
+    )
+
+    def to_trl(self):
+        """The trl.SFTConfig for this run."""
+        from trl import SFTConfig
+
+        kwargs = self._common_trl_kwargs()
+        kwargs.update(max_length=self.max_length, completion_only_loss=True, packing=False)
+        return self._build_trl(SFTConfig, kwargs)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Any
 
 from ermedrag.agents import extractor, respondent
 from ermedrag.agents.base import to_chat, to_langchain
+from ermedrag.agents.markup import quote
 from ermedrag.tools.agent_calls import text_with_stop
 from ermedrag.tools.records.jsonl import AppendLog, read_records
 from ermedrag.tools.records.traces import TraceStore
@@ -391,7 +392,30 @@ def evidence_row(
     """`respondent_row` for a benchmark question (`tools.data.benchmarks.Question`) with this evidence; `kind` and
     `evidence_key` (the option the supporting evidence names, None without one) say what the prompt tests."""
     row = respondent_row(question.question, question.options, question.answer, supporting, distractors, rng)
-    return {**row, "kind": kind, "evidence_key": evidence_key, "run_id": question.id, "event_id": None}
+    reference = reference_reply(row["triplets"], evidence_key, bool(question.options)) if kind == "supporting" else None
+    return {
+        **row,
+        "kind": kind,
+        "evidence_key": evidence_key,
+        "reference_reply": reference,
+        "run_id": question.id,
+        "event_id": None,
+    }
+
+
+MAX_REFERENCE_QUOTE_CHARS = 200
+
+
+def reference_reply(triplets: Sequence[dict[str, Any]], answer: str | None, by_option: bool = True) -> str | None:
+    """The reply a respondent that follows its evidence writes, in the worked example's shape: the first supporting
+    (not distractor) line cited by its number, its conclusion quoted, then `answer`. The target of `train_sft`'s
+    warm start; None without a supporting line or an answer (nothing in the evidence decides the answer)."""
+    line = next((i for i, t in enumerate(triplets, 1) if not t.get("distractor")), None)
+    if line is None or not answer:
+        return None
+    said = quote(triplets[line - 1].get("conclusion"), MAX_REFERENCE_QUOTE_CHARS)
+    because = f": option {answer}" if by_option else ""
+    return f"<think>Evidence [{line}] says {said}{because}.</think><answer>{answer}</answer>"
 
 
 def draw_distractors(

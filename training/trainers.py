@@ -1,9 +1,10 @@
-"""Run TRL's DPOTrainer / GRPOTrainer from a project config; every GRPO trainer is built by `build_grpo_trainer`.
+"""Run TRL's DPOTrainer / SFTTrainer / GRPOTrainer from a project config; every GRPO trainer is built by
+`build_grpo_trainer`.
 
     from ermedrag.training.config import GRPOTrainingConfig, load_config
     from ermedrag.training.trainers import train_grpo
     summary = train_grpo(load_config("training/configs/grpo_respondent.yaml", GRPOTrainingConfig))
-    # CLI: ermedrag train grpo --config training/configs/grpo_respondent.yaml   (and: ermedrag train dpo ...)
+    # CLI: ermedrag train grpo --config training/configs/grpo_respondent.yaml   (and: ermedrag train dpo|sft ...)
 
 GRPO rewards are named (`training.rewards`): `train_grpo(config)` trains with `config.rewards`, the
 respondent's defaults when unset; `train_grpo(config, reward_funcs=[f, g])` trains with your own functions
@@ -20,7 +21,9 @@ Datasets are folders written by `datasets.Dataset.save_to_disk`, in TRL's conver
 - DPO: `prompt` (list of messages), `chosen` and `rejected` (each a list with one assistant message), plus
   any provenance columns (dropped before tokenisation);
 - GRPO: `prompt` (list of messages) plus whatever columns the reward functions read (`gold`, `options`...):
-  TRL passes every extra column to each reward function as a keyword argument (a list, one per completion).
+  TRL passes every extra column to each reward function as a keyword argument (a list, one per completion);
+- SFT (the respondent's warm start): `prompt` and `reference_reply` (a string, or null for a row that has none:
+  skipped), e.g. the very dataset `ermedrag export grpo --questions` wrote, so one export serves both trainers.
 
 GPU recipe (vLLM generation, bf16, several GPUs). Precision is automatic (bf16 on CUDA); pick the
 distribution strategy with an accelerate config file (DDP, DeepSpeed ZeRO-2/3, or FSDP; TRL ships examples
@@ -59,7 +62,13 @@ from ermedrag.training.checkpoints import (
     checkpoint_step,
     resume_checkpoint,
 )
-from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, _TrainingConfig, load_config
+from ermedrag.training.config import (
+    DPOTrainingConfig,
+    GRPOTrainingConfig,
+    SFTTrainingConfig,
+    _TrainingConfig,
+    load_config,
+)
 from ermedrag.training.metrics import METRICS_FILE, PLOT_FILE, MetricsRecorder, plot_curves, zero_variance_steps
 from ermedrag.training.rewards.text import RewardFunc
 from ermedrag.training.rewards import RESPONDENT_REWARDS, WeightedReward, named_weights, resolve_rewards
@@ -70,6 +79,7 @@ log = logging.getLogger(__name__)
 
 # Columns a DPO row must have; anything else is provenance and is dropped before TRL tokenises.
 DPO_COLUMNS = ("prompt", "chosen", "rejected")
+SFT_COLUMNS = ("prompt", "reference_reply")
 
 
 def train_dpo(config: DPOTrainingConfig) -> dict[str, Any]:
@@ -96,6 +106,42 @@ def train_dpo(config: DPOTrainingConfig) -> dict[str, Any]:
         callbacks=callbacks,
     )
     return _run(trainer, config, recorder, kind="dpo")
+
+
+def train_sft(config: SFTTrainingConfig) -> dict[str, Any]:
+    """Supervised warm start on the reference replies in `config.dataset` (rows without one are skipped); the
+    loss is on the reply only. Returns a summary of the run, with how many rows it trained on."""
+    from trl import SFTTrainer
+
+    dataset = sft_dataset(_load_dataset(config.dataset), config.dataset)
+    model_path = config.model_path()
+    recorder, callbacks = _callbacks(config)
+    trainer = SFTTrainer(
+        model=model_path,
+        args=config.to_trl(),
+        train_dataset=dataset,
+        processing_class=_load_tokenizer(model_path),
+        peft_config=config.lora_config(),
+        callbacks=callbacks,
+    )
+    return {**_run(trainer, config, recorder, kind="sft"), "rows": len(dataset)}
+
+
+def sft_dataset(dataset, source: str):
+    """TRL's conversational prompt–completion rows from the rows of `dataset` that have a reference reply."""
+    missing = [c for c in SFT_COLUMNS if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"SFT dataset {source} lacks column(s) {missing}; it has {dataset.column_names} (`ermedrag export grpo "
+            "--questions` writes reference replies)"
+        )
+    with_reply = dataset.filter(lambda row: bool(row["reference_reply"]))
+    if len(with_reply) == 0:
+        raise ValueError(f"SFT dataset {source} has no row with a reference reply (all {len(dataset)} are null)")
+    return with_reply.map(
+        lambda row: {"completion": [{"role": "assistant", "content": row["reference_reply"]}]},
+        remove_columns=[c for c in with_reply.column_names if c != "prompt"],
+    )
 
 
 def train_grpo(config: GRPOTrainingConfig, reward_funcs: Sequence[RewardFunc] | None = None) -> dict[str, Any]:
@@ -168,12 +214,14 @@ def build_grpo_trainer(
 
 
 def train_from_file(kind: str, config_path: str | Path) -> dict[str, Any]:
-    """What `ermedrag train dpo|grpo --config FILE` runs: load the YAML and train (GRPO: with its `rewards`)."""
+    """What `ermedrag train dpo|sft|grpo --config FILE` runs: load the YAML and train (GRPO: with its `rewards`)."""
     if kind == "dpo":
         return train_dpo(load_config(config_path, DPOTrainingConfig))
+    if kind == "sft":
+        return train_sft(load_config(config_path, SFTTrainingConfig))
     if kind == "grpo":
         return train_grpo(load_config(config_path, GRPOTrainingConfig))
-    raise ValueError(f"unknown trainer {kind!r}: expected 'dpo' or 'grpo'")
+    raise ValueError(f"unknown trainer {kind!r}: expected 'dpo', 'sft' or 'grpo'")
 
 
 # --- shared pieces -----------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from ermedrag.evals.baselines import worked_example_answer  # noqa: E402
 from ermedrag.tools.data.benchmarks import Question, load_questions_file  # noqa: E402
 from ermedrag.tools.machine import describe_machine  # noqa: E402
 from ermedrag.tools.records.jsonl import replace_text  # noqa: E402
-from ermedrag.training.config import GRPOTrainingConfig  # noqa: E402
+from ermedrag.training.config import GRPOTrainingConfig, SFTTrainingConfig  # noqa: E402
 from ermedrag.training.export import (  # noqa: E402
     EvidenceExportConfig,
     draw_distractors,
@@ -61,7 +61,7 @@ from ermedrag.training.export import (  # noqa: E402
     gold_triplet,
     option_triplet,
 )
-from ermedrag.training.trainers import train_grpo  # noqa: E402
+from ermedrag.training.trainers import train_grpo, train_sft  # noqa: E402
 
 BENCHMARKS = ("medmcqa_dev", "mmlu_med_test")
 DISTRACTOR_COUNTS = (0, 2, 4)
@@ -191,8 +191,37 @@ def follow_baselines(rows: Sequence[dict[str, Any]], before: dict[str, Any]) -> 
     }
 
 
+def warm_start(args: argparse.Namespace, model_path: str, pool: Sequence[Question], seed: int, work: Path) -> dict:
+    """`--sft-prompts`: this seed's own export of that many questions (the GRPO prompts are its first ones), the
+    product's SFT on their reference replies from the base model, merged; returns the run's record."""
+    export = work / f"sft-export-s{seed}"
+    config = EvidenceExportConfig(questions=[], out=str(export), seed=seed, limit=args.sft_prompts)
+    counts = export_evidence_prompts(pool, config, progress=False)
+    training = SFTTrainingConfig(
+        model=model_path,
+        dataset=str(training_dataset(export, args.no_example)),
+        output_dir=str(work / f"sft-out-s{seed}"),
+        num_train_epochs=args.sft_epochs,
+        per_device_train_batch_size=4,
+        save_steps=10,
+        resume=True,
+        seed=seed,
+    )
+    run = trained(SimpleNamespace(reuse_trained=args.reuse), training, work / f"sft-merged-s{seed}", train_sft)
+    return {**run, "export": counts, "epochs": args.sft_epochs}
+
+
 def train_seed(args: argparse.Namespace, model_path: str, pool: Sequence[Question], seed: int, work: Path) -> dict:
-    """Export this seed's own prompts, train GRPO from the base model, merge; returns the run's record."""
+    """Export this seed's own prompts, train GRPO from the base model (or from its warm start, `--sft-prompts`),
+    merge; returns the run's record. With `--steps 0` the warm-started model is the one measured."""
+    sft = warm_start(args, model_path, pool, seed, work) if args.sft_prompts else None
+    changes = "training sample, order, kinds and distractors; LoRA init, data order and sampled rollouts"
+    if sft:
+        log(f"seed {seed}: SFT warm start on {sft['export']['rows']} prompts, {sft['minutes']} min")
+        model_path = sft.pop("merged")
+        sft.pop("plot_path")
+        if not args.steps:
+            return {"steps": 0, "minutes": sft["minutes"], "merged": model_path, "sft": sft, "seed_changes": changes}
     export = work / f"export-s{seed}"
     config = EvidenceExportConfig(questions=[], out=str(export), seed=seed, limit=args.train_prompts)
     counts = export_evidence_prompts(pool, config, progress=False)
@@ -215,7 +244,8 @@ def train_seed(args: argparse.Namespace, model_path: str, pool: Sequence[Questio
     return {
         **run,
         "export": counts,
-        "seed_changes": "training sample, order, kinds and distractors; LoRA init, data order and sampled rollouts",
+        "sft": sft,
+        "seed_changes": changes,
     }
 
 
@@ -270,6 +300,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a lever: the respondent's prompts without the worked example, in training and measurement (the "
         "base model answers the example's letter in about half its replies, and GRPO learned to copy it whole)",
     )
+    parser.add_argument(
+        "--sft-prompts",
+        type=int,
+        default=0,
+        help="a lever: warm-start each seed with the product's SFT (`train_sft`) on the reference replies of this "
+        "many exported prompts before GRPO (0: none; the base model cannot map a quoted option's text to its "
+        "letter, results/evidence_letter_probe.json)",
+    )
+    parser.add_argument("--sft-epochs", type=float, default=1.0, help="epochs of the warm start")
     parser.add_argument("--smoke", action="store_true", help="a tiny random model and tiny sizes: the pipeline")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -338,6 +377,7 @@ def write(out: Path, args: argparse.Namespace, model_path: str, before: dict, ba
             "learning_rate": args.learning_rate,
             "rewards": "the respondent's defaults (training.rewards.RESPONDENT_REWARDS)",
             "worked_example": not args.no_example,
+            "sft_warm_start": {"prompts": args.sft_prompts, "epochs": args.sft_epochs} if args.sft_prompts else None,
         },
     }
     write_with_provenance(out, result, started)

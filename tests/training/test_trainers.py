@@ -16,9 +16,9 @@ import pytest
 
 from ermedrag.testing.tiny_model import build_tiny_causal_lm
 from ermedrag.training.checkpoints import SETTINGS_FILE
-from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, load_config
+from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, SFTTrainingConfig, load_config
 from ermedrag.training.rewards import reward_code_sha256
-from ermedrag.training.trainers import METRICS_FILE, PLOT_FILE, train_dpo, train_grpo
+from ermedrag.training.trainers import METRICS_FILE, PLOT_FILE, train_dpo, train_grpo, train_sft
 
 REPO = Path(__file__).resolve().parents[2]
 LETTERS = "ABCD"
@@ -201,6 +201,61 @@ def test_dpo_full_finetune_builds_reference_from_path(tiny_model, dpo_dataset, t
         if not torch.equal(p, q)
     ]
     assert changed, "full fine-tuning saved unchanged weights"
+
+
+def sft_dataset_folder(tmp_path: Path, replies: list[str | None]) -> str:
+    """Respondent prompts as `ermedrag export grpo --questions` writes them: a `reference_reply` or null."""
+    from datasets import Dataset
+
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": "Answer with <answer>letter</answer>."},
+                {
+                    "role": "user",
+                    "content": f"Evidence: 1. case {i} — is answered by — metformin. Options: A. metformin",
+                },
+            ],
+            "gold": "A",
+            "reference_reply": reply,
+        }
+        for i, reply in enumerate(replies)
+    ]
+    path = tmp_path / "sft" / "dataset"
+    Dataset.from_list(rows).save_to_disk(str(path))
+    return str(path)
+
+
+def test_sft_warm_start_trains_on_the_reference_replies_only(tiny_model, tmp_path):
+    reply = "<think>Evidence [1] says metformin: option A.</think><answer>A</answer>"
+    dataset = sft_dataset_folder(tmp_path, [reply, None] * 4)
+    config = small(
+        SFTTrainingConfig, tiny_model, dataset, tmp_path / "sft-out", per_device_train_batch_size=2, max_steps=-1
+    )  # one epoch: 4 replies, 2 a step
+    assert config.to_trl().completion_only_loss  # the prompt is context, never a target
+    summary = train_sft(config)
+    assert summary["trainer"] == "sft" and summary["steps"] == 2 and summary["rows"] == 4  # the 4 nulls skipped
+    losses = [r["loss"] for r in step_records(read_metrics(config.output_dir))]
+    assert len(losses) == 2 and all(math.isfinite(loss) and loss > 0 for loss in losses)
+    assert_adapter_trained(config.output_dir)
+    assert_plot(config.output_dir)
+
+
+def test_sft_refuses_a_dataset_without_reference_replies(tiny_model, tmp_path):
+    config = small(SFTTrainingConfig, tiny_model, sft_dataset_folder(tmp_path, [None, None]), tmp_path / "out")
+    with pytest.raises(ValueError, match="no row with a reference reply"):
+        train_sft(config)
+    config = small(SFTTrainingConfig, tiny_model, grpo_dataset_without_replies(tmp_path), tmp_path / "out2")
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['reference_reply'\]"):
+        train_sft(config)
+
+
+def grpo_dataset_without_replies(tmp_path: Path) -> str:
+    from datasets import Dataset
+
+    path = tmp_path / "plain" / "dataset"
+    Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}], "gold": "A"}]).save_to_disk(str(path))
+    return str(path)
 
 
 def test_grpo_lora_logs_every_reward_component(tiny_model, grpo_dataset, tmp_path):
