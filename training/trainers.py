@@ -69,6 +69,7 @@ from ermedrag.training.config import (
     _TrainingConfig,
     load_config,
 )
+from ermedrag.training.stages import stage_model
 from ermedrag.training.metrics import METRICS_FILE, PLOT_FILE, MetricsRecorder, plot_curves, zero_variance_steps
 from ermedrag.training.rewards.text import RewardFunc
 from ermedrag.training.rewards import RESPONDENT_REWARDS, WeightedReward, named_weights, resolve_rewards
@@ -110,7 +111,9 @@ def train_dpo(config: DPOTrainingConfig) -> dict[str, Any]:
 
 def train_sft(config: SFTTrainingConfig) -> dict[str, Any]:
     """Supervised warm start on the reference replies in `config.dataset` (rows without one are skipped); the
-    loss is on the reply only. Returns a summary of the run, with how many rows it trained on."""
+    loss is on the reply only. With LoRA the adapter is also merged into `OUTPUT/merged/`, the folder a GRPO
+    config's `model` names to go on from it. Returns a summary of the run: `rows` trained on, `start_model`."""
+    from accelerate import PartialState
     from trl import SFTTrainer
 
     dataset = sft_dataset(_load_dataset(config.dataset), config.dataset)
@@ -124,7 +127,9 @@ def train_sft(config: SFTTrainingConfig) -> dict[str, Any]:
         peft_config=config.lora_config(),
         callbacks=callbacks,
     )
-    return {**_run(trainer, config, recorder, kind="sft"), "rows": len(dataset)}
+    summary = _run(trainer, config, recorder, kind="sft")
+    _, start_model = stage_model(config, PartialState())
+    return {**summary, "rows": len(dataset), "start_model": str(start_model)}
 
 
 def sft_dataset(dataset, source: str):

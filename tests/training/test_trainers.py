@@ -239,6 +239,39 @@ def test_sft_warm_start_trains_on_the_reference_replies_only(tiny_model, tmp_pat
     assert len(losses) == 2 and all(math.isfinite(loss) and loss > 0 for loss in losses)
     assert_adapter_trained(config.output_dir)
     assert_plot(config.output_dir)
+    # GRPO goes on from the merged model
+    assert summary["start_model"] == str(Path(config.output_dir) / "merged")
+    grpo = gold_letter_config(summary["start_model"], tmp_path / "grpo", "AB", 2, max_steps=1)
+    assert train_grpo(grpo, reward_funcs=[has_answer_tag])["steps"] == 1
+
+
+def test_the_evidence_export_trains_sft_from_the_command_line(tiny_model, tmp_path, capsys):
+    """What a user runs: `ermedrag export grpo --questions`, then `ermedrag train sft --config` on its dataset."""
+    from ermedrag.cli import main
+
+    questions = tmp_path / "toy.jsonl"
+    rows = [
+        {
+            "id": f"q{i}",
+            "question": f"Case {i}?",
+            "answer": LETTERS[i % 4],
+            "options": {k: f"drug {i}{k}" for k in LETTERS},
+        }
+        for i in range(6)
+    ]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["export", "grpo", "--questions", str(questions), "--out", str(tmp_path / "export")]) == 0
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        f"model: {tiny_model}\ndataset: {tmp_path / 'export' / 'dataset'}\noutput_dir: {tmp_path / 'run'}\n"
+        "max_steps: 1\nper_device_train_batch_size: 2\nlora_r: 8\nlora_alpha: 16\n"
+    )
+    capsys.readouterr()
+    assert main(["train", "sft", "--config", str(config)]) == 0
+    printed = capsys.readouterr().out  # TRL's step logs, then the summary
+    summary = json.loads(printed[printed.rindex("{\n") :])
+    assert summary["trainer"] == "sft" and summary["steps"] == 1 and 0 < summary["rows"] <= 6
+    assert (tmp_path / "run" / "merged" / "config.json").is_file()
 
 
 def test_sft_refuses_a_dataset_without_reference_replies(tiny_model, tmp_path):
