@@ -12,12 +12,15 @@ graphs make the scoring call (`graphs.steps.with_confidence`).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ermedrag.agents.base import fold_case
 
 ANSWER_OPEN = "<answer>"
+# What the agent wrote after `<answer>` starts with a letter: "B", "(B)", "B. text", "B</answer>".
+LETTER_FIRST = re.compile(r"\s*+\(?([A-Za-z])(?:$|[\s.:)<-])")
 
 
 def answer_prefix(completion: str, reasoning: str) -> str:
@@ -28,6 +31,19 @@ def answer_prefix(completion: str, reasoning: str) -> str:
     if opened >= 0:
         return text[: opened + len(ANSWER_OPEN)]
     return f"<think>{reasoning}</think>{ANSWER_OPEN}"
+
+
+def answered_by_letter(completion: str, options: Mapping[str, str]) -> bool:
+    """Whether the agent's first `<answer>` in `completion` starts with an option letter: what the letters'
+    probabilities there score. An agent that named its option by its text chose among words, not letters (a
+    respondent warm-started on reference replies answers so: `training.export.reference_answer`). True without an
+    `<answer>`: the scoring call then writes the letter itself."""
+    text = completion or ""
+    opened = fold_case(text).find(ANSWER_OPEN)
+    if opened < 0:
+        return True
+    written = LETTER_FIRST.match(text, opened + len(ANSWER_OPEN))
+    return bool(written) and written.group(1).upper() in {str(key).upper() for key in options}
 
 
 def option_probabilities(

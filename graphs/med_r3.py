@@ -27,7 +27,6 @@ from ermedrag.agents import reasoner
 from ermedrag.agents.citations import EvidenceItem, cite, snippet_items
 from ermedrag.agents.respondent import Answer
 from ermedrag.graphs.context import Context
-from ermedrag.agents.confidence import answer_prefix
 from ermedrag.graphs.steps import (
     begin_run,
     extract_if_unparsed,
@@ -193,7 +192,7 @@ def finish(state: State, runtime: Runtime[MedR3Context]) -> dict[str, Any]:
         ctx,
         _model_spec(ctx),
         reasoner.build_messages(state["question"], state.get("options"), ""),
-        answer_prefix(state["transcript"], answer["reasoning"]),
+        state["transcript"],
         answer,
     )
     answer = {**answer, "citations": cite(answer["reasoning"], state.get("documents", []))}

@@ -272,19 +272,23 @@ def with_confidence(
     ctx: Context,
     model_spec: str,
     messages: list[BaseMessage],
-    prefix: str,
+    completion: str,
     answer: respondent.Answer,
 ) -> respondent.Answer:
     """`answer` with how sure it is (`agents.confidence`): one recorded one-token call continuing `messages` with
-    what the agent wrote up to its `<answer>` (`prefix`) reads the option letters' log-probabilities there. For
-    multiple-choice questions, when `ctx.answer_scores` is on; an answer without scores says why."""
+    what the agent wrote in `completion` up to its `<answer>` reads the option letters' log-probabilities there.
+    For multiple-choice questions, when `ctx.answer_scores` is on; an answer without scores says why."""
     from langchain_core.messages import AIMessage
 
-    from ermedrag.agents.confidence import confidence, option_probabilities
+    from ermedrag.agents.confidence import answered_by_letter, confidence, option_probabilities
 
     options = state.get("options")
     if not options or not ctx.answer_scores:
         return answer
+    if not answered_by_letter(completion, options):
+        why = "none: the answer names its option by its text, so the letters' probabilities are not what it chose"
+        return {**answer, "option_probs": None, "confidence": None, "confidence_source": why}
+    prefix = answer_prefix(completion, answer["reasoning"])
     can_score = getattr(chat_model(ctx, model_spec, 1), "scores_answer_tokens", None)
     if not callable(can_score) or not can_score():
         why = (
@@ -357,8 +361,7 @@ def answer_call(
     )
     answer = extract_if_unparsed(state, ctx, model_spec, reply, reply["reasoning"])
     if score:
-        prefix = answer_prefix(event.completion, answer["reasoning"])
-        answer = with_confidence(state, ctx, model_spec, messages, prefix, answer)
+        answer = with_confidence(state, ctx, model_spec, messages, event.completion, answer)
     return {**answer, "citations": cite(answer["reasoning"], shown)}
 
 

@@ -392,7 +392,7 @@ def evidence_row(
     """`respondent_row` for a benchmark question (`tools.data.benchmarks.Question`) with this evidence; `kind` and
     `evidence_key` (the option the supporting evidence names, None without one) say what the prompt tests."""
     row = respondent_row(question.question, question.options, question.answer, supporting, distractors, rng)
-    reference = reference_reply(row["triplets"], evidence_key, bool(question.options)) if kind == "supporting" else None
+    reference = reference_reply(row["triplets"], evidence_key, question.options) if kind == "supporting" else None
     return {
         **row,
         "kind": kind,
@@ -406,16 +406,30 @@ def evidence_row(
 MAX_REFERENCE_QUOTE_CHARS = 200
 
 
-def reference_reply(triplets: Sequence[dict[str, Any]], answer: str | None, by_option: bool = True) -> str | None:
+def reference_reply(
+    triplets: Sequence[dict[str, Any]], answer: str | None, options: dict[str, str] | None = None
+) -> str | None:
     """The reply a respondent that follows its evidence writes, in the worked example's shape: the first supporting
-    (not distractor) line cited by its number, its conclusion quoted, then `answer`. The target of `train_sft`'s
-    warm start; None without a supporting line or an answer (nothing in the evidence decides the answer)."""
+    (not distractor) line cited by its number and its conclusion quoted, then the answer, naming the option by its
+    text (`reference_answer`). The target of `train_sft`'s warm start; None without a supporting line or an answer
+    (nothing in the evidence decides the answer)."""
     line = next((i for i, t in enumerate(triplets, 1) if not t.get("distractor")), None)
     if line is None or not answer:
         return None
     said = quote(triplets[line - 1].get("conclusion"), MAX_REFERENCE_QUOTE_CHARS)
-    because = f": option {answer}" if by_option else ""
-    return f"<think>Evidence [{line}] says {said}{because}.</think><answer>{answer}</answer>"
+    return f"<think>Evidence [{line}] says {said}.</think><answer>{reference_answer(answer, options)}</answer>"
+
+
+def reference_answer(key: str, options: dict[str, str] | None) -> str:
+    """Option `key` named by its text, as the options block shows it, where the parser reads that text back as
+    `key` (`respondent.match_answer`), else by its letter. The text, because a small model copies the evidence's
+    words exactly but maps them to the letter printed before them at chance: the offline 270M model after this warm
+    start quoted the right line in 47 of 48 held-out prompts and wrote its letter in 11
+    (benches/results/evidence_following_sft.json)."""
+    if not options or key not in options:
+        return key
+    text = quote(options[key], respondent.MAX_OPTION_CHARS)
+    return text if respondent.match_answer(text, options)[0] == key else key
 
 
 def draw_distractors(

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from ermedrag.agents.confidence import answer_prefix, confidence, option_probabilities
+from ermedrag.agents.confidence import answer_prefix, answered_by_letter, confidence, option_probabilities
 from ermedrag.evals.conformal import (
     Calibration,
     Selective,
@@ -45,6 +45,16 @@ def test_option_probabilities_renormalise_over_the_options_and_bound_missing_let
 def test_the_answer_prefix_is_what_the_agent_wrote_up_to_its_answer():
     assert answer_prefix("<think>x</think><ANSWER>B</answer>", "x") == "<think>x</think><ANSWER>"
     assert answer_prefix("The answer is B", "The answer is B") == "<think>The answer is B</think><answer>"
+
+
+def test_only_an_answer_written_as_a_letter_is_scored_by_the_letters():
+    options = {"A": "Metformin", "B": "Insulin", "C": "Glipizide"}
+    for written in ("B", " (b)", "B. Insulin", "B: Insulin", "B\n"):
+        assert answered_by_letter(f"<think>x</think><answer>{written}</answer>", options), written
+    assert answered_by_letter("<think>x</think><answer>B", options)  # cut at the stop string
+    for written in ("Insulin", "insulin glargine", "E", "Both", ""):
+        assert not answered_by_letter(f"<think>x</think><answer>{written}</answer>", options), written
+    assert answered_by_letter("no answer tag: extraction writes the letter", options)
 
 
 def test_threshold_is_the_finite_sample_quantile():

@@ -93,3 +93,14 @@ def test_answers_carry_option_probabilities_where_the_backend_scores_them(tmp_pa
     assert "option_probs" not in off["answer"]
     free_text = cot.invoke({"question": QUESTION["question"]}, context=_context(tmp_path))
     assert "option_probs" not in free_text["answer"]
+
+
+def test_an_answer_named_by_its_text_gets_no_letter_probabilities(tmp_path):
+    """The letters' probabilities where the answer starts describe a choice among letters; an agent that wrote the
+    option's text chose among words, so its answer says why it has no confidence instead of a wrong one."""
+    texter = "scripted:ermedrag.testing.scripted.text_answer"
+    context = {**_context(tmp_path), "extractor_model": texter, "respondent_model": texter}
+    for graph in (cot, er_medrag):
+        answer = graph.invoke(QUESTION, context=context)["answer"]
+        assert answer["answer"] == "A" and answer["option_probs"] is None and answer["confidence"] is None
+        assert answer["confidence_source"].startswith("none: the answer names its option by its text"), graph.name
