@@ -110,6 +110,12 @@ def heldout_rows(heldout: Sequence[Question], pool: Sequence[Question]) -> list[
     return [{**row, "prompt_id": f"{row['run_id']}:{row['set']}"} for row in rows]
 
 
+def heldout_prompts(args: argparse.Namespace, heldout: Sequence[Question], pool: Sequence[Question]) -> list[dict]:
+    """`heldout_rows`, without the worked example under `--no-example`."""
+    rows = heldout_rows(heldout, pool)
+    return [{**row, "prompt": without_example(row["prompt"])} for row in rows] if args.no_example else rows
+
+
 def without_example(prompt: Sequence[dict[str, str]]) -> list[dict[str, str]]:
     """The respondent's chat prompt without its worked example (system, question): the `--no-example` arm, whose
     policy has no example's reasoning and letter to copy."""
@@ -144,11 +150,42 @@ def measure(model_spec: str, rows: Sequence[dict[str, Any]], tokens: int, replie
             "gold": row["gold"],
             "evidence_key": row["evidence_key"],
             "example_key": worked_example_answer(row["prompt"]),
+            "quoted_key": quoted_option(reply, row["options"]),
         }
         for row, reply, p in zip(rows, replies, parsed)
     ]
     write_replies(replies_file, kept)
     return figures(kept)
+
+
+def quoted_option(reply: str, options: dict[str, str]) -> str | None:
+    """The option whose text the reply's reasoning quotes (the longest where several do), else None: whether it
+    read the evidence's line, apart from whether it then wrote that option as its answer."""
+    reasoning = " ".join(reply.split("</think>")[0].split()).casefold()
+    quoted = [k for k, text in options.items() if text.strip() and " ".join(text.split()).casefold() in reasoning]
+    return max(quoted, key=lambda k: len(options[k])) if quoted else None
+
+
+def refigure(out: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """`--refigure`: a record's figures computed again from its kept replies, with the quoted option added to the
+    replies kept before it was measured (`quoted_option`, read off the rebuilt prompts' options)."""
+    record = json.loads(out.read_text())
+    replies = out.parent / out.stem / "replies"
+    options = {row["prompt_id"]: row["options"] for row in rows}
+
+    def again(name: str) -> dict[str, Any]:
+        kept = read_replies(replies / name)
+        if kept is None or [k["prompt_id"] for k in kept] != [r["prompt_id"] for r in rows]:
+            raise SystemExit(f"{replies / name}: no replies kept for these prompts")
+        kept = [{**k, "quoted_key": quoted_option(k["reply"], options[k["prompt_id"]])} for k in kept]
+        write_replies(replies / name, kept)
+        return figures(kept)
+
+    record["before"] = again("before.jsonl.gz")
+    for run in record["runs"]:
+        run["after"] = again(f"seed{run['seed']}_after.jsonl.gz")
+    record["seeds"] = summary(record["before"], [r["after"] for r in record["runs"]], record["baselines"])
+    replace_text(out, json.dumps(record, indent=1) + "\n")
 
 
 def kept_figures(path: Path, rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -175,6 +212,11 @@ def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if replies and all("example_key" in k for k in replies):
             copied = sum(k["answer"] is not None and k["answer"] == k["example_key"] for k in replies)
             result[name]["example_letter"] = share(copied, n)
+        if replies and all("quoted_key" in k for k in replies):
+            # reading the line (its reasoning quotes X's text) apart from answering it
+            result[name]["quotes_evidence"] = share(sum(k["quoted_key"] == k["evidence_key"] for k in replies), n)
+            answered = sum(k["answer"] is not None and k["answer"] == k["quoted_key"] for k in replies)
+            result[name]["answers_what_it_quoted"] = share(answered, n)
     return result
 
 
@@ -309,6 +351,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "letter, results/evidence_letter_probe.json)",
     )
     parser.add_argument("--sft-epochs", type=float, default=1.0, help="epochs of the warm start")
+    parser.add_argument(
+        "--refigure", action="store_true", help="compute --out's figures again from its kept replies, and stop"
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny random model and tiny sizes: the pipeline")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -322,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = Path(args.data)
     if not (data / "benchmarks").is_dir():
         raise SystemExit(f"no benchmarks under {data} (pass --data or set ERMEDRAG_SHARED_DATA)")
+    if args.refigure:  # kept replies only: no model, and the work folder left to a run in progress
+        refigure(Path(args.out), heldout_prompts(args, *pools(data, args.max_question_chars, args.eval_questions)))
+        return 0
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     hold_work_folder(work)
@@ -336,9 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if not args.smoke else work / "evidence_following.json"
     replies = out.parent / out.stem / "replies"
     heldout, pool = pools(data, args.max_question_chars, args.eval_questions)
-    rows = heldout_rows(heldout, pool)
-    if args.no_example:
-        rows = [{**row, "prompt": without_example(row["prompt"])} for row in rows]
+    rows = heldout_prompts(args, heldout, pool)
     started = time.time()
     earlier = json.loads(out.read_text()) if args.reuse and out.exists() else {}
     before = (earlier.get("before") or kept_figures(replies / "before.jsonl.gz", rows)) if args.reuse else None
