@@ -18,11 +18,16 @@ evidence supporting the gold among 0-4 distractors, a quarter with only distract
 the product's GRPO (LoRA, the respondent's default rewards: correctness, format, length, evidence use) from the
 base model, merges (in float32, saved in the base checkpoint's dtype: `learning_signal.merged_model`) and measures
 again on the same held-out prompts, decoded as the before is. Every reply is kept
-(`<out dir>/evidence_following/replies/<phase>.jsonl.gz`: prompt id, set, reply, parsed answer, gold, X).
+(`<out dir>/evidence_following/replies/<phase>.jsonl.gz`: prompt id, set, reply, parsed answer, gold, X, the worked
+example's letter, the option its reasoning quotes). `--sft-prompts N` warm-starts each seed first with the product's
+SFT (`training.trainers.train_sft`) on the reference replies of its own export of N questions (GRPO's prompts are
+the first of them), then GRPO goes on from the merged warm start (`--steps 0`: the warm start alone is measured).
 
     .venv/bin/python benches/learning/evidence_following.py --data ../shared/data          # ≈ 1.5 h on 2 cores
     .venv/bin/python benches/learning/evidence_following.py --smoke                          # tiny random model
     .venv/bin/python benches/learning/evidence_following.py --reuse --first-seed 2 --seeds 1  # add a seed
+    .venv/bin/python benches/learning/evidence_following.py --sft-prompts 256 --temperature 1.0 \
+        --out benches/results/evidence_following_sft_grpo.json                             # SFT warm start, then GRPO
 """
 
 from __future__ import annotations
@@ -233,21 +238,32 @@ def follow_baselines(rows: Sequence[dict[str, Any]], before: dict[str, Any]) -> 
     }
 
 
+def seed_export(
+    args: argparse.Namespace, pool: Sequence[Question], seed: int, folder: Path, limit: int
+) -> tuple[str, dict[str, int]]:
+    """This seed's own export of `limit` questions (the product's `export grpo --questions` code) into `folder`:
+    the dataset to train on and the export's counts."""
+    config = EvidenceExportConfig(questions=[], out=str(folder), seed=seed, limit=limit)
+    counts = export_evidence_prompts(pool, config, progress=False)
+    return str(training_dataset(folder, args.no_example)), counts
+
+
+def resumable_settings(seed: int) -> dict[str, Any]:
+    """A seed's training: its own seed, checkpoints every 10 steps, and a killed run going on from the last."""
+    return {"seed": seed, "save_steps": 10, "resume": True}
+
+
 def warm_start(args: argparse.Namespace, model_path: str, pool: Sequence[Question], seed: int, work: Path) -> dict:
     """`--sft-prompts`: this seed's own export of that many questions (the GRPO prompts are its first ones), the
     product's SFT on their reference replies from the base model, merged; returns the run's record."""
-    export = work / f"sft-export-s{seed}"
-    config = EvidenceExportConfig(questions=[], out=str(export), seed=seed, limit=args.sft_prompts)
-    counts = export_evidence_prompts(pool, config, progress=False)
+    dataset, counts = seed_export(args, pool, seed, work / f"sft-export-s{seed}", args.sft_prompts)
     training = SFTTrainingConfig(
         model=model_path,
-        dataset=str(training_dataset(export, args.no_example)),
+        dataset=dataset,
         output_dir=str(work / f"sft-out-s{seed}"),
         num_train_epochs=args.sft_epochs,
         per_device_train_batch_size=4,
-        save_steps=10,
-        resume=True,
-        seed=seed,
+        **resumable_settings(seed),
     )
     run = trained(SimpleNamespace(reuse_trained=args.reuse), training, work / f"sft-merged-s{seed}", train_sft)
     return {**run, "export": counts, "epochs": args.sft_epochs}
@@ -264,12 +280,10 @@ def train_seed(args: argparse.Namespace, model_path: str, pool: Sequence[Questio
         sft.pop("plot_path")
         if not args.steps:
             return {"steps": 0, "minutes": sft["minutes"], "merged": model_path, "sft": sft, "seed_changes": changes}
-    export = work / f"export-s{seed}"
-    config = EvidenceExportConfig(questions=[], out=str(export), seed=seed, limit=args.train_prompts)
-    counts = export_evidence_prompts(pool, config, progress=False)
+    dataset, counts = seed_export(args, pool, seed, work / f"export-s{seed}", args.train_prompts)
     training = GRPOTrainingConfig(
         model=model_path,
-        dataset=str(training_dataset(export, args.no_example)),
+        dataset=dataset,
         output_dir=str(work / f"grpo-out-s{seed}"),
         max_steps=args.steps,
         learning_rate=args.learning_rate,
@@ -278,9 +292,7 @@ def train_seed(args: argparse.Namespace, model_path: str, pool: Sequence[Questio
         gradient_accumulation_steps=args.prompts_per_step,
         max_completion_length=args.tokens,
         temperature=args.temperature,
-        save_steps=10,
-        resume=True,
-        seed=seed,
+        **resumable_settings(seed),
     )
     run = trained(SimpleNamespace(reuse_trained=args.reuse), training, work / f"grpo-merged-s{seed}", train_grpo)
     return {

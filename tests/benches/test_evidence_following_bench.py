@@ -60,6 +60,17 @@ def test_figures_count_follows_and_right_answers_per_set() -> None:
     assert bench.figures(with_example)["d2"]["example_letter"]["hits"] == 1  # a missing answer copies nothing
 
 
+def test_the_quoted_option_is_the_longest_option_text_in_the_reasoning_only() -> None:
+    bench = bench_module("evidence_following")
+    options = {"A": "Antegrade", "B": "Antegrade and  retrograde", "C": "Cefaclor", "D": ""}
+    assert bench.quoted_option("<think>Evidence [1] says antegrade and retrograde.</think>", options) == "B"
+    assert bench.quoted_option("<think>says cefaclor</think><answer>C</answer>", options) == "C"
+    assert bench.quoted_option("<think>nothing</think><answer>Cefaclor</answer>", options) is None  # not its answer
+    kept = [{"set": "d2", "answer": "D", "evidence_key": "C", "gold": "A", "well_formed": True, "quoted_key": "C"}]
+    d2 = bench.figures(kept)["d2"]
+    assert d2["quotes_evidence"]["hits"] == 1 and d2["answers_what_it_quoted"]["hits"] == 0
+
+
 def test_the_no_example_arm_drops_the_worked_example_and_nothing_else(shared_data: Path) -> None:
     bench = bench_module("evidence_following")
     heldout, pool = bench.pools(shared_data, 300, 4)
@@ -70,15 +81,20 @@ def test_the_no_example_arm_drops_the_worked_example_and_nothing_else(shared_dat
         bench.without_example(stripped)  # not a prompt with an example: refused, never cut wrongly
 
 
-@pytest.mark.slow  # ~40 s: `make test-all` (the fast suite keeps its 10-minute budget)
-def test_smoke_run_records_baselines_seeds_and_kept_replies(shared_data: Path, tmp_path: Path) -> None:
+def smoke_run(shared_data: Path, work: Path, *options: str) -> dict:
+    """The bench's `--smoke` run (one seed, one thread) with `options`; its record."""
     env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
-    command = [sys.executable, str(SCRIPT), "--smoke", "--seeds", "1", "--data", str(shared_data)]
+    command = [sys.executable, str(SCRIPT), "--smoke", "--seeds", "1", "--data", str(shared_data), *options]
     done = subprocess.run(
-        [*command, "--work", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        [*command, "--work", str(work)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads((tmp_path / "smoke" / "evidence_following.json").read_text())
+    return json.loads((work / "smoke" / "evidence_following.json").read_text())
+
+
+@pytest.mark.slow  # ~40 s: `make test-all` (the fast suite keeps its 10-minute budget)
+def test_smoke_run_records_baselines_seeds_and_kept_replies(shared_data: Path, tmp_path: Path) -> None:
+    result = smoke_run(shared_data, tmp_path)
     assert set(result["baselines"]) == {"chance", "no_evidence", "copy_example"}
     assert result["baselines"]["chance"] == 0.25
     seeds = result["seeds"]
@@ -92,3 +108,13 @@ def test_smoke_run_records_baselines_seeds_and_kept_replies(shared_data: Path, t
         assert len(lines) == 20 and {"prompt_id", "reply", "answer", "gold", "evidence_key", "example_key"} <= set(
             lines[0]
         )
+
+
+@pytest.mark.slow  # ~40 s: `make test-all`
+def test_smoke_run_warm_starts_with_sft_then_trains_grpo_from_it(shared_data: Path, tmp_path: Path) -> None:
+    """`--sft-prompts N`: the product's SFT on the export's reference replies, then GRPO from its merged model."""
+    result = smoke_run(shared_data, tmp_path, "--sft-prompts", "8")
+    run = result["runs"][0]
+    assert run["steps"] == 2 and run["sft"]["export"]["rows"] == 8 and run["sft"]["steps"] >= 1  # smoke: 2 GRPO steps
+    assert result["settings"]["sft_warm_start"] == {"prompts": 8, "epochs": 1.0}
+    assert "quotes_evidence" in run["after"]["d2"]
