@@ -88,9 +88,7 @@ def train_dpo(config: DPOTrainingConfig) -> dict[str, Any]:
     from trl import DPOTrainer
 
     dataset = _load_dataset(config.dataset)
-    missing = [c for c in DPO_COLUMNS if c not in dataset.column_names]
-    if missing:
-        raise ValueError(f"DPO dataset {config.dataset} lacks column(s) {missing}; it has {dataset.column_names}")
+    _require_columns(dataset, DPO_COLUMNS, f"DPO dataset {config.dataset}")
     dataset = dataset.select_columns(list(DPO_COLUMNS))
 
     model_path = config.model_path()
@@ -134,12 +132,12 @@ def train_sft(config: SFTTrainingConfig) -> dict[str, Any]:
 
 def sft_dataset(dataset, source: str):
     """TRL's conversational prompt–completion rows from the rows of `dataset` that have a reference reply."""
-    missing = [c for c in SFT_COLUMNS if c not in dataset.column_names]
-    if missing:
-        raise ValueError(
-            f"SFT dataset {source} lacks column(s) {missing}; it has {dataset.column_names} (`ermedrag export grpo "
-            "--questions` writes reference replies)"
-        )
+    _require_columns(
+        dataset,
+        SFT_COLUMNS,
+        f"SFT dataset {source}",
+        hint=" (`ermedrag export grpo --questions` writes reference replies)",
+    )
     with_reply = dataset.filter(lambda row: bool(row["reference_reply"]))
     if len(with_reply) == 0:
         raise ValueError(f"SFT dataset {source} has no row with a reference reply (all {len(dataset)} are null)")
@@ -241,6 +239,13 @@ def _by_name(reward_funcs: Sequence[RewardFunc]) -> dict[str, RewardFunc]:
     if len(by_name) != len(funcs):
         raise ValueError(f"reward functions need distinct names (TRL names curves by them), got {list(by_name)}")
     return by_name
+
+
+def _require_columns(dataset, columns: Sequence[str], what: str, hint: str = "") -> None:
+    """One error naming the columns `what` lacks and the ones it has."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{what} lacks column(s) {missing}; it has {dataset.column_names}{hint}")
 
 
 def _load_dataset(path: str):

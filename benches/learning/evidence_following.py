@@ -179,8 +179,8 @@ def refigure(out: Path, rows: Sequence[dict[str, Any]]) -> None:
     options = {row["prompt_id"]: row["options"] for row in rows}
 
     def again(name: str) -> dict[str, Any]:
-        kept = read_replies(replies / name)
-        if kept is None or [k["prompt_id"] for k in kept] != [r["prompt_id"] for r in rows]:
+        kept = kept_replies(replies / name, rows)
+        if kept is None:
             raise SystemExit(f"{replies / name}: no replies kept for these prompts")
         kept = [{**k, "quoted_key": quoted_option(k["reply"], options[k["prompt_id"]])} for k in kept]
         write_replies(replies / name, kept)
@@ -193,12 +193,18 @@ def refigure(out: Path, rows: Sequence[dict[str, Any]]) -> None:
     replace_text(out, json.dumps(record, indent=1) + "\n")
 
 
+def kept_replies(path: Path, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The replies an earlier run kept at `path` to these very prompts, in their order, else None."""
+    replies = read_replies(path)
+    if replies is None or [r["prompt_id"] for r in replies] != [r["prompt_id"] for r in rows]:
+        return None
+    return replies
+
+
 def kept_figures(path: Path, rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The figures of replies kept by an earlier run to these very prompts (`--reuse`), else None."""
-    replies = read_replies(path)
-    if replies is None:
-        return None
-    return figures(replies) if [r["prompt_id"] for r in replies] == [r["prompt_id"] for r in rows] else None
+    replies = kept_replies(path, rows)
+    return figures(replies) if replies is not None else None
 
 
 def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
