@@ -179,6 +179,14 @@ def triage_example(question: str, specialties: Sequence[str]) -> tuple[str, str]
     )
 
 
+def reference_reply(specialty: str) -> str:
+    """The reply the triage's SFT warm start teaches for a case whose gold specialty is `specialty`
+    (`ermedrag export mmedagent` writes it beside the label): the worked example's shape, naming the specialty
+    as listed. It gives no reason of its own: a label says which specialty, not why."""
+    name = defuse(clip(specialty, MAX_SPECIALTY_CHARS))
+    return f"<think>This case is a question for the {name}.</think><answer>{name}</answer>"
+
+
 def triage_messages(
     question: str, options: dict[str, str] | None, specialties: Sequence[str], images: Sequence[str] = ()
 ) -> list:

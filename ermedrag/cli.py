@@ -200,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "kind",
         choices=["dpo", "sft", "grpo", "med-r3", "mmedagent"],
-        help="dpo: extractor pairs; sft: the respondent's warm start on reference replies; grpo: respondent "
+        help="dpo: extractor pairs; sft: a warm start on reference replies (the respondent's or the triage's); grpo: respondent "
         "prompts; med-r3: the Med-R³ stage schedule; mmedagent: MMedAgent-RL's triage and attending curriculum",
     )
     train.add_argument(

@@ -280,9 +280,10 @@ class DPOTrainingConfig(_TrainingConfig):
 
 @dataclass
 class SFTTrainingConfig(_TrainingConfig):
-    """Supervised warm start on reference replies (`reference_reply`, written by `ermedrag export grpo --questions`):
-    the respondent learns the reply's shape and to read its answer off the evidence before GRPO, which needs groups
-    whose samples sometimes get it right. The loss is on the reply only, never on the prompt."""
+    """Supervised warm start on reference replies (`reference_reply`: `ermedrag export grpo --questions` writes the
+    respondent's, `ermedrag export mmedagent` the triage's): the agent learns the reply's shape and its answer (read
+    off the evidence; the gold specialty) before GRPO, which needs groups whose samples sometimes get it right. The
+    loss is on the reply only, never on the prompt."""
 
     learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate of AdamW (LoRA's usual)."})
     max_steps: int = field(

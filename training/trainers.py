@@ -22,8 +22,9 @@ Datasets are folders written by `datasets.Dataset.save_to_disk`, in TRL's conver
   any provenance columns (dropped before tokenisation);
 - GRPO: `prompt` (list of messages) plus whatever columns the reward functions read (`gold`, `options`...):
   TRL passes every extra column to each reward function as a keyword argument (a list, one per completion);
-- SFT (the respondent's warm start): `prompt` and `reference_reply` (a string, or null for a row that has none:
-  skipped), e.g. the very dataset `ermedrag export grpo --questions` wrote, so one export serves both trainers.
+- SFT (a warm start): `prompt` and `reference_reply` (a string, or null for a row that has none: skipped), e.g.
+  the very dataset `ermedrag export grpo --questions` (respondent) or `export mmedagent` (its `triage/`) wrote, so
+  one export serves both trainers.
 
 GPU recipe (vLLM generation, bf16, several GPUs). Precision is automatic (bf16 on CUDA); pick the
 distribution strategy with an accelerate config file (DDP, DeepSpeed ZeRO-2/3, or FSDP; TRL ships examples
@@ -136,7 +137,7 @@ def sft_dataset(dataset, source: str):
         dataset,
         SFT_COLUMNS,
         f"SFT dataset {source}",
-        hint=" (`ermedrag export grpo --questions` writes reference replies)",
+        hint=" (`ermedrag export grpo --questions` and `ermedrag export mmedagent` write reference replies)",
     )
     with_reply = dataset.filter(lambda row: bool(row["reference_reply"]))
     if len(with_reply) == 0:

@@ -27,6 +27,12 @@ in the work folder).
     .venv/bin/python benches/learning/mmedagent_learning.py --seeds 3    # the stages trained 3 times
     .venv/bin/python benches/learning/mmedagent_learning.py --seeds 3 --reuse   # go on: finished seeds are kept
     .venv/bin/python benches/learning/mmedagent_learning.py --smoke      # tiny random model, < 1 min: the pipeline
+    .venv/bin/python benches/learning/mmedagent_learning.py --parts triage --seeds 3 --sft-epochs 1 \
+        --sft-questions 240 --triage-steps 0     # the triage's SFT warm start alone (add GRPO: --triage-steps 16)
+
+`--sft-epochs E` warm-starts each seed's triage first with the product's SFT (`train_sft`, the `sft_triage`
+preset) on the reference replies (`agents.triage.reference_reply`) of its training questions, plus more drawn
+from those not held out up to `--sft-questions`; the GRPO stage goes on from the merged model.
 
 With `--seeds N` triage and the attending's curriculum are trained N times from the base model (training seeds
 42, 43, …: LoRA initialisation, data order, sampled rollouts; from the second seed on, also a training sample of
@@ -76,6 +82,7 @@ SEED_CHANGES = (
     "data order, sampled rollouts"
 )
 ATTENDING_STAGES = ("easy", "medium", "hard")
+SFT_TRIAGE_DIR = "sft-triage"  # the warm start's rows in a seed's export folder (`--sft-epochs`)
 RELIABILITIES = (0.8, 0.5, 0.2)  # specialist 1, 2, 3: probability of naming the gold option
 # How the held-out attending rows place their gold answers (recorded in settings; absent: as the benchmark has them)
 BALANCED_POSITIONS = "balanced (evals.baselines.balanced_positions)"
@@ -172,6 +179,21 @@ def round_robin(pools: dict[str, list[Any]], n: int) -> list[Any]:
     return drawn
 
 
+def warm_start_questions(
+    by_specialty: dict[str, list[Any]], train: Sequence[Any], held_out: Sequence[Any], n: int, draw: str
+) -> list[Any]:
+    """The SFT warm start's questions: the GRPO training ones, then more taken in turn per specialty (`round_robin`)
+    from those neither held out nor trained on, drawn with `draw`, up to `n` in all: the held-out set stays the
+    split's whatever `n` is."""
+    used = {q.id for q in (*train, *held_out)}
+    rng = random.Random(f"sft:{draw}")
+    rest = {
+        s: rng.sample([q for q in qs if q.id not in used], sum(q.id not in used for q in qs))
+        for s, qs in by_specialty.items()
+    }
+    return [*train, *round_robin(rest, max(0, n - len(train)))]
+
+
 def triage_rows(questions: Sequence[Any]) -> list[dict[str, Any]]:
     """The triage stage's rows, as `ermedrag export mmedagent` writes them."""
     from ermedrag.agents import triage
@@ -183,6 +205,7 @@ def triage_rows(questions: Sequence[Any]) -> list[dict[str, Any]]:
         {
             "prompt": to_chat(triage.triage_messages(q.question, q.options, specialties)),
             "gold_specialty": gold_specialty_for(q),
+            "reference_reply": triage.reference_reply(gold_specialty_for(q)),
             "specialties": specialties,
             "question": q.question,
             "id": q.id,
@@ -590,7 +613,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1500,
         help="leave out questions whose text and options are longer (bounds the CPU time per step)",
     )
-    parser.add_argument("--triage-steps", type=int, default=16)
+    parser.add_argument(
+        "--triage-steps", type=int, default=16, help="0: no GRPO (with --sft-epochs: the warm start alone)"
+    )
+    parser.add_argument(
+        "--sft-epochs",
+        type=float,
+        default=0.0,
+        help="a lever: each seed first warm-starts the triage with the product's SFT (`train_sft`, the sft_triage "
+        "preset's settings) on its training questions' reference replies for this many epochs, and the triage's "
+        "GRPO stage starts from the merged model (default 0: no warm start)",
+    )
     parser.add_argument("--easy-steps", type=int, default=6)
     parser.add_argument("--medium-steps", type=int, default=12)
     parser.add_argument("--hard-steps", type=int, default=8)
@@ -607,6 +640,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1,
         help="prompts (each with its group) per optimizer step, by gradient accumulation; the product's "
         "training/configs/mmedagent.yaml has 2 (per_device_train_batch_size 8 = num_generations, accumulation 2)",
+    )
+    parser.add_argument(
+        "--sft-questions",
+        type=int,
+        default=None,
+        help="questions the warm start trains on: the training questions, then more drawn from those not held out "
+        "(balanced like the split; default: the training questions alone)",
     )
     parser.add_argument("--triage-tokens", type=int, default=64, help="triage completion budget (training and eval)")
     parser.add_argument("--attending-tokens", type=int, default=96, help="attending completion budget")
@@ -676,6 +716,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if args.triage_beta is not None and args.triage_beta < 0:
         parser.error(f"--triage-beta must be at least 0, got {args.triage_beta}")
+    if not 0 <= args.sft_epochs < float("inf") or args.triage_steps < 0:
+        parser.error("--sft-epochs must be a finite number at least 0, and --triage-steps at least 0")
+    if args.sft_questions is not None and (args.sft_questions < 1 or not args.sft_epochs):
+        parser.error("--sft-questions must be at least 1, and goes with --sft-epochs")
+    if args.triage_steps == 0 and not (args.sft_epochs and args.parts == "triage"):
+        parser.error("--triage-steps 0 measures a warm start alone: it needs --sft-epochs and --parts triage")
     if args.triage_format_weight is not None and not 0 <= args.triage_format_weight < float("inf"):
         parser.error(f"--triage-format-weight must be a finite number at least 0, got {args.triage_format_weight}")
     if (
@@ -723,6 +769,7 @@ class BenchData:
     train_questions: list[Any]
     eval_questions: list[Any]
     train_triage: list[dict[str, Any]]
+    sft_triage: list[dict[str, Any]]  # the warm start's rows (`--sft-epochs`; else empty)
     eval_triage: list[dict[str, Any]]
     train_attending: list[dict[str, Any]]
     eval_attending: list[dict[str, Any]]
@@ -749,10 +796,16 @@ def prepare_data(args: argparse.Namespace, folder: Path, export: Path, train_dra
     # Gold positions balanced (options rotated): always one letter, or an attending collapsed onto one, scores chance
     eval_attending = attending_rows(balanced_positions(eval_q), opinions_rng, args.reliabilities)
     own_opinions = random.Random(f"opinions:{args.seed}:{train_draw}")
+    sft_q = (
+        warm_start_questions(by_specialty, train_q, eval_q, args.sft_questions or 0, f"{args.seed}:{train_draw}")
+        if args.sft_epochs
+        else []
+    )
     data = BenchData(
         train_q,
         eval_q,
         triage_rows(train_q),
+        triage_rows(sft_q),
         triage_rows(eval_q),
         first_train_attending if train_draw == 0 else attending_rows(train_q, own_opinions, args.reliabilities),
         eval_attending,
@@ -761,6 +814,8 @@ def prepare_data(args: argparse.Namespace, folder: Path, export: Path, train_dra
     if export.exists():
         shutil.rmtree(export)
     save_dataset(data.train_triage, export / "triage")
+    if data.sft_triage:
+        save_dataset(data.sft_triage, export / SFT_TRIAGE_DIR)
     data.stage_rows["triage"] = len(data.train_triage)
     for bucket in ATTENDING_STAGES:
         rows = [r for r in data.train_attending if r["bucket"] == bucket]
@@ -768,6 +823,12 @@ def prepare_data(args: argparse.Namespace, folder: Path, export: Path, train_dra
         if rows:
             save_dataset(rows, export / bucket)
     return data
+
+
+def question_ids(data: BenchData) -> list[list[str]]:
+    """The ids a seed's record depends on: training, held out, and the warm start's when it has one."""
+    ids = [[q.id for q in data.train_questions], [q.id for q in data.eval_questions]]
+    return ids + [[r["id"] for r in data.sft_triage]] if data.sft_triage else ids
 
 
 def policy_model(smoke: bool, model: str, work: Path) -> str:
@@ -832,6 +893,7 @@ def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[st
         "train_questions": len(data.train_questions),
         "eval_questions": len(data.eval_questions),
         "train_by_specialty": dict(Counter(r["gold_specialty"] for r in data.train_triage).most_common()),
+        "sft_by_specialty": dict(Counter(r["gold_specialty"] for r in data.sft_triage).most_common()),
         "eval_by_specialty": dict(Counter(r["gold_specialty"] for r in data.eval_triage).most_common()),
         "reliabilities": list(args.reliabilities),
         "train_rows_by_stage": data.stage_rows,
@@ -852,6 +914,7 @@ def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[st
         "learning_rate": args.learning_rate,
         "reward": args.reward,
         "triage_rewards": named_weights(stage_rewards(stage_config(config, "triage"), "triage")),
+        "triage_sft_warm_start": {"epochs": args.sft_epochs, "preset": "sft_triage"} if args.sft_epochs else None,
         "triage_tokens": args.triage_tokens,
         "attending_tokens": args.attending_tokens,
         "entropy_stage": args.entropy_stage,
@@ -868,10 +931,41 @@ def measured_once(measured: dict[tuple[str, str], dict], model_dir: str, part: s
     return measured[model_dir, part]
 
 
+def warm_start(config, args: argparse.Namespace) -> dict[str, Any]:
+    """`--sft-epochs`: the product's SFT with the `sft_triage` preset's settings, from the base model, on the
+    reference replies of this seed's warm-start rows (its export's SFT_TRIAGE_DIR); the merged model and the run."""
+    from ermedrag.training.config import SFTTrainingConfig, load_config
+    from ermedrag.training.trainers import train_sft
+
+    started = time.time()
+    preset = load_config("sft_triage", SFTTrainingConfig)
+    training = dataclasses.replace(
+        preset,
+        model=config.model,
+        dataset=str(Path(config.dataset) / SFT_TRIAGE_DIR / "dataset"),
+        output_dir=str(Path(config.output_dir) / "sft"),
+        num_train_epochs=args.sft_epochs,
+        seed=config.seed,
+        save_steps=10_000,
+    )
+    summary = train_sft(training)
+    run = {
+        "model_dir": summary["start_model"],
+        "rows": summary["rows"],
+        "steps": summary["steps"],
+        "epochs": args.sft_epochs,
+        "train_loss": summary["train_loss"],
+        "minutes": round((time.time() - started) / 60, 2),
+    }
+    log(f"triage warm start: {json.dumps(run)}")
+    return run
+
+
 def triage_part(
     config, model_path: str, data: BenchData, args: argparse.Namespace, measured: dict[tuple[str, str], dict]
 ) -> tuple[dict, dict]:
-    """(a): held-out triage accuracy before and after the triage stage; the result and the stage's summary."""
+    """(a): held-out triage accuracy before and after the triage stage (from the seed's SFT warm start with
+    `--sft-epochs`; with `--triage-steps 0` the warm start is the after); the result and the stage's summary."""
     from ermedrag.agents.triage import SPECIALTIES
     from ermedrag.evals.baselines import beats_baselines
     from ermedrag.training.mmedagent.train import stage_config
@@ -881,7 +975,13 @@ def triage_part(
         measured, model_path, "triage", lambda: evaluate_triage(model_path, data.eval_triage, staged, args, "before")
     )
     log(f"triage before: {json.dumps(before)}")
-    summary = run_stage(config, "triage", data.stage_rows["triage"])
+    sft = warm_start(config, args) if args.sft_epochs else None
+    if sft and not args.triage_steps:
+        summary = {"model_dir": sft["model_dir"], "steps": 0, "minutes": 0.0}
+    else:
+        summary = run_stage(
+            dataclasses.replace(config, model=sft["model_dir"]) if sft else config, "triage", data.stage_rows["triage"]
+        )
     after = evaluate_triage(summary["model_dir"], data.eval_triage, staged, args, f"seed{config.seed}_after")
     log(f"triage after: {json.dumps(after)}")
     gold_counts = Counter(r["gold_specialty"] for r in data.eval_triage)
@@ -895,6 +995,7 @@ def triage_part(
         "majority_class": round(max(gold_counts.values()) / len(data.eval_triage), 4),
         "steps": summary["steps"],
         "minutes": summary["minutes"],
+        "sft": sft,
     }, summary
 
 
@@ -1065,7 +1166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs = {
         **{k: v for k, v in settings.items() if k != "estimated_minutes_2_cores"},
         "eval_batch": args.eval_batch,
-        **inputs_key(args.data, [q.id for q in data.train_questions], [q.id for q in data.eval_questions]),
+        **inputs_key(args.data, *question_ids(data)),
     }
     measured: dict[tuple[str, str], dict] = {}
     runs, reused_seeds = [], []
@@ -1081,7 +1182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         own_inputs = {
             **inputs,
-            **inputs_key(args.data, [q.id for q in own.train_questions], [q.id for q in own.eval_questions]),
+            **inputs_key(args.data, *question_ids(own)),
         }
         run, reused = run_or_reuse(
             Path(seeded.output_dir),

@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -154,14 +155,7 @@ def test_a_training_draw_keeps_the_held_out_questions_and_draws_its_own_training
 
 def test_held_out_attending_golds_stand_at_every_position_in_turn(shared_data: Path, tmp_path: Path) -> None:
     """Always one letter (or an attending collapsed onto one) scores chance on the held-out attending rows."""
-    args = SimpleNamespace(
-        max_question_chars=1500,
-        train_questions=12,
-        eval_questions=24,
-        seed=0,
-        sampling="balanced",
-        reliabilities=bench.RELIABILITIES,
-    )
+    args = bench.parse_args(["--train-questions", "12", "--eval-questions", "24"])
     data = bench.prepare_data(args, bench.benchmarks_dir(str(shared_data)), tmp_path / "export")
     rows = data.eval_attending
     assert [r["id"] for r in rows] == [q.id for q in data.eval_questions]
@@ -218,6 +212,49 @@ def test_triage_only_writes_its_figures_beside_the_recorded_attending(shared_dat
         == 2
     )
     assert json.loads(out.read_text())["triage"]["seeds_after"] == result["triage"]["seeds_after"]
+
+
+def test_a_warm_started_triage_trains_sft_on_the_reference_replies_then_grpo_from_it(
+    shared_data: Path, tmp_path: Path
+) -> None:
+    proc = run_bench(
+        "--smoke", "--parts", "triage", "--sft-epochs", "0.25", "--data", str(shared_data), "--work", str(tmp_path)
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    triage = json.loads((tmp_path / "smoke" / "mmedagent_learning.json").read_text())["triage"]
+    train = tmp_path / "smoke" / "train"
+    assert triage["sft"]["rows"] == bench.SMOKE_SIZES["train_questions"] and triage["sft"]["steps"] == 3  # 48/4/4
+    assert triage["sft"]["model_dir"] == str(train / "sft" / "merged")
+    stage = json.loads((train / "triage" / "mmedagent_stage.json").read_text())
+    assert stage["start_model"] == triage["sft"]["model_dir"]  # GRPO went on from the warm start
+    assert triage["steps"] == bench.SMOKE_SIZES["triage_steps"]
+
+
+def test_triage_steps_zero_measures_a_warm_start_alone_and_nothing_else() -> None:
+    args = bench.parse_args(["--parts", "triage", "--sft-epochs", "1", "--triage-steps", "0"])
+    assert (args.sft_epochs, args.triage_steps) == (1.0, 0)
+    for wrong in (
+        ["--triage-steps", "0"],
+        ["--sft-epochs", "1", "--triage-steps", "0"],
+        ["--sft-epochs", "-1"],
+        ["--sft-questions", "240"],
+        ["--sft-epochs", "1", "--sft-questions", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(wrong)
+
+
+def test_warm_start_questions_add_to_the_training_ones_and_leave_the_held_out_set_alone() -> None:
+    pools = {s: [question(f"{s}{i}", subject=s) for i in range(30)] for s in ("Pathologist", "Surgeon", "Radiologist")}
+    train, held_out = bench.split_questions({s: list(qs) for s, qs in pools.items()}, 6, 6, 0, "balanced")
+    drawn = bench.warm_start_questions(pools, train, held_out, 36, "0:1")
+    ids = [q.id for q in drawn]
+    assert ids[:6] == [q.id for q in train] and len(set(ids)) == 36
+    assert not set(ids) & {q.id for q in held_out}
+    assert Counter(q.subject for q in drawn) == {"Pathologist": 12, "Surgeon": 12, "Radiologist": 12}
+    assert [q.id for q in bench.warm_start_questions(pools, train, held_out, 36, "0:1")] == ids  # seeded
+    assert [q.id for q in bench.warm_start_questions(pools, train, held_out, 36, "0:2")] != ids
+    assert bench.warm_start_questions(pools, train, held_out, 3, "0:1") == train  # never fewer than the training set
 
 
 def test_scripted_specialists_are_right_at_their_reliability_and_wrong_uniformly() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ermedrag.agents import triage
 from ermedrag.agents.base import to_chat
 from ermedrag.graphs.mmedagent.graph import graph
 from ermedrag.tools.data.benchmarks import Question
@@ -187,6 +188,16 @@ def test_export_writes_triage_rows_only_with_a_gold_specialty(recorded):
     from datasets import load_from_disk
 
     assert len(load_from_disk(str(recorded["export"] / "triage" / "dataset"))) == 3
+
+
+def test_each_triage_row_carries_a_reference_reply_that_reads_back_as_its_gold(recorded):
+    """The SFT warm start's target: a well-formed reply naming the gold specialty as the run listed it."""
+    for row in rows(recorded["export"] / "triage"):
+        parsed = triage.parse_triage(row["reference_reply"], row["specialties"], fallback="(none)")
+        assert parsed["ok"] and parsed["well_formed"] and parsed["specialty"] == row["gold_specialty"]
+        columns = {"gold_specialty": [row["gold_specialty"]], "specialties": [row["specialties"]]}
+        completion = [[{"role": "assistant", "content": row["reference_reply"]}]]
+        assert triage_correctness_reward(completion, **columns) == triage_format_reward(completion, **columns) == [1.0]
 
 
 def test_export_puts_attending_prompts_with_frozen_opinions_in_their_bucket(recorded):
@@ -494,6 +505,23 @@ def test_four_stages_chain_end_to_end(recorded, tiny_model, tmp_path):
     summary = json.loads((out / "mmedagent_summary.json").read_text())
     assert sorted(summary["stages"]) == ["easy", "hard", "medium", "triage"]
     assert summary["triage_model"] == str(out / "triage" / "merged")  # kept from the earlier run
+
+
+def test_the_triage_warm_starts_with_sft_then_its_grpo_stage_goes_on_from_it(recorded, tiny_model, tmp_path):
+    """What a user runs: `ermedrag train sft` on the export's triage/ (its reference replies), then the triage's
+    GRPO stage from the merged warm start while the attending's curriculum starts from the base model."""
+    from ermedrag.cli import main
+
+    sft = tmp_path / "sft_triage.yaml"
+    sft.write_text(
+        f"model: {tiny_model}\ndataset: {recorded['export'] / 'triage' / 'dataset'}\noutput_dir: {tmp_path / 'sft'}\n"
+        "max_steps: 1\nper_device_train_batch_size: 2\nlora_r: 8\nlora_alpha: 16\n"
+    )
+    assert main(["train", "sft", "--config", str(sft)]) == 0
+    warm = tmp_path / "sft" / "merged"
+    conf = tiny_config(str(warm), recorded["export"], tmp_path / "run", attending_start=tiny_model)
+    stages = train_mmedagent(conf, stages="triage,easy")["stages"]
+    assert stages["triage"]["start_model"] == str(warm) and stages["easy"]["start_model"] == tiny_model
 
 
 def test_no_curriculum_ablation_trains_one_stage_on_every_bucket(recorded, tiny_model, tmp_path):

@@ -7,7 +7,8 @@ Written under `out` (each folder a resumable export of `training.export`: `log.j
 `dataset/` for `datasets.load_from_disk`):
 
 - `triage/`: one GRPO prompt per finished run with a known gold specialty: the exact messages the graph sent
-  the triage doctor (its recorded triage event), `gold_specialty`, `specialties` (the run's list),
+  the triage doctor (its recorded triage event), `gold_specialty`, `reference_reply` (the reply naming it, which
+  `ermedrag train sft --config sft_triage` warm-starts the triage on), `specialties` (the run's list),
   `label_source`. A run whose gold specialty is unknown is LEFT OUT, never guessed, and counted; so is one
   whose gold specialty is not in the run's list, or that has no triage event (oracle or fixed triage).
 - `easy/`, `medium/`, `hard/`: the attending's prompts by curriculum bucket (the run's specialist agreement
@@ -160,6 +161,7 @@ def triage_row(
     return {
         "prompt": to_chat(event["messages"]),
         "gold_specialty": gold,
+        "reference_reply": triage_role.reference_reply(gold),
         "specialties": specialties,
         "label_source": label.source,
         "question": question["question"],
