@@ -978,10 +978,12 @@ def triage_part(
     sft = warm_start(config, args) if args.sft_epochs else None
     if sft and not args.triage_steps:
         summary = {"model_dir": sft["model_dir"], "steps": 0, "minutes": 0.0}
+    elif sft:  # the warm start measured too, so one run tells what SFT did and what GRPO added
+        sft["after"] = evaluate_triage(sft["model_dir"], data.eval_triage, staged, args, f"seed{config.seed}_after_sft")
+        log(f"triage after the warm start: {json.dumps(sft['after'])}")
+        summary = run_stage(dataclasses.replace(config, model=sft["model_dir"]), "triage", data.stage_rows["triage"])
     else:
-        summary = run_stage(
-            dataclasses.replace(config, model=sft["model_dir"]) if sft else config, "triage", data.stage_rows["triage"]
-        )
+        summary = run_stage(config, "triage", data.stage_rows["triage"])
     after = evaluate_triage(summary["model_dir"], data.eval_triage, staged, args, f"seed{config.seed}_after")
     log(f"triage after: {json.dumps(after)}")
     gold_counts = Counter(r["gold_specialty"] for r in data.eval_triage)
@@ -1109,6 +1111,12 @@ def write_triage_only(
         "seeds_beating_chance_and_majority": sum(beats_baselines(a, against) for a in afters),
         "seeds_beating_every_baseline": sum(beats_baselines(a, baselines) for a in afters),
     }
+    warm = [(run["triage"].get("sft") or {}).get("after") for run in runs]  # measured when GRPO followed
+    if all(warm):
+        result["triage"]["seeds_after_sft"] = warm
+        result["triage"]["seeds_after_sft_beating_chance_and_majority"] = sum(
+            beats_baselines(w["accuracy"], against) for w in warm
+        )
     result.setdefault("seeds", {})["triage"] = seeds_summary(runs, data)["triage"]
     result["triage_run"] = {
         "settings": settings,

@@ -228,6 +228,10 @@ def test_a_warm_started_triage_trains_sft_on_the_reference_replies_then_grpo_fro
     stage = json.loads((train / "triage" / "mmedagent_stage.json").read_text())
     assert stage["start_model"] == triage["sft"]["model_dir"]  # GRPO went on from the warm start
     assert triage["steps"] == bench.SMOKE_SIZES["triage_steps"]
+    assert triage["sft"]["after"]["n"] == bench.SMOKE_SIZES["eval_questions"]  # the warm start measured on its own
+    assert triage["seeds_after_sft"] == [triage["sft"]["after"]]
+    kept = {p.name for p in (tmp_path / "smoke" / "mmedagent_learning_replies").iterdir()}
+    assert {"triage_seed42_after_sft.jsonl.gz", "triage_seed42_after.jsonl.gz"} <= kept
 
 
 def test_triage_steps_zero_measures_a_warm_start_alone_and_nothing_else() -> None:
