@@ -392,7 +392,8 @@ def evidence_row(
     """`respondent_row` for a benchmark question (`tools.data.benchmarks.Question`) with this evidence; `kind` and
     `evidence_key` (the option the supporting evidence names, None without one) say what the prompt tests."""
     row = respondent_row(question.question, question.options, question.answer, supporting, distractors, rng)
-    reference = reference_reply(row["triplets"], evidence_key, question.options) if kind == "supporting" else None
+    answer = evidence_key if supporting else question.answer  # no line decides it: the gold, from knowledge
+    reference = reference_reply(row["triplets"], answer, question.options)
     return {
         **row,
         "kind": kind,
@@ -404,20 +405,28 @@ def evidence_row(
 
 
 MAX_REFERENCE_QUOTE_CHARS = 200
+# What the reference reply reasons when no line supports an answer. Without it the warm start saw only replies
+# citing a line, and with no evidence at all the offline model cited an "Evidence [1]" that did not exist and
+# answered with a fragment naming no option (benches/README.md, evidence following, seed 1: 20 of 48).
+NO_SUPPORT_REASONING = "None of the evidence answers this question, so I answer from what I know."
 
 
 def reference_reply(
     triplets: Sequence[dict[str, Any]], answer: str | None, options: dict[str, str] | None = None
 ) -> str | None:
     """The reply a respondent that follows its evidence writes, in the worked example's shape: the first supporting
-    (not distractor) line cited by its number and its conclusion quoted, then the answer, naming the option by its
-    text (`reference_answer`). The target of `train_sft`'s warm start; None without a supporting line or an answer
-    (nothing in the evidence decides the answer)."""
-    line = next((i for i, t in enumerate(triplets, 1) if not t.get("distractor")), None)
-    if line is None or not answer:
+    (not distractor) line cited by its number and its conclusion quoted, or with no such line
+    `NO_SUPPORT_REASONING` and no citation; then the answer, naming the option by its text (`reference_answer`). The
+    target of `train_sft`'s warm start; None without an answer."""
+    if not answer:
         return None
-    said = quote(triplets[line - 1].get("conclusion"), MAX_REFERENCE_QUOTE_CHARS)
-    return f"<think>Evidence [{line}] says {said}.</think><answer>{reference_answer(answer, options)}</answer>"
+    line = next((i for i, t in enumerate(triplets, 1) if not t.get("distractor")), None)
+    reasoning = (
+        NO_SUPPORT_REASONING
+        if line is None
+        else f"Evidence [{line}] says {quote(triplets[line - 1].get('conclusion'), MAX_REFERENCE_QUOTE_CHARS)}."
+    )
+    return f"<think>{reasoning}</think><answer>{reference_answer(answer, options)}</answer>"
 
 
 def reference_answer(key: str, options: dict[str, str] | None) -> str:
