@@ -108,6 +108,8 @@ SECONDS_PER_STEP_PER_TOKEN = 42 / 96 * 1.1  # +10%: the KL reference pass (β > 
 # prompts of each kind (triage 64 tokens 16 s, attending 96 tokens 27 s, model load included) on one thread of a
 # busy 2-core machine, times 0.7 for two threads.
 EVAL_SECONDS_PER_PROMPT_PER_TOKEN = 0.045
+# The triage's SFT warm start, per row and epoch: 240 rows, one epoch, batch 4 in 38.1 min (2026-12-07, load 1.6-1.8).
+SFT_SECONDS_PER_ROW = 9.5
 
 
 def log(message: str) -> None:
@@ -742,7 +744,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def estimate_minutes(args: argparse.Namespace, stage_rows: dict[str, int]) -> float:
+def estimate_minutes(args: argparse.Namespace, stage_rows: dict[str, int], sft_rows: int = 0) -> float:
     """A rough wall time for the offline model on 2 cores (constants above), printed before the run."""
     scale = args.generations * args.prompts_per_step / 4
     steps = {"triage": args.triage_steps, "easy": args.easy_steps, "medium": args.medium_steps, "hard": args.hard_steps}
@@ -759,7 +761,8 @@ def estimate_minutes(args: argparse.Namespace, stage_rows: dict[str, int]) -> fl
     evaluated_tokens = 2 * args.triage_tokens + 4 * args.attending_tokens  # triage 2 evals, attending 4
     evals = args.eval_questions * EVAL_SECONDS_PER_PROMPT_PER_TOKEN * evaluated_tokens
     merges = 5 * 20
-    return (train + evals + merges + 60) / 60
+    warm_start = sft_rows * args.sft_epochs * SFT_SECONDS_PER_ROW
+    return (train + warm_start + evals + merges + 60) / 60
 
 
 @dataclasses.dataclass
@@ -920,7 +923,9 @@ def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[st
         "entropy_stage": args.entropy_stage,
         "entropy_bonus_on_silent_steps": config.entropy_bonus_on_silent_steps,
         "decoding": "greedy, the training rollouts' loop (ends at </answer>), same held-out prompts before and after",
-        "estimated_minutes_2_cores": None if args.smoke else round(estimate_minutes(args, data.stage_rows), 1),
+        "estimated_minutes_2_cores": None
+        if args.smoke
+        else round(estimate_minutes(args, data.stage_rows, len(data.sft_triage)), 1),
     }
 
 
