@@ -36,7 +36,7 @@ def answer_prefix(completion: str, reasoning: str) -> str:
 def answered_by_letter(completion: str, options: Mapping[str, str]) -> bool:
     """Whether the agent's first `<answer>` in `completion` starts with an option letter: what the letters'
     probabilities there score. An agent that named its option by its text chose among words, not letters (a
-    respondent warm-started on reference replies answers so: `training.export.reference_answer`). True without an
+    respondent warm-started on reference replies answers so: `training.evidence_export.reference_answer`). True without an
     `<answer>`: the scoring call then writes the letter itself."""
     text = completion or ""
     opened = fold_case(text).find(ANSWER_OPEN)

@@ -330,7 +330,7 @@ def export(args: argparse.Namespace) -> int:
     )
 
     if args.kind == "grpo" and args.questions:  # prompts written from benchmark questions, no traces read
-        from ermedrag.training.export import EvidenceExportConfig, export_grpo_evidence
+        from ermedrag.training.evidence_export import EvidenceExportConfig, export_grpo_evidence
 
         config = EvidenceExportConfig(
             questions=args.questions,

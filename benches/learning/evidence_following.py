@@ -13,7 +13,7 @@ Baselines beside the follow rate: `chance` (1 / options), `no_evidence`, `copy_e
 letter equals X). A seed `beats_baselines` when its d2 follow rate is above every baseline's Wilson 95% interval.
 
 Training: each seed exports its own GRPO prompts from the other questions with `ermedrag export grpo --questions`'s
-code (`training.export.export_evidence_prompts`, the seed drawing the sample, order, kinds and distractors:
+code (`training.evidence_export.export_evidence_prompts`, the seed drawing the sample, order, kinds and distractors:
 evidence supporting the gold among 0-4 distractors, a quarter with only distractors), trains the respondent with
 the product's GRPO (LoRA, the respondent's default rewards: correctness, format, length, evidence use) from the
 base model, merges (in float32, saved in the base checkpoint's dtype: `learning_signal.merged_model`) and measures
@@ -58,7 +58,7 @@ from ermedrag.tools.data.benchmarks import Question, load_questions_file  # noqa
 from ermedrag.tools.machine import describe_machine  # noqa: E402
 from ermedrag.tools.records.jsonl import replace_text  # noqa: E402
 from ermedrag.training.config import GRPOTrainingConfig, SFTTrainingConfig  # noqa: E402
-from ermedrag.training.export import (  # noqa: E402
+from ermedrag.training.evidence_export import (  # noqa: E402
     EvidenceExportConfig,
     draw_distractors,
     evidence_row,

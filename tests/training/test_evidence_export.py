@@ -12,7 +12,7 @@ from ermedrag.agents import respondent
 from ermedrag.agents.citations import cited_numbers
 from ermedrag.cli import main
 from ermedrag.tools.data.benchmarks import load_questions_file
-from ermedrag.training.export import (
+from ermedrag.training.evidence_export import (
     NO_SUPPORT_REASONING,
     EvidenceExportConfig,
     evidence_prompts,

@@ -1,5 +1,5 @@
 """A script whose answering agents name the first option by its text, not its letter (as a respondent warm-started on
-reference replies does: `training.export.reference_answer`), on a backend that scores option letters like
+reference replies does: `training.evidence_export.reference_answer`), on a backend that scores option letters like
 `citer`'s. Never for results."""
 
 from __future__ import annotations
