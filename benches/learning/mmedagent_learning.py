@@ -160,15 +160,17 @@ def split_questions(
         train, held_out = round_robin(pools, n_train), round_robin(pools, n_eval)
     if train_draw == 0:
         return train, held_out
-    held = {q.id for q in held_out}
     own = random.Random(f"train:{seed}:{train_draw}")
-    rest = {
-        s: own.sample([q for q in qs if q.id not in held], sum(q.id not in held for q in qs))
-        for s, qs in by_specialty.items()
-    }
+    rest = shuffled_rest(by_specialty, {q.id for q in held_out}, own)
     if sampling == "natural":
         return own.sample([q for qs in rest.values() for q in qs], min(n_train, sum(map(len, rest.values())))), held_out
     return round_robin(rest, n_train), held_out
+
+
+def shuffled_rest(by_specialty: dict[str, list[Any]], used: set[str], rng: random.Random) -> dict[str, list[Any]]:
+    """Each specialty's questions whose ids are not in `used`, shuffled with `rng` (a draw of its own)."""
+    rest = {s: [q for q in qs if q.id not in used] for s, qs in by_specialty.items()}
+    return {s: rng.sample(qs, len(qs)) for s, qs in rest.items()}
 
 
 def round_robin(pools: dict[str, list[Any]], n: int) -> list[Any]:
@@ -187,12 +189,7 @@ def warm_start_questions(
     """The SFT warm start's questions: the GRPO training ones, then more taken in turn per specialty (`round_robin`)
     from those neither held out nor trained on, drawn with `draw`, up to `n` in all: the held-out set stays the
     split's whatever `n` is."""
-    used = {q.id for q in (*train, *held_out)}
-    rng = random.Random(f"sft:{draw}")
-    rest = {
-        s: rng.sample([q for q in qs if q.id not in used], sum(q.id not in used for q in qs))
-        for s, qs in by_specialty.items()
-    }
+    rest = shuffled_rest(by_specialty, {q.id for q in (*train, *held_out)}, random.Random(f"sft:{draw}"))
     return [*train, *round_robin(rest, max(0, n - len(train)))]
 
 
@@ -206,13 +203,13 @@ def triage_rows(questions: Sequence[Any]) -> list[dict[str, Any]]:
     return [
         {
             "prompt": to_chat(triage.triage_messages(q.question, q.options, specialties)),
-            "gold_specialty": gold_specialty_for(q),
-            "reference_reply": triage.reference_reply(gold_specialty_for(q)),
+            "gold_specialty": gold,
+            "reference_reply": triage.reference_reply(gold),
             "specialties": specialties,
             "question": q.question,
             "id": q.id,
         }
-        for q in questions
+        for q, gold in ((q, gold_specialty_for(q)) for q in questions)
     ]
 
 
