@@ -32,7 +32,9 @@ in the work folder).
 
 `--sft-epochs E` warm-starts each seed's triage first with the product's SFT (`train_sft`, the `sft_triage`
 preset) on the reference replies (`agents.triage.reference_reply`) of its training questions, plus more drawn
-from those not held out up to `--sft-questions`; the GRPO stage goes on from the merged model.
+from those not held out up to `--sft-questions`; the GRPO stage goes on from the merged model. A seed's warm start
+lives beside its training folder (`train-sft`, `train-s1-sft`), so `--reuse` takes it into a run that changes only
+the GRPO after it (`--triage-steps 0`, then `--triage-steps 16 --reuse`: the warm starts are not trained again).
 
 With `--seeds N` triage and the attending's curriculum are trained N times from the base model (training seeds
 42, 43, …: LoRA initialisation, data order, sampled rollouts; from the second seed on, also a training sample of
@@ -689,8 +691,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--reuse",
         action="store_true",
-        help="take each training seed (and the entropy ablation) that an earlier run finished with the "
-        "same settings from its record (to add seeds, or go on after a stop); only while the "
+        help="take each training seed (its warm start, the entropy ablation) that an earlier run finished "
+        "with the same settings from its record (to add seeds, or go on after a stop); only while the "
         "training code is unchanged",
     )
     parser.add_argument(
@@ -700,11 +702,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="triage: train and measure the triage stage only, and write its figures (triage, seeds.triage) into "
         "the results file beside the attending's recorded ones",
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny random model, and tiny sizes for those not set: checks the pipeline"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         for key, value in SMOKE_SIZES.items():
-            setattr(args, key, value)
+            if getattr(args, key) == parser.get_default(key):  # a size given on the command line stays
+                setattr(args, key, value)
     args.reliabilities = tuple(float(p) for p in str(args.reliabilities).split(",") if p.strip())
     if not args.reliabilities or not all(0 <= p <= 1 for p in args.reliabilities):
         parser.error(f"--reliabilities must be probabilities, got {args.reliabilities}")
@@ -933,34 +938,57 @@ def measured_once(measured: dict[tuple[str, str], dict], model_dir: str, part: s
     return measured[model_dir, part]
 
 
-def warm_start(config, args: argparse.Namespace) -> dict[str, Any]:
-    """`--sft-epochs`: the product's SFT with the `sft_triage` preset's settings, from the base model, on the
-    reference replies of this seed's warm-start rows (its export's SFT_TRIAGE_DIR); the merged model and the run."""
+def warm_start_training(config, args: argparse.Namespace):
+    """The product's SFT with the `sft_triage` preset's settings, from the base model, on the reference replies of
+    this seed's warm-start rows (its export's SFT_TRIAGE_DIR), into a folder beside the seed's training one
+    (`train-sft`, `train-s1-sft`): a run that changes only what follows (`--triage-steps`) reuses it."""
     from ermedrag.training.config import SFTTrainingConfig, load_config
-    from ermedrag.training.trainers import train_sft
 
-    started = time.time()
     preset = load_config("sft_triage", SFTTrainingConfig)
-    training = dataclasses.replace(
+    return dataclasses.replace(
         preset,
         model=config.model,
         dataset=str(Path(config.dataset) / SFT_TRIAGE_DIR / "dataset"),
-        output_dir=str(Path(config.output_dir) / "sft"),
+        output_dir=f"{config.output_dir}-sft",
         num_train_epochs=args.sft_epochs,
         seed=config.seed,
         save_steps=10_000,
     )
-    summary = train_sft(training)
-    run = {
-        "model_dir": summary["start_model"],
-        "rows": summary["rows"],
-        "steps": summary["steps"],
-        "epochs": args.sft_epochs,
-        "train_loss": summary["train_loss"],
-        "minutes": round((time.time() - started) / 60, 2),
-    }
-    log(f"triage warm start: {json.dumps(run)}")
-    return run
+
+
+def warm_start_key(training, data: BenchData, args: argparse.Namespace) -> dict[str, Any]:
+    """What a recorded warm start depends on: its training config and the questions its rows came from."""
+    from seeds import inputs_key
+
+    from ermedrag.training.config import comparable_settings
+
+    return {"config": comparable_settings(training), **inputs_key(args.data, [r["id"] for r in data.sft_triage])}
+
+
+def warm_start(config, data: BenchData, args: argparse.Namespace) -> dict[str, Any]:
+    """`--sft-epochs`: this seed's warm start (`warm_start_training`), or with `--reuse` the one an earlier run
+    finished with the same settings and questions; the merged model and the run."""
+    from seeds import run_or_reuse
+
+    from ermedrag.training.trainers import train_sft
+
+    training = warm_start_training(config, args)
+
+    def train() -> dict[str, Any]:
+        started = time.time()
+        summary = train_sft(training)
+        return {
+            "model_dir": summary["start_model"],
+            "rows": summary["rows"],
+            "steps": summary["steps"],
+            "epochs": args.sft_epochs,
+            "train_loss": summary["train_loss"],
+            "minutes": round((time.time() - started) / 60, 2),
+        }
+
+    run, reused = run_or_reuse(Path(training.output_dir), warm_start_key(training, data, args), train, args.reuse)
+    log(f"triage warm start{' (reused: an earlier run trained it)' if reused else ''}: {json.dumps(run)}")
+    return {**run, "reused": reused}
 
 
 def triage_part(
@@ -977,7 +1005,7 @@ def triage_part(
         measured, model_path, "triage", lambda: evaluate_triage(model_path, data.eval_triage, staged, args, "before")
     )
     log(f"triage before: {json.dumps(before)}")
-    sft = warm_start(config, args) if args.sft_epochs else None
+    sft = warm_start(config, data, args) if args.sft_epochs else None
     if sft and not args.triage_steps:
         summary = {"model_dir": sft["model_dir"], "steps": 0, "minutes": 0.0}
     elif sft:  # the warm start measured too, so one run tells what SFT did and what GRPO added

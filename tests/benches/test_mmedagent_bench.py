@@ -217,19 +217,25 @@ def test_triage_only_writes_its_figures_beside_the_recorded_attending(shared_dat
 def test_a_warm_started_triage_trains_sft_on_the_reference_replies_then_grpo_from_it(
     shared_data: Path, tmp_path: Path
 ) -> None:
-    proc = run_bench(
+    common = (
         "--smoke", "--parts", "triage", "--sft-epochs", "0.25", "--data", str(shared_data), "--work", str(tmp_path)
     )  # fmt: skip
+    alone = run_bench(*common, "--triage-steps", "0")  # the warm start alone, then GRPO on top of that very one
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    result = tmp_path / "smoke" / "mmedagent_learning.json"
+    warm = json.loads(result.read_text())["triage"]["sft"]
+    proc = run_bench(*common, "--reuse")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    triage = json.loads((tmp_path / "smoke" / "mmedagent_learning.json").read_text())["triage"]
-    train = tmp_path / "smoke" / "train"
+    assert "triage warm start (reused: an earlier run trained it)" in proc.stdout + proc.stderr
+    triage = json.loads(result.read_text())["triage"]
     assert triage["sft"]["rows"] == bench.SMOKE_SIZES["train_questions"] and triage["sft"]["steps"] == 3  # 48/4/4
-    assert triage["sft"]["model_dir"] == str(train / "sft" / "merged")
-    stage = json.loads((train / "triage" / "mmedagent_stage.json").read_text())
+    assert triage["sft"]["model_dir"] == warm["model_dir"] == str(tmp_path / "smoke" / "train-sft" / "merged")
+    assert triage["sft"]["train_loss"] == warm["train_loss"] and triage["sft"]["reused"]
+    stage = json.loads((tmp_path / "smoke" / "train" / "triage" / "mmedagent_stage.json").read_text())
     assert stage["start_model"] == triage["sft"]["model_dir"]  # GRPO went on from the warm start
     assert triage["steps"] == bench.SMOKE_SIZES["triage_steps"]
+    assert triage["sft"]["after"] == json.loads(result.read_text())["triage"]["seeds_after_sft"][0]
     assert triage["sft"]["after"]["n"] == bench.SMOKE_SIZES["eval_questions"]  # the warm start measured on its own
-    assert triage["seeds_after_sft"] == [triage["sft"]["after"]]
     kept = {p.name for p in (tmp_path / "smoke" / "mmedagent_learning_replies").iterdir()}
     assert {"triage_seed42_after_sft.jsonl.gz", "triage_seed42_after.jsonl.gz"} <= kept
 
