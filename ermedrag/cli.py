@@ -174,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="*",
         default=[],
         help="grpo: write respondent prompts from these benchmark JSONL files instead of traces (evidence "
-        "supporting the gold answer among distractors, or only distractors); med-r3: benchmark JSONL files the "
+        "supporting the gold answer among distractors, only distractors, or none); med-r3: benchmark JSONL files the "
         "runs came from (gold evidence for the retrieval reward); mmedagent: more benchmark files whose "
         "metadata labels the triage",
     )
@@ -189,6 +189,12 @@ def _parser() -> argparse.ArgumentParser:
         type=number(0, 1),
         default=0.25,
         help="grpo --questions: share of prompts with only distractors (default 0.25)",
+    )
+    export.add_argument(
+        "--no-evidence",
+        type=number(0, 1),
+        default=0.1,
+        help="grpo --questions: share of prompts with no evidence at all (default 0.1)",
     )
     export.add_argument("--qrels", default=None, help="med-r3: bioasq_qrels.jsonl for BioASQ questions")
     export.add_argument("--corpus-dir", default=None, help="med-r3: corpora folder (exact PubMedQA passage ids)")

@@ -337,6 +337,7 @@ def export(args: argparse.Namespace) -> int:
             out=args.out,
             max_distractors=args.max_distractors,
             irrelevant_fraction=args.irrelevant,
+            no_evidence_fraction=args.no_evidence,
             seed=args.seed,
             limit=args.limit,
         )

@@ -24,7 +24,8 @@ from ermedrag.training.export import export_resumable, respondent_row
 # extractor rarely hold evidence that decides the answer, so this export writes the evidence itself: a triplet
 # that supports the gold answer (the benchmark's own conclusion where it has one, PubMedQA's `long_answer`, else
 # written from the gold option's text), mixed with distractor triplets of other questions; some prompts get only
-# distractors (irrelevant evidence: answer from knowledge). Evidence ids are neutral digests: nothing in a line
+# distractors (irrelevant evidence: answer from knowledge) and some none at all (what the graph shows when retrieval
+# or extraction comes back empty: answer from knowledge too). Evidence ids are neutral digests: nothing in a line
 # says which one is gold.
 SUPPORT_RELATION = "is answered by"
 CONCLUSION_RELATION = "concludes"
@@ -40,6 +41,9 @@ class EvidenceExportConfig:
     )
     irrelevant_fraction: float = field(
         default=0.25, metadata={"help": "share of prompts whose evidence is only distractors (answer from knowledge)"}
+    )
+    no_evidence_fraction: float = field(
+        default=0.1, metadata={"help": "share of prompts with no evidence at all (answer from knowledge)"}
     )
     seed: int = field(
         default=0, metadata={"help": "draws the questions used (with limit), their order, kinds and distractors"}
@@ -114,6 +118,7 @@ MAX_REFERENCE_QUOTE_CHARS = 200
 # citing a line, and with no evidence at all the offline model cited an "Evidence [1]" that did not exist and
 # answered with a fragment naming no option (benches/README.md, evidence following, seed 1: 20 of 48).
 NO_SUPPORT_REASONING = "None of the evidence answers this question, so I answer from what I know."
+NO_EVIDENCE_REASONING = "No evidence was found for this question, so I answer from what I know."
 
 
 def reference_reply(
@@ -121,16 +126,15 @@ def reference_reply(
 ) -> str | None:
     """The reply a respondent that follows its evidence writes, in the worked example's shape: the first supporting
     (not distractor) line cited by its number and its conclusion quoted, or with no such line
-    `NO_SUPPORT_REASONING` and no citation; then the answer, naming the option by its text (`reference_answer`). The
+    `NO_SUPPORT_REASONING` (`NO_EVIDENCE_REASONING` without any line) and no citation; then the answer, naming the option by its text (`reference_answer`). The
     target of `train_sft`'s warm start; None without an answer."""
     if not answer:
         return None
     line = next((i for i, t in enumerate(triplets, 1) if not t.get("distractor")), None)
-    reasoning = (
-        NO_SUPPORT_REASONING
-        if line is None
-        else f"Evidence [{line}] says {quote(triplets[line - 1].get('conclusion'), MAX_REFERENCE_QUOTE_CHARS)}."
-    )
+    if line is not None:
+        reasoning = f"Evidence [{line}] says {quote(triplets[line - 1].get('conclusion'), MAX_REFERENCE_QUOTE_CHARS)}."
+    else:
+        reasoning = NO_SUPPORT_REASONING if triplets else NO_EVIDENCE_REASONING
     return f"<think>{reasoning}</think><answer>{reference_answer(answer, options)}</answer>"
 
 
@@ -157,11 +161,23 @@ def draw_distractors(
     return picked
 
 
+def prompt_kind(draw: float, config: EvidenceExportConfig) -> str:
+    """A prompt's kind from a uniform draw in [0, 1): `no_evidence`, `irrelevant` or `supporting`, in the
+    config's shares."""
+    if draw < config.no_evidence_fraction:
+        return "no_evidence"
+    return "irrelevant" if draw < config.no_evidence_fraction + config.irrelevant_fraction else "supporting"
+
+
 def evidence_prompts(questions: Sequence[Any], config: EvidenceExportConfig) -> list[dict[str, Any]]:
     """The prompts `export_grpo_evidence` writes for `questions`, in the seed's order (each drawn from its own
     seeded stream, so a resumed export writes the very same ones)."""
-    if not 0 <= config.irrelevant_fraction <= 1:
-        raise ValueError(f"irrelevant_fraction must be in [0, 1], got {config.irrelevant_fraction}")
+    shares = {"irrelevant_fraction": config.irrelevant_fraction, "no_evidence_fraction": config.no_evidence_fraction}
+    for name, share in shares.items():
+        if not 0 <= share <= 1:
+            raise ValueError(f"{name} must be in [0, 1], got {share}")
+    if sum(shares.values()) > 1:
+        raise ValueError(f"irrelevant_fraction + no_evidence_fraction must be at most 1, got {sum(shares.values())}")
     if config.max_distractors < 0:
         raise ValueError(f"max_distractors must be 0 or more, got {config.max_distractors}")
     pool = [(q.id, gold_triplet(q)) for q in questions]
@@ -170,11 +186,15 @@ def evidence_prompts(questions: Sequence[Any], config: EvidenceExportConfig) -> 
     rows = []
     for question in order[: config.limit]:
         rng = random.Random(f"{config.seed}:{question.id}")
-        irrelevant = rng.random() < config.irrelevant_fraction
+        kind = prompt_kind(rng.random(), config)
+        if kind == "no_evidence":
+            rows.append(evidence_row(question, [], [], rng, kind, None))
+            continue
+        irrelevant = kind == "irrelevant"  # at least one line, or it would be a no-evidence prompt
         count = rng.randint(1 if irrelevant else 0, max(config.max_distractors, 1 if irrelevant else 0))
         distractors = draw_distractors(pool, question.id, count, rng)
         if irrelevant:
-            rows.append(evidence_row(question, [], distractors, rng, "irrelevant", None))
+            rows.append(evidence_row(question, [], distractors, rng, kind, None))
         else:
             rows.append(
                 evidence_row(question, [gold_triplet(question)], distractors, rng, "supporting", question.answer)
@@ -184,7 +204,7 @@ def evidence_prompts(questions: Sequence[Any], config: EvidenceExportConfig) -> 
 
 def export_grpo_evidence(config: EvidenceExportConfig, progress: bool = True) -> dict[str, int]:
     """Respondent GRPO prompts written from benchmark questions (`ermedrag export grpo --questions FILE...`):
-    evidence that supports the gold answer among distractors, or only distractors. Resumable like the other
+    evidence that supports the gold answer among distractors, only distractors, or none. Resumable like the other
     exports; returns counts."""
     from ermedrag.tools.data.benchmarks import load_questions_file
 

@@ -14,7 +14,7 @@ letter equals X). A seed `beats_baselines` when its d2 follow rate is above ever
 
 Training: each seed exports its own GRPO prompts from the other questions with `ermedrag export grpo --questions`'s
 code (`training.evidence_export.export_evidence_prompts`, the seed drawing the sample, order, kinds and distractors:
-evidence supporting the gold among 0-4 distractors, a quarter with only distractors), trains the respondent with
+evidence supporting the gold among 0-4 distractors, a quarter with only distractors, a tenth with none), trains the respondent with
 the product's GRPO (LoRA, the respondent's default rewards: correctness, format, length, evidence use) from the
 base model, merges (in float32, saved in the base checkpoint's dtype: `learning_signal.merged_model`) and measures
 again on the same held-out prompts, decoded as the before is. Every reply is kept

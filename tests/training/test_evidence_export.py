@@ -1,5 +1,5 @@
 """Respondent GRPO prompts written from benchmark questions (`ermedrag export grpo --questions`): evidence that
-supports the gold answer among distractors, or only distractors, with ids that do not say which is which."""
+supports the gold answer among distractors, only distractors, or none, with ids that do not say which is which."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from ermedrag.agents import respondent
 from ermedrag.agents.citations import cited_numbers
 from ermedrag.cli import main
 from ermedrag.tools.data.benchmarks import load_questions_file
+from ermedrag.agents.extractor import NO_EVIDENCE
 from ermedrag.training.evidence_export import (
+    NO_EVIDENCE_REASONING,
     NO_SUPPORT_REASONING,
     EvidenceExportConfig,
     evidence_prompts,
@@ -52,14 +54,15 @@ def _evidence_lines(row: dict) -> list[str]:
     return [t["conclusion"] for t in row["triplets"]]
 
 
-def test_cli_writes_supporting_and_irrelevant_prompts_that_the_rewards_read(questions_file, tmp_path, capsys):
+def test_cli_writes_supporting_irrelevant_and_empty_prompts_that_the_rewards_read(questions_file, tmp_path, capsys):
     out = tmp_path / "export"
-    assert main(["export", "grpo", "--questions", str(questions_file), "--out", str(out), "--irrelevant", "0.3"]) == 0
+    shares = ["--irrelevant", "0.3", "--no-evidence", "0.2"]
+    assert main(["export", "grpo", "--questions", str(questions_file), "--out", str(out), *shares]) == 0
     assert "rows': 13" in capsys.readouterr().out
     rows = list(load_from_disk(str(out / "dataset")))
     by_id = {q.id: q for q in load_questions_file(questions_file)}
     kinds = {row["kind"] for row in rows}
-    assert kinds == {"supporting", "irrelevant"}
+    assert kinds == {"supporting", "irrelevant", "no_evidence"}
     for row in rows:
         question = by_id[row["run_id"]]
         assert row["gold"] == question.answer and 0 <= row["n_distractors"] <= 4
@@ -68,8 +71,10 @@ def test_cli_writes_supporting_and_irrelevant_prompts_that_the_rewards_read(ques
             assert len(supporting) == 1 and row["evidence_key"] == question.answer
             gold_text = question.meta.get("long_answer") or question.options[question.answer]
             assert supporting[0]["conclusion"] == gold_text  # PubMedQA's conclusion, else the gold option's text
-        else:
+        elif row["kind"] == "irrelevant":
             assert not supporting and row["n_distractors"] >= 1 and row["evidence_key"] is None
+        else:  # what the graph shows when retrieval or extraction finds nothing
+            assert row["triplets"] == [] and row["evidence_key"] is None and NO_EVIDENCE in row["prompt"][-1]["content"]
         # distractors are other questions' evidence; no id says which line is the gold one
         assert all(t["snippet_id"].startswith("ev-") and len(t["snippet_id"]) == 11 for t in row["triplets"])
         assert question.options[question.answer] not in [t["conclusion"] for t in row["triplets"] if t["distractor"]]
@@ -84,14 +89,15 @@ def test_cli_writes_supporting_and_irrelevant_prompts_that_the_rewards_read(ques
 def test_a_supporting_prompt_has_a_reference_reply_that_cites_its_line_and_names_its_option(questions_file):
     """The warm start's target (`train_sft`): the reply a respondent that follows its evidence writes, naming the
     option by its text, which the respondent's parser reads back as the gold option."""
-    rows = evidence_prompts(load_questions_file(questions_file), EvidenceExportConfig(questions=[], out="", seed=3))
+    config = EvidenceExportConfig(questions=[], out="", seed=3, no_evidence_fraction=0.2)
+    rows = evidence_prompts(load_questions_file(questions_file), config)
     supporting = [r for r in rows if r["kind"] == "supporting"]
-    irrelevant = [r for r in rows if r["kind"] == "irrelevant"]
-    assert supporting and irrelevant
-    for row in irrelevant:  # no line decides it: no citation, the gold answered from knowledge
+    without_support = [r for r in rows if r["kind"] in ("irrelevant", "no_evidence")]
+    assert supporting and {r["kind"] for r in without_support} == {"irrelevant", "no_evidence"}
+    for row in without_support:  # no line decides it: no citation, the gold answered from knowledge
         parsed = respondent.parse_answer(row["reference_reply"], row["options"])
         assert parsed["well_formed"] and parsed["answer"] == row["gold"] and cited_numbers(parsed["reasoning"]) == []
-        assert parsed["reasoning"] == NO_SUPPORT_REASONING
+        assert parsed["reasoning"] == (NO_SUPPORT_REASONING if row["triplets"] else NO_EVIDENCE_REASONING)
     for row in supporting:
         parsed = respondent.parse_answer(row["reference_reply"], row["options"])
         assert parsed["well_formed"] and parsed["answer"] == row["gold"]
@@ -108,7 +114,7 @@ def test_a_reference_reply_quotes_evidence_defused_and_cites_only_a_supporting_l
     assert reference_reply([{"conclusion": "c", "distractor": True}], "A", options) == (
         f"<think>{NO_SUPPORT_REASONING}</think><answer>a drug</answer>"
     )
-    assert reference_reply([], "B", options) == f"<think>{NO_SUPPORT_REASONING}</think><answer>b</answer>"
+    assert reference_reply([], "B", options) == f"<think>{NO_EVIDENCE_REASONING}</think><answer>b</answer>"
     assert reference_reply(hostile, None, options) is None
     assert reference_reply([{"conclusion": "rickets", "distractor": False}], "vitamin D") == (
         "<think>Evidence [1] says rickets.</think><answer>vitamin D</answer>"
@@ -136,6 +142,12 @@ def test_bad_settings_are_refused_with_the_setting_named(questions_file):
     questions = load_questions_file(questions_file)
     with pytest.raises(ValueError, match="irrelevant_fraction"):
         evidence_prompts(questions, EvidenceExportConfig(questions=[], out="", irrelevant_fraction=1.5))
+    with pytest.raises(ValueError, match="no_evidence_fraction must be in"):
+        evidence_prompts(questions, EvidenceExportConfig(questions=[], out="", no_evidence_fraction=-0.1))
+    with pytest.raises(ValueError, match="at most 1, got 1.2"):
+        evidence_prompts(
+            questions, EvidenceExportConfig(questions=[], out="", irrelevant_fraction=0.7, no_evidence_fraction=0.5)
+        )
     with pytest.raises(ValueError, match="max_distractors"):
         evidence_prompts(questions, EvidenceExportConfig(questions=[], out="", max_distractors=-1))
 
