@@ -248,10 +248,15 @@ def seed_export(
     args: argparse.Namespace, pool: Sequence[Question], seed: int, folder: Path, limit: int
 ) -> tuple[str, dict[str, int]]:
     """This seed's own export of `limit` questions (the product's `export grpo --questions` code) into `folder`:
-    the dataset to train on and the export's counts."""
+    the dataset to train on and the export's counts, with its prompts per kind."""
+    from collections import Counter
+
+    from datasets import load_from_disk
+
     config = EvidenceExportConfig(questions=[], out=str(folder), seed=seed, limit=limit)
     counts = export_evidence_prompts(pool, config, progress=False)
-    return str(training_dataset(folder, args.no_example)), counts
+    kinds = Counter(load_from_disk(str(folder / "dataset"))["kind"])
+    return str(training_dataset(folder, args.no_example)), {**counts, "kinds": dict(sorted(kinds.items()))}
 
 
 def resumable_settings(seed: int) -> dict[str, Any]:

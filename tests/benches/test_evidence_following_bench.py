@@ -116,5 +116,6 @@ def test_smoke_run_warm_starts_with_sft_then_trains_grpo_from_it(shared_data: Pa
     result = smoke_run(shared_data, tmp_path, "--sft-prompts", "8")
     run = result["runs"][0]
     assert run["steps"] == 2 and run["sft"]["export"]["rows"] == 8 and run["sft"]["steps"] >= 1  # smoke: 2 GRPO steps
+    assert sum(run["sft"]["export"]["kinds"].values()) == 8  # supporting, irrelevant, no_evidence: what it saw
     assert result["settings"]["sft_warm_start"] == {"prompts": 8, "epochs": 1.0}
     assert "quotes_evidence" in run["after"]["d2"]
