@@ -126,8 +126,8 @@ def reference_reply(
 ) -> str | None:
     """The reply a respondent that follows its evidence writes, in the worked example's shape: the first supporting
     (not distractor) line cited by its number and its conclusion quoted, or with no such line
-    `NO_SUPPORT_REASONING` (`NO_EVIDENCE_REASONING` without any line) and no citation; then the answer, naming the option by its text (`reference_answer`). The
-    target of `train_sft`'s warm start; None without an answer."""
+    `NO_SUPPORT_REASONING` (`NO_EVIDENCE_REASONING` without any line) and no citation; then the answer, naming the
+    option by its text (`reference_answer`). The target of `train_sft`'s warm start; None without an answer."""
     if not answer:
         return None
     line = next((i for i, t in enumerate(triplets, 1) if not t.get("distractor")), None)
@@ -177,7 +177,7 @@ def evidence_prompts(questions: Sequence[Any], config: EvidenceExportConfig) -> 
         if not 0 <= share <= 1:
             raise ValueError(f"{name} must be in [0, 1], got {share}")
     if sum(shares.values()) > 1:
-        raise ValueError(f"irrelevant_fraction + no_evidence_fraction must be at most 1, got {sum(shares.values())}")
+        raise ValueError(f"irrelevant_fraction + no_evidence_fraction must be at most 1, got {sum(shares.values()):g}")
     if config.max_distractors < 0:
         raise ValueError(f"max_distractors must be 0 or more, got {config.max_distractors}")
     pool = [(q.id, gold_triplet(q)) for q in questions]
