@@ -703,12 +703,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "the results file beside the attending's recorded ones",
     )
     parser.add_argument(
-        "--smoke", action="store_true", help="tiny random model, and tiny sizes for those not set: checks the pipeline"
+        "--smoke",
+        action="store_true",
+        help="tiny random model, and tiny sizes for those left at their defaults: checks the pipeline",
     )
     args = parser.parse_args(argv)
     if args.smoke:
         for key, value in SMOKE_SIZES.items():
-            if getattr(args, key) == parser.get_default(key):  # a size given on the command line stays
+            if getattr(args, key) == parser.get_default(key):  # a size set to another value stays
                 setattr(args, key, value)
     args.reliabilities = tuple(float(p) for p in str(args.reliabilities).split(",") if p.strip())
     if not args.reliabilities or not all(0 <= p <= 1 for p in args.reliabilities):
