@@ -26,7 +26,7 @@ the first of them), then GRPO goes on from the merged warm start (`--steps 0`: t
     .venv/bin/python benches/learning/evidence_following.py --data ../shared/data          # ≈ 1.5 h on 2 cores
     .venv/bin/python benches/learning/evidence_following.py --smoke                          # tiny random model
     .venv/bin/python benches/learning/evidence_following.py --reuse --first-seed 2 --seeds 1  # add a seed
-    .venv/bin/python benches/learning/evidence_following.py --sft-prompts 256 --temperature 1.0 \
+    .venv/bin/python benches/learning/evidence_following.py --sft-prompts 256 --temperature 1.0 \\
         --out benches/results/evidence_following_sft_grpo.json                             # SFT warm start, then GRPO
 """
 

@@ -27,7 +27,7 @@ in the work folder).
     .venv/bin/python benches/learning/mmedagent_learning.py --seeds 3    # the stages trained 3 times
     .venv/bin/python benches/learning/mmedagent_learning.py --seeds 3 --reuse   # go on: finished seeds are kept
     .venv/bin/python benches/learning/mmedagent_learning.py --smoke      # tiny random model, < 1 min: the pipeline
-    .venv/bin/python benches/learning/mmedagent_learning.py --parts triage --seeds 3 --sft-epochs 1 \
+    .venv/bin/python benches/learning/mmedagent_learning.py --parts triage --seeds 3 --sft-epochs 1 \\
         --sft-questions 240 --triage-steps 0     # the triage's SFT warm start alone (add GRPO: --triage-steps 16)
 
 `--sft-epochs E` warm-starts each seed's triage first with the product's SFT (`train_sft`, the `sft_triage`
