@@ -1,6 +1,6 @@
 """The first answer a user sees: `ermedrag demo` on the offline default, an earlier checkout beside this one.
 
-    git worktree add ../before 1d541a5 && (cd ../before && python3 -m venv .venv && \
+    git worktree add ../before 1d541a5 && (cd ../before && python3 -m venv .venv && \\
         .venv/bin/pip install -c constraints.txt torch==2.13.0 && .venv/bin/pip install -c constraints.txt -e '.[offline]')
     .venv/bin/python benches/first_answer.py --before ../before --data ../shared/data     # ≈ 30 min on 2 cores
     .venv/bin/python benches/first_answer.py --before ../before --runs 1 --quality 0      # the timings only

@@ -1,6 +1,6 @@
 """Option-position bias of the offline model: how much an answer depends on where the right option stands.
 
-    ERMEDRAG_SHARED_DATA=../shared/data ermedrag eval --system cot --bench all --limit 20 --concurrency 8 \
+    ERMEDRAG_SHARED_DATA=../shared/data ermedrag eval --system cot --bench all --limit 20 --concurrency 8 \\
         --max-new-tokens 128 --permute-options 2 --out benches/results/eval_offline_limit20
     .venv/bin/python benches/position_bias.py benches/results/eval_offline_limit20   # → results/position_bias.json
 

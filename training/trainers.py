@@ -36,7 +36,7 @@ in its repository under `examples/accelerate_configs/`):
     # or a separate vLLM server on its own GPU (use_vllm: true, vllm_mode: server,
     # vllm_server_base_url: http://HOST:8000), started first with
     CUDA_VISIBLE_DEVICES=0 trl vllm-serve --model MODEL --port 8000
-    CUDA_VISIBLE_DEVICES=1,2,3 accelerate launch --config_file fsdp.yaml --num_processes 3 \
+    CUDA_VISIBLE_DEVICES=1,2,3 accelerate launch --config_file fsdp.yaml --num_processes 3 \\
         -m ermedrag train grpo --config grpo.yaml
 
     accelerate launch --config_file ... -m ermedrag train dpo --config dpo.yaml
