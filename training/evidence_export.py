@@ -190,7 +190,7 @@ def evidence_prompts(questions: Sequence[Any], config: EvidenceExportConfig) -> 
         if kind == "no_evidence":
             rows.append(evidence_row(question, [], [], rng, kind, None))
             continue
-        irrelevant = kind == "irrelevant"  # at least one line, or it would be a no-evidence prompt
+        irrelevant = kind == "irrelevant"  # a line at least (where another question can lend one)
         count = rng.randint(1 if irrelevant else 0, max(config.max_distractors, 1 if irrelevant else 0))
         distractors = draw_distractors(pool, question.id, count, rng)
         if irrelevant:

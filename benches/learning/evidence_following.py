@@ -37,6 +37,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -253,6 +254,9 @@ def seed_export(
 
     from datasets import load_from_disk
 
+    # Written afresh: an export resumes by question id, so an older one left in --work (other kinds, other
+    # size) would be trained on again; writing it takes seconds. `--reuse` keeps trained models, not exports.
+    shutil.rmtree(folder, ignore_errors=True)
     config = EvidenceExportConfig(questions=[], out=str(folder), seed=seed, limit=limit)
     counts = export_evidence_prompts(pool, config, progress=False)
     kinds = Counter(load_from_disk(str(folder / "dataset"))["kind"])

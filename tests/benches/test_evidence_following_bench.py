@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from datasets import load_from_disk
 
 from ermedrag.agents.extractor import NO_EVIDENCE
 from ermedrag.evals.baselines import worked_example_answer
@@ -116,6 +117,8 @@ def test_smoke_run_warm_starts_with_sft_then_trains_grpo_from_it(shared_data: Pa
     result = smoke_run(shared_data, tmp_path, "--sft-prompts", "8")
     run = result["runs"][0]
     assert run["steps"] == 2 and run["sft"]["export"]["rows"] == 8 and run["sft"]["steps"] >= 1  # smoke: 2 GRPO steps
-    assert sum(run["sft"]["export"]["kinds"].values()) == 8  # supporting, irrelevant, no_evidence: what it saw
+    (export,) = tmp_path.rglob("sft-export-s0")  # the kinds recorded are those of the export it trained on
+    assert run["sft"]["export"]["kinds"] == dict(Counter(load_from_disk(str(export / "dataset"))["kind"]))
+    assert set(run["sft"]["export"]["kinds"]) <= {"supporting", "irrelevant", "no_evidence"}
     assert result["settings"]["sft_warm_start"] == {"prompts": 8, "epochs": 1.0}
     assert "quotes_evidence" in run["after"]["d2"]
