@@ -187,18 +187,14 @@ def evidence_prompts(questions: Sequence[Any], config: EvidenceExportConfig) -> 
     for question in order[: config.limit]:
         rng = random.Random(f"{config.seed}:{question.id}")
         kind = prompt_kind(rng.random(), config)
-        if kind == "no_evidence":
-            rows.append(evidence_row(question, [], [], rng, kind, None))
-            continue
-        irrelevant = kind == "irrelevant"  # a line at least (where another question can lend one)
-        count = rng.randint(1 if irrelevant else 0, max(config.max_distractors, 1 if irrelevant else 0))
-        distractors = draw_distractors(pool, question.id, count, rng)
-        if irrelevant:
-            rows.append(evidence_row(question, [], distractors, rng, kind, None))
-        else:
-            rows.append(
-                evidence_row(question, [gold_triplet(question)], distractors, rng, "supporting", question.answer)
-            )
+        distractors: list[dict[str, str]] = []
+        if kind != "no_evidence":
+            least = int(kind == "irrelevant")  # a line at least (where another question can lend one)
+            count = rng.randint(least, max(config.max_distractors, least))
+            distractors = draw_distractors(pool, question.id, count, rng)
+        supporting = [gold_triplet(question)] if kind == "supporting" else []
+        key = question.answer if supporting else None
+        rows.append(evidence_row(question, supporting, distractors, rng, kind, key))
     return rows
 
 
