@@ -10,13 +10,15 @@ and, for a set of replies, `modal_share`: the share of its most common answer (a
 answer for everything). A gain counts only above the strongest baseline's 95% interval (`beats_baselines`).
 `balanced_positions` moves each gold answer to a position of its own in turn (multiple choice), and
 `balanced_by_answer` draws as many questions of each gold answer (yes/no/maybe, whose options cannot move), so
-that a model that always names one answer scores chance on a held-out set, not the set's lean.
+that a model that always names one answer scores chance on a held-out set, not the set's lean. `paired_change`
+says whether a model's accuracy moved on the same questions by more than noise (McNemar's exact test).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 import dataclasses
+import math
+from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -114,3 +116,23 @@ def balanced_by_answer(questions: Sequence[Any], n: int) -> list[Any]:
             if queue and len(drawn) < n:
                 drawn.append(queue.pop())
     return drawn
+
+
+def paired_change(before: Sequence[bool], after: Sequence[bool]) -> dict[str, Any]:
+    """Whether a change of accuracy on the same questions is more than noise: the questions right only before and
+    right only after, and McNemar's exact two-sided p-value on them (the chance that a fair coin splits the
+    discordant questions at least this unevenly). A difference of two questions in 48 has p near 1."""
+    if len(before) != len(after):
+        raise ValueError(f"paired answers of {len(before)} and {len(after)} questions")
+    lost = sum(b and not a for b, a in zip(before, after))
+    gained = sum(a and not b for b, a in zip(before, after))
+    discordant = lost + gained
+    tail = sum(math.comb(discordant, k) for k in range(min(lost, gained) + 1)) / 2**discordant
+    return {
+        "n": len(before),
+        "right_before": sum(before),
+        "right_after": sum(after),
+        "right_before_only": lost,
+        "right_after_only": gained,
+        "mcnemar_p": round(min(1.0, 2 * tail), 4),
+    }

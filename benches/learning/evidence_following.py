@@ -8,7 +8,10 @@ greedily, with the respondent's own prompt and stop string, in five ways:
   answers equal to X;
 - `gold_evidence`: one triplet names the gold option, among 2 distractors (`accuracy_gold_evidence`);
 - `no_evidence`: the ordinary question with no evidence (`accuracy_no_evidence`; and, read against X, the
-  `no_evidence` baseline: how often the model names X without being told).
+  `no_evidence` baseline: how often the model names X without being told);
+- `ordinary`: `--ordinary-questions` more questions of the same kind with no evidence, none of which any recorded
+  seed's training asked or showed as a line (`accuracy_ordinary`): whether training cost the model what it knew,
+  on enough questions to tell (each seed's change against the before, paired: `paired_change`).
 Baselines beside the follow rate: `chance` (1 / options), `no_evidence`, `copy_example` (the worked example's
 letter equals X). A seed `beats_baselines` when its d2 follow rate is above every baseline's Wilson 95% interval.
 
@@ -53,7 +56,7 @@ from kept_replies import read_replies, write_replies  # noqa: E402
 from seeds import LEARNING_WORK, hold_work_folder, spread  # noqa: E402
 
 from ermedrag.agents import respondent  # noqa: E402
-from ermedrag.evals.baselines import balanced_positions, beats_baselines, modal_share, share  # noqa: E402
+from ermedrag.evals.baselines import balanced_positions, beats_baselines, modal_share, paired_change, share  # noqa: E402
 from ermedrag.evals.baselines import worked_example_answer  # noqa: E402
 from ermedrag.tools.data.benchmarks import Question, load_questions_file  # noqa: E402
 from ermedrag.tools.machine import describe_machine  # noqa: E402
@@ -62,6 +65,7 @@ from ermedrag.training.config import GRPOTrainingConfig, SFTTrainingConfig  # no
 from ermedrag.training.evidence_export import (  # noqa: E402
     EvidenceExportConfig,
     draw_distractors,
+    evidence_prompts,
     evidence_row,
     export_evidence_prompts,
     gold_triplet,
@@ -72,10 +76,19 @@ from ermedrag.training.trainers import train_grpo, train_sft  # noqa: E402
 BENCHMARKS = ("medmcqa_dev", "mmlu_med_test")
 DISTRACTOR_COUNTS = (0, 2, 4)
 GOLD_EVIDENCE_DISTRACTORS = 2
+ORDINARY = "ordinary"
 RESULT = REPO / "benches" / "results" / "evidence_following.json"
 # An option that names other options ("All of the above", "Both A and B") changes meaning when options move.
 NAMES_OTHER_OPTIONS = re.compile(r"\b(above|both|none of|all of)\b|\b[a-d]\s*(?:and|&|,)\s*[a-d]\b", re.IGNORECASE)
-SMOKE = {"eval_questions": 4, "train_prompts": 4, "steps": 2, "tokens": 16, "generations": 2, "prompts_per_step": 1}
+SMOKE = {
+    "eval_questions": 4,
+    "ordinary_questions": 4,
+    "train_prompts": 4,
+    "steps": 2,
+    "tokens": 16,
+    "generations": 2,
+    "prompts_per_step": 1,
+}
 
 
 def pools(data: Path, max_chars: int, eval_questions: int) -> tuple[list[Question], list[Question]]:
@@ -116,9 +129,38 @@ def heldout_rows(heldout: Sequence[Question], pool: Sequence[Question]) -> list[
     return [{**row, "prompt_id": f"{row['run_id']}:{row['set']}"} for row in rows]
 
 
+def export_config(seed: int, folder: Path | str, limit: int) -> EvidenceExportConfig:
+    """A seed's export of `limit` pool questions (`ermedrag export grpo --questions`'s defaults)."""
+    return EvidenceExportConfig(questions=[], out=str(folder), seed=seed, limit=limit)
+
+
+def ordinary_questions(args: argparse.Namespace, pool: Sequence[Question]) -> list[Question]:
+    """`--ordinary-questions` pool questions that no training of seeds 0 to the last one asked has seen: none of
+    their exports asks them or shows their gold as a line (a distractor's conclusion); in the pool's order, golds
+    balanced over positions. The same set for every seed of a record and for its before."""
+    limits = [limit for limit in (args.sft_prompts, args.train_prompts if args.steps else 0) if limit]
+    asked: set[str] = set()
+    shown: set[str] = set()
+    for seed in range(args.first_seed + args.seeds):
+        for limit in limits:
+            for row in evidence_prompts(pool, export_config(seed, "", limit)):
+                asked.add(row["run_id"])
+                shown.update(t["conclusion"] for t in row["triplets"])
+    unseen = [q for q in pool if q.id not in asked and gold_triplet(q)["conclusion"] not in shown]
+    if len(unseen) < args.ordinary_questions:
+        raise SystemExit(f"only {len(unseen)} pool questions are unseen by training; ask fewer --ordinary-questions")
+    return balanced_positions(unseen[: args.ordinary_questions])
+
+
+def ordinary_rows(questions: Sequence[Question]) -> list[dict[str, Any]]:
+    """The ordinary questions as the respondent is asked them without evidence (no X: nothing to follow)."""
+    rows = [evidence_row(q, [], [], random.Random(0), "none", None) for q in questions]
+    return [{**row, "set": ORDINARY, "prompt_id": f"{row['run_id']}:{ORDINARY}"} for row in rows]
+
+
 def heldout_prompts(args: argparse.Namespace, heldout: Sequence[Question], pool: Sequence[Question]) -> list[dict]:
-    """`heldout_rows`, without the worked example under `--no-example`."""
-    rows = heldout_rows(heldout, pool)
+    """`heldout_rows` and the ordinary questions' rows, without the worked example under `--no-example`."""
+    rows = heldout_rows(heldout, pool) + ordinary_rows(ordinary_questions(args, pool))
     return [{**row, "prompt": without_example(row["prompt"])} for row in rows] if args.no_example else rows
 
 
@@ -142,26 +184,35 @@ def training_dataset(export: Path, no_example: bool) -> Path:
     return export / "dataset-no-example"
 
 
-def measure(model_spec: str, rows: Sequence[dict[str, Any]], tokens: int, replies_file: Path) -> dict[str, Any]:
-    """Greedy replies to every held-out prompt (kept in `replies_file`) and the figures read off them."""
-    replies = generate(model_spec, [row["prompt"] for row in rows], tokens, respondent.STOP)
-    parsed = [respondent.parse_answer(reply, row["options"]) for reply, row in zip(replies, rows)]
-    kept = [
-        {
-            "prompt_id": row["prompt_id"],
-            "set": row["set"],
-            "reply": reply,
-            "answer": p["answer"],
-            "well_formed": p["well_formed"],
-            "gold": row["gold"],
-            "evidence_key": row["evidence_key"],
-            "example_key": worked_example_answer(row["prompt"]),
-            "quoted_key": quoted_option(reply, row["options"]),
-        }
-        for row, reply, p in zip(rows, replies, parsed)
-    ]
+def measure(
+    model_spec: str, rows: Sequence[dict[str, Any]], tokens: int, replies_file: Path, same_model: bool = False
+) -> list[dict[str, Any]]:
+    """Greedy replies to every held-out prompt, kept in `replies_file` in the rows' order. `same_model`: the file's
+    replies are this very model's (a reused one), so only prompts it has no reply to are asked (a set added later
+    costs its own prompts only)."""
+    earlier = {r["prompt_id"]: r for r in read_replies(replies_file) or []} if same_model else {}
+    asked = [row for row in rows if row["prompt_id"] not in earlier]
+    replies = generate(model_spec, [row["prompt"] for row in asked], tokens, respondent.STOP) if asked else []
+    fresh = {row["prompt_id"]: kept_reply(row, reply) for row, reply in zip(asked, replies)}
+    kept = [earlier.get(row["prompt_id"]) or fresh[row["prompt_id"]] for row in rows]
     write_replies(replies_file, kept)
-    return figures(kept)
+    return kept
+
+
+def kept_reply(row: dict[str, Any], reply: str) -> dict[str, Any]:
+    """What is kept of one reply: the prompt's id and set, the reply, what it answers and what it is read against."""
+    parsed = respondent.parse_answer(reply, row["options"])
+    return {
+        "prompt_id": row["prompt_id"],
+        "set": row["set"],
+        "reply": reply,
+        "answer": parsed["answer"],
+        "well_formed": parsed["well_formed"],
+        "gold": row["gold"],
+        "evidence_key": row["evidence_key"],
+        "example_key": worked_example_answer(row["prompt"]),
+        "quoted_key": quoted_option(reply, row["options"]),
+    }
 
 
 def quoted_option(reply: str, options: dict[str, str]) -> str | None:
@@ -179,17 +230,20 @@ def refigure(out: Path, rows: Sequence[dict[str, Any]]) -> None:
     replies = out.parent / out.stem / "replies"
     options = {row["prompt_id"]: row["options"] for row in rows}
 
-    def again(name: str) -> dict[str, Any]:
+    def again(name: str) -> list[dict[str, Any]]:
         kept = kept_replies(replies / name, rows)
         if kept is None:
-            raise SystemExit(f"{replies / name}: no replies kept for these prompts")
+            raise SystemExit(f"{replies / name}: no replies kept for these prompts (its --ordinary-questions?)")
         kept = [{**k, "quoted_key": quoted_option(k["reply"], options[k["prompt_id"]])} for k in kept]
         write_replies(replies / name, kept)
-        return figures(kept)
+        return kept
 
-    record["before"] = again("before.jsonl.gz")
+    before = again("before.jsonl.gz")
+    record["before"] = figures(before)
     for run in record["runs"]:
-        run["after"] = again(f"seed{run['seed']}_after.jsonl.gz")
+        after = again(f"seed{run['seed']}_after.jsonl.gz")
+        run["after"] = figures(after)
+        run["ordinary_change"] = ordinary_change(before, after)
     record["seeds"] = summary(record["before"], [r["after"] for r in record["runs"]], record["baselines"])
     replace_text(out, json.dumps(record, indent=1) + "\n")
 
@@ -202,25 +256,23 @@ def kept_replies(path: Path, rows: Sequence[dict[str, Any]]) -> list[dict[str, A
     return replies
 
 
-def kept_figures(path: Path, rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The figures of replies kept by an earlier run to these very prompts (`--reuse`), else None."""
-    replies = kept_replies(path, rows)
-    return figures(replies) if replies is not None else None
-
-
 def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per set: follow rate (answer = X), accuracy, well formed, modal answer share, and the share of answers that
     are the worked example's letter (where the replies kept it: the pull a policy can learn to follow instead)."""
     result: dict[str, Any] = {}
-    for name in [f"d{d}" for d in DISTRACTOR_COUNTS] + ["gold_evidence", "no_evidence"]:
+    measured = {k["set"] for k in kept}
+    for name in [f"d{d}" for d in DISTRACTOR_COUNTS] + ["gold_evidence", "no_evidence", ORDINARY]:
         replies = [k for k in kept if k["set"] == name]
         n = len(replies)
+        if name == ORDINARY and name not in measured:
+            continue  # a record made before the ordinary set existed
         result[name] = {
-            "follow_rate": share(sum(k["answer"] == k["evidence_key"] for k in replies), n),
             "accuracy": share(sum(k["answer"] == k["gold"] for k in replies), n),
             "well_formed": share(sum(k["well_formed"] for k in replies), n),
             "modal_answer_share": modal_share([k["answer"] for k in replies]),
         }
+        if name != ORDINARY:  # the ordinary questions have no X to follow
+            result[name]["follow_rate"] = share(sum(k["answer"] == k["evidence_key"] for k in replies), n)
         if replies and all("example_key" in k for k in replies):
             copied = sum(k["answer"] is not None and k["answer"] == k["example_key"] for k in replies)
             result[name]["example_letter"] = share(copied, n)
@@ -230,6 +282,15 @@ def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
             answered = sum(k["answer"] is not None and k["answer"] == k["quoted_key"] for k in replies)
             result[name]["answers_what_it_quoted"] = share(answered, n)
     return result
+
+
+def ordinary_change(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The after's accuracy on the ordinary questions against the before's, question by question (None where
+    they were not asked)."""
+    pairs = [
+        (b["answer"] == b["gold"], a["answer"] == a["gold"]) for b, a in zip(before, after) if b["set"] == ORDINARY
+    ]
+    return paired_change(*zip(*pairs)) if pairs else None
 
 
 def follow_baselines(rows: Sequence[dict[str, Any]], before: dict[str, Any]) -> dict[str, Any]:
@@ -257,8 +318,7 @@ def seed_export(
     # Written afresh: an export resumes by question id, so an older one left in --work (other kinds, other
     # size) would be trained on again; writing it takes seconds. `--reuse` keeps trained models, not exports.
     shutil.rmtree(folder, ignore_errors=True)
-    config = EvidenceExportConfig(questions=[], out=str(folder), seed=seed, limit=limit)
-    counts = export_evidence_prompts(pool, config, progress=False)
+    counts = export_evidence_prompts(pool, export_config(seed, folder, limit), progress=False)
     kinds = Counter(load_from_disk(str(folder / "dataset"))["kind"])
     return str(training_dataset(folder, args.no_example)), {**counts, "kinds": dict(sorted(kinds.items()))}
 
@@ -294,7 +354,14 @@ def train_seed(args: argparse.Namespace, model_path: str, pool: Sequence[Questio
         model_path = sft.pop("merged")
         sft.pop("plot_path")
         if not args.steps:
-            return {"steps": 0, "minutes": sft["minutes"], "merged": model_path, "sft": sft, "seed_changes": changes}
+            return {
+                "steps": 0,
+                "minutes": sft["minutes"],
+                "merged": model_path,
+                "reused": sft["reused"],
+                "sft": sft,
+                "seed_changes": changes,
+            }
     dataset, counts = seed_export(args, pool, seed, work / f"export-s{seed}", args.train_prompts)
     training = GRPOTrainingConfig(
         model=model_path,
@@ -343,6 +410,16 @@ def summary(before: dict[str, Any], afters: Sequence[dict[str, Any]], baselines:
         "no_evidence_accuracy_not_below_before": [
             a["no_evidence"]["accuracy"]["rate"] >= before["no_evidence"]["accuracy"]["rate"] for a in afters
         ],
+        **(
+            {
+                "accuracy_ordinary": over(ORDINARY, "accuracy"),
+                "ordinary_accuracy_not_below_before": [
+                    a[ORDINARY]["accuracy"]["rate"] >= before[ORDINARY]["accuracy"]["rate"] for a in afters
+                ],
+            }
+            if ORDINARY in before and all(ORDINARY in a for a in afters)
+            else {}
+        ),
     }
 
 
@@ -355,6 +432,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--first-seed", type=int, default=0, help="with --reuse: add seeds K.. to the recorded ones")
     parser.add_argument("--reuse", action="store_true", help="reuse the before and the seeds a run finished")
     parser.add_argument("--eval-questions", type=int, default=48)
+    parser.add_argument(
+        "--ordinary-questions",
+        type=int,
+        default=240,
+        help="more held-out questions without evidence, unseen by every seed's training: whether training cost "
+        "the model what it knew (0: none, as records before them)",
+    )
     parser.add_argument("--train-prompts", type=int, default=96, help="GRPO prompts each seed draws")
     parser.add_argument("--max-question-chars", type=int, default=300)
     parser.add_argument("--steps", type=int, default=32)
@@ -414,17 +498,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = heldout_prompts(args, heldout, pool)
     started = time.time()
     earlier = json.loads(out.read_text()) if args.reuse and out.exists() else {}
-    before = (earlier.get("before") or kept_figures(replies / "before.jsonl.gz", rows)) if args.reuse else None
-    before = before or measure(f"hf:{model_path}", rows, args.tokens, replies / "before.jsonl.gz")
+    before_replies = measure(f"hf:{model_path}", rows, args.tokens, replies / "before.jsonl.gz", args.reuse)
+    before = figures(before_replies)
     log(f"before: d2 follow {before['d2']['follow_rate']}, no-evidence accuracy {before['no_evidence']['accuracy']}")
     baselines = follow_baselines(rows, before)
     runs = [r for r in earlier.get("runs", []) if r["seed"] < args.first_seed]
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         run = train_seed(args, model_path, pool, seed, work)
-        after = measure(f"hf:{run['merged']}", rows, args.tokens, replies / f"seed{seed}_after.jsonl.gz")
+        after_file = replies / f"seed{seed}_after.jsonl.gz"
+        after_replies = measure(f"hf:{run['merged']}", rows, args.tokens, after_file, run["reused"])
+        after = figures(after_replies)
         log(f"seed {seed}: d2 follow {after['d2']['follow_rate']} ({run['minutes']} min)")
         runs.append(
-            {"seed": seed, **{k: v for k, v in run.items() if k not in ("merged", "plot_path")}, "after": after}
+            {
+                "seed": seed,
+                **{k: v for k, v in run.items() if k not in ("merged", "plot_path")},
+                "after": after,
+                "ordinary_change": ordinary_change(before_replies, after_replies),
+            }
         )
         write(out, args, model_path, before, baselines, runs, started)
     write(out, args, model_path, before, baselines, runs, started)
@@ -441,6 +532,8 @@ def write(out: Path, args: argparse.Namespace, model_path: str, before: dict, ba
             "model": "tiny random model" if args.smoke else "gemma3-270m (hf, offline)",
             "benchmarks": list(BENCHMARKS),
             "eval_questions": args.eval_questions,
+            "ordinary_questions": args.ordinary_questions,
+            "ordinary_unseen_by_seeds": args.first_seed + args.seeds,
             "train_prompts_per_seed": args.train_prompts,
             "steps": args.steps,
             "generations": args.generations,

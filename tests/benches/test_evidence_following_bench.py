@@ -82,6 +82,57 @@ def test_the_no_example_arm_drops_the_worked_example_and_nothing_else(shared_dat
         bench.without_example(stripped)  # not a prompt with an example: refused, never cut wrongly
 
 
+def test_the_ordinary_questions_are_unseen_by_every_seeds_training(shared_data: Path) -> None:
+    """Neither asked in any recorded seed's export nor shown there as a line (a distractor names its gold)."""
+    bench = bench_module("evidence_following")
+    args = bench.parse_args(
+        ["--seeds", "2", "--sft-prompts", "64", "--train-prompts", "16", "--ordinary-questions", "40"]
+    )
+    heldout, pool = bench.pools(shared_data, 300, 8)
+    ordinary = bench.ordinary_questions(args, pool)
+    assert len(ordinary) == 40 and Counter(q.answer for q in ordinary) == {k: 10 for k in "ABCD"}
+    assert not {q.id for q in ordinary} & {q.id for q in heldout}
+    for seed in (0, 1):
+        export = bench.evidence_prompts(pool, bench.export_config(seed, "", 64))
+        shown = {t["conclusion"] for row in export for t in row["triplets"]}
+        assert not {q.id for q in ordinary} & {row["run_id"] for row in export}
+        assert not any(q.options[q.answer] in shown for q in ordinary)
+    rows = [r for r in bench.heldout_prompts(args, heldout, pool) if r["set"] == bench.ORDINARY]
+    assert len(rows) == 40 and all(r["triplets"] == [] and r["evidence_key"] is None for r in rows)
+    with pytest.raises(SystemExit, match="unseen by training"):
+        bench.ordinary_questions(bench.parse_args(["--ordinary-questions", str(len(pool))]), pool)
+
+
+def test_a_reused_models_kept_replies_are_kept_and_only_new_prompts_asked(monkeypatch, tmp_path: Path) -> None:
+    bench = bench_module("evidence_following")
+    options = {"A": "Insulin", "B": "Metformin"}
+    rows = [
+        {
+            "prompt_id": f"q{i}:ordinary",
+            "set": "ordinary",
+            "prompt": [{"role": "user", "content": f"q{i}"}],
+            "options": options,
+            "gold": "A",
+            "evidence_key": None,
+        }
+        for i in range(3)
+    ]
+    asked: list[str] = []
+
+    def generate(model, prompts, tokens, stop):
+        asked.extend(p[-1]["content"] for p in prompts)
+        return ["<think>x</think><answer>A</answer>"] * len(prompts)
+
+    monkeypatch.setattr(bench, "generate", generate)
+    replies = tmp_path / "after.jsonl.gz"
+    bench.measure("hf:m", rows[:2], 8, replies)
+    assert asked == ["q0", "q1"]
+    kept = bench.measure("hf:m", rows, 8, replies, same_model=True)
+    assert asked == ["q0", "q1", "q2"] and [k["prompt_id"] for k in kept] == [r["prompt_id"] for r in rows]
+    bench.measure("hf:m", rows, 8, replies)  # another model: everything asked again
+    assert asked[3:] == ["q0", "q1", "q2"]
+
+
 def smoke_run(shared_data: Path, work: Path, *options: str) -> dict:
     """The bench's `--smoke` run (one seed, one thread) with `options`; its record."""
     env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
@@ -102,11 +153,13 @@ def test_smoke_run_records_baselines_seeds_and_kept_replies(shared_data: Path, t
     assert seeds["n"] == 1 and set(seeds["follow_rate"]) == {"d0", "d2", "d4"}
     assert len(seeds["follow_rate"]["d2"]["after"]["values"]) == 1 and "accuracy_gold_evidence" in seeds
     assert result["runs"][0]["export"]["rows"] == 4 and "seed_changes" in result["runs"][0]
+    change = result["runs"][0]["ordinary_change"]  # the same 4 unseen questions, before and after, paired
+    assert change["n"] == 4 and seeds["accuracy_ordinary"]["before"] == change["right_before"] / 4
     replies = tmp_path / "smoke" / "evidence_following" / "replies"
     for phase in ("before", "seed0_after"):
         with gzip.open(replies / f"{phase}.jsonl.gz", "rt") as kept:
             lines = [json.loads(line) for line in kept]
-        assert len(lines) == 20 and {"prompt_id", "reply", "answer", "gold", "evidence_key", "example_key"} <= set(
+        assert len(lines) == 24 and {"prompt_id", "reply", "answer", "gold", "evidence_key", "example_key"} <= set(
             lines[0]
         )
 

@@ -6,7 +6,14 @@ import pytest
 
 from ermedrag.agents import respondent, triage
 from ermedrag.agents.base import to_chat
-from ermedrag.evals.baselines import beats_baselines, modal_share, share, trivial_baselines, worked_example_answer
+from ermedrag.evals.baselines import (
+    beats_baselines,
+    modal_share,
+    paired_change,
+    share,
+    trivial_baselines,
+    worked_example_answer,
+)
 
 
 def test_the_worked_example_answer_is_read_from_messages_or_chat_rows():
@@ -88,3 +95,17 @@ def test_balanced_by_answer_takes_each_gold_in_turn_and_only_what_exists():
     three = balanced_by_answer(questions, 3)
     assert [q.answer for q in three] == ["A", "B", "C"] and three[0].id == "q0"  # the first of each, in order
     assert len(balanced_by_answer(questions, 50)) == len(questions)
+
+
+def test_paired_change_counts_discordant_questions_and_tests_them_exactly() -> None:
+    before = [True, True, False, False, True]
+    after = [True, False, True, True, True]
+    change = paired_change(before, after)
+    assert (change["right_before"], change["right_after"]) == (3, 4)
+    assert (change["right_before_only"], change["right_after_only"]) == (1, 2)
+    assert change["mcnemar_p"] == 1.0  # 1 against 2: a coin does that most of the time
+    lopsided = paired_change([False] * 10, [True] * 10)
+    assert lopsided["mcnemar_p"] == round(2 / 2**10, 4)  # all ten one way
+    assert paired_change([], [])["mcnemar_p"] == 1.0  # nothing discordant, nothing shown
+    with pytest.raises(ValueError, match="3 and 2"):
+        paired_change([True] * 3, [True] * 2)
