@@ -206,8 +206,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "kind",
         choices=["dpo", "sft", "grpo", "med-r3", "mmedagent"],
-        help="dpo: extractor pairs; sft: a warm start on reference replies (the respondent's or the triage's); grpo: respondent "
-        "prompts; med-r3: the Med-R³ stage schedule; mmedagent: MMedAgent-RL's triage and attending curriculum",
+        help="dpo: extractor pairs; sft: a warm start on reference replies (the respondent's, the triage's or "
+        "Med-R³'s reasoner's); grpo: respondent prompts; med-r3: the Med-R³ stage schedule; mmedagent: MMedAgent-RL's "
+        "triage and attending curriculum",
     )
     train.add_argument(
         "--config",

@@ -79,12 +79,12 @@ def option_triplet(question: Any, key: str) -> dict[str, str]:
 def gold_triplet(question: Any) -> dict[str, str]:
     """The evidence for the gold answer: the benchmark's own conclusion (PubMedQA's `long_answer`) where it has one,
     else the gold option's text."""
-    conclusion = question.meta.get("long_answer") if isinstance(question.meta, dict) else None
-    if isinstance(conclusion, str) and conclusion.strip():
+    conclusion = question.conclusion
+    if conclusion:
         return {
             "condition": question_focus(question.question),
             "relation": CONCLUSION_RELATION,
-            "conclusion": " ".join(conclusion.split()),
+            "conclusion": conclusion,
             "snippet_id": evidence_id(question.id, "conclusion"),
         }
     return option_triplet(question, question.answer)

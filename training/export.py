@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ermedrag.agents import extractor, respondent
 from ermedrag.agents.base import to_chat, to_langchain
@@ -333,12 +333,12 @@ def export_med_r3(config: MedR3ExportConfig, progress: bool = True) -> dict[str,
     (`training.med_r3_data`: `gold`, `options`, `gold_evidence`) and provenance. Resumable like the other
     exports."""
     store = TraceStore(config.traces)
-    evidence = _gold_evidence_by_question(config)
+    known = _known_questions(config)
     return export_resumable(
         Path(config.out),
         _finished_runs(store, "med_r3"),
         "run_id",
-        lambda run: {"run_id": run["run_id"], "row": _med_r3_row(store, run, evidence)},
+        lambda run: {"run_id": run["run_id"], "row": _med_r3_row(store, run, known)},
         row_key="row",
         limit=config.limit,
         progress=progress,
@@ -346,9 +346,7 @@ def export_med_r3(config: MedR3ExportConfig, progress: bool = True) -> dict[str,
     )
 
 
-def _med_r3_row(
-    store: TraceStore, run: dict[str, Any], evidence: dict[str, tuple[str, list[str]]]
-) -> dict[str, Any] | None:
+def _med_r3_row(store: TraceStore, run: dict[str, Any], questions: dict[str, KnownQuestion]) -> dict[str, Any] | None:
     """The run's first reasoner call (empty transcript) as a prompt; None when the run has none."""
     first = next(
         (
@@ -361,14 +359,15 @@ def _med_r3_row(
     if first is None:
         return None
     question = run["question"]
-    benchmark, gold_evidence = evidence.get(_question_key(question["question"]), ("", []))
+    known = questions.get(_question_key(question["question"]))
     row = med_r3_row(
         to_chat(first["messages"]),
         gold=run["gold"],
         options=question.get("options"),
-        gold_evidence=gold_evidence,
+        gold_evidence=known.gold_evidence if known else [],
         row_id=run["run_id"],
-        benchmark=benchmark,
+        benchmark=known.benchmark if known else "",
+        conclusion=known.conclusion if known else None,
     )
     return {**row, "run_id": run["run_id"], "event_id": first["event_id"]}
 
@@ -377,14 +376,23 @@ def _question_key(text: str) -> str:
     return " ".join(str(text).split()).lower()
 
 
-def _gold_evidence_by_question(config: MedR3ExportConfig) -> dict[str, tuple[str, list[str]]]:
+class KnownQuestion(NamedTuple):
+    """What `--questions` tells of a recorded run's question: its benchmark, gold evidence and stated conclusion."""
+
+    benchmark: str
+    gold_evidence: list[str]
+    conclusion: str | None
+
+
+def _known_questions(config: MedR3ExportConfig) -> dict[str, KnownQuestion]:
     from ermedrag.tools.data.benchmarks import load_questions_file
     from ermedrag.tools.data.gold_evidence import question_gold_evidence
 
     found = {}
     for path in config.questions:
         for q in load_questions_file(path):
-            found[_question_key(q.question)] = (q.benchmark, question_gold_evidence(q, config.qrels, config.corpus_dir))
+            evidence = question_gold_evidence(q, config.qrels, config.corpus_dir)
+            found[_question_key(q.question)] = KnownQuestion(q.benchmark, evidence, q.conclusion)
     return found
 
 

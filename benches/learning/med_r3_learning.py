@@ -22,6 +22,15 @@ improved it. Held-out prompts: the `--eval-questions` PubMedQA-train questions a
 seeded shuffle (disjoint from them), yes, no and maybe taken in turn (`evals.baselines.balanced_by_answer`: always
 one answer scores a third). Every scoring keeps its replies beside the results file, with each one's answer, gold,
 searches and reward parts (`med_r3_learning/replies/stage<S>_seed<N>_<before|after>.jsonl.gz`, `kept_replies`).
+
+`--sft-questions N` (a lever: stage 1 lowered the base model's accuracy while teaching the format) warm-starts each
+seed first with the product's SFT (`ermedrag train sft --config sft_med_r3`) on the reference replies of N
+questions (its training ones, then more drawn for the seed, none held out: each question's own conclusion, then its
+answer), and the chain starts from the merged warm start; `base_model` records the base model's held-out scores
+in stage 1's mode beside it.
+
+    .venv/bin/python benches/learning/med_r3_learning.py --seeds 3 --sft-questions 96 \\
+        --out benches/results/med_r3_learning_sft.json
 """
 
 from __future__ import annotations
@@ -63,7 +72,8 @@ from ermedrag.training.rewards.search import retrieval_hit_reward  # noqa: E402
 
 
 def rows_for(questions, index_ids: set[str]) -> list[dict[str, Any]]:
-    """Med-R³ questions whose gold evidence is the question's own abstract passages in the index."""
+    """Med-R³ questions whose gold evidence is the question's own abstract passages in the index (with their stated
+    conclusion: the SFT warm start's reference reasoning)."""
     return [
         {
             "id": q.id,
@@ -72,9 +82,56 @@ def rows_for(questions, index_ids: set[str]) -> list[dict[str, Any]]:
             "gold": q.answer,
             "benchmark": q.benchmark,
             "gold_evidence": [f"{q.id}-{i}" for i in range(len(q.contexts)) if f"{q.id}-{i}" in index_ids],
+            "conclusion": q.conclusion,
         }
         for q in questions
     ]
+
+
+def warm_start_questions(pool, held_out, train, n: int, seed: int) -> list[Any]:
+    """The SFT warm start's `n` questions: the seed's training ones, then more drawn for the seed from those neither
+    held out nor trained on."""
+    used = {q.id for q in (*held_out, *train)}
+    rest = [q for q in pool if q.id not in used]
+    return [*train, *random.Random(f"sft:{seed}").sample(rest, min(len(rest), max(0, n - len(train))))]
+
+
+def warm_start(
+    model_path: str, rows: list[dict[str, Any]], work: Path, seed: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The product's SFT (`sft_med_r3` preset) from `model_path` on the reference replies of `rows`, merged; with
+    `--reuse`, the one an earlier run finished with the same settings and questions. The run and `model_dir`."""
+    from ermedrag.training.config import SFTTrainingConfig, load_config
+    from ermedrag.training.trainers import train_sft
+
+    dataset = work / f"sft-dataset-s{seed}"
+    med_r3_dataset(rows).save_to_disk(str(dataset))
+    training = replace(
+        load_config("sft_med_r3", SFTTrainingConfig),
+        model=model_path,
+        dataset=str(dataset),
+        output_dir=str(work / f"train-s{seed}-sft"),
+        num_train_epochs=args.sft_epochs,
+        seed=seed,
+        save_steps=10_000,
+    )
+
+    def train() -> dict[str, Any]:
+        started = time.time()
+        summary = train_sft(training)
+        return {
+            "model_dir": summary["start_model"],
+            "rows": summary["rows"],
+            "steps": summary["steps"],
+            "epochs": args.sft_epochs,
+            "train_loss": summary["train_loss"],
+            "minutes": round((time.time() - started) / 60, 2),
+        }
+
+    key = {"config": comparable_settings(training), **inputs_key(args.data, [r["id"] for r in rows])}
+    run, reused = run_or_reuse(Path(training.output_dir), key, train, args.reuse)
+    log(f"seed {seed}: SFT warm start{' (reused)' if reused else ''}: {json.dumps(run)}")
+    return {**run, "reused": reused}
 
 
 def greedy_rollouts(model_dir: str, rows: list[dict[str, Any]], search, args: argparse.Namespace) -> dict[str, Any]:
@@ -225,6 +282,14 @@ def main() -> None:
         help="take each seed whose chain an earlier run finished with the same settings from its "
         "record (to add seeds, or go on after a stop); only while the training code is unchanged",
     )
+    parser.add_argument(
+        "--sft-questions",
+        type=int,
+        default=0,
+        help="a lever: warm-start each seed with the product's SFT on this many questions' reference replies "
+        "before stage 1 (0: none)",
+    )
+    parser.add_argument("--sft-epochs", type=float, default=1.0, help="epochs of the warm start")
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
     if args.micro_batch < 1 or args.generations % args.micro_batch:
@@ -242,6 +307,7 @@ def main() -> None:
         model_path = build_tiny_causal_lm(work / "tiny")
         args.train_questions, args.eval_questions, args.steps = 4, 3, 1
         args.generations, args.step_tokens, args.completion_tokens, args.micro_batch = 2, 16, 32, 1
+        args.sft_questions = min(args.sft_questions, 6)
     else:
         from ermedrag.tools.models.offline import offline_model_dir
 
@@ -279,14 +345,22 @@ def main() -> None:
     )
     out = Path(args.out) if not args.smoke else work / "med_r3_learning.json"
     evaluations = Evaluations(eval_rows, search, args, out.with_suffix("") / "replies")
-    chains, reused_seeds = [], []
+    chains, reused_seeds, warm_starts = [], [], []
     for seed in range(max(args.seeds, 1)):
-        train_rows = rows_for(training_sample(pool, held_out, pool[: args.train_questions], seed), index_ids)
+        train_questions = training_sample(pool, held_out, pool[: args.train_questions], seed)
+        train_rows = rows_for(train_questions, index_ids)
         dataset = work / f"train-dataset-s{seed}"
         med_r3_dataset(train_rows).save_to_disk(str(dataset))
         inputs = inputs_key(args.data, [r["id"] for r in train_rows], [r["id"] for r in eval_rows])
+        start_model = model_path
+        if args.sft_questions:
+            sft_questions = warm_start_questions(pool, held_out, train_questions, args.sft_questions, seed)
+            warm_starts.append(warm_start(model_path, rows_for(sft_questions, index_ids), work, seed, args))
+            start_model = warm_starts[-1]["model_dir"]
         chain, reused = run_stages(
-            replace(config, seed=seed, dataset=str(dataset), output_dir=str(work / f"train-s{seed}")),
+            replace(
+                config, model=start_model, seed=seed, dataset=str(dataset), output_dir=str(work / f"train-s{seed}")
+            ),
             evaluations,
             {**inputs, "eval_batch": args.eval_batch},
             args.reuse,
@@ -296,6 +370,9 @@ def main() -> None:
     result: dict[str, Any] = dict(chains[0])  # the first seed's stages, as one run reports them
     result["seeds"] = {"n": len(chains), **{name: part_over_seeds(chains, name, len(eval_rows)) for name in chains[0]}}
     result["baselines"] = answer_baselines(eval_rows, [r["prompt"] for r in med_r3_dataset(eval_rows)])
+    if warm_starts:  # the chains start from the warm starts: the base model's own scores beside them
+        result["base_model"] = evaluations(model_path, 1, config, "base")
+        result["sft_warm_start"] = {"questions": args.sft_questions, "preset": "sft_med_r3", "seeds": warm_starts}
     if not args.smoke:
         for stage in STAGES:
             plot = chains[0][f"stage{stage}"].get("plot_path")

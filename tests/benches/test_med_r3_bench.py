@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from datasets import load_from_disk
 
 from benches.learning.kept_replies import read_replies
 from benches.learning.seeds import training_sample
+from tests.benches.test_learning_bench import bench_module
 from tests.conftest import REPO
 
 SCRIPT = REPO / "benches" / "learning" / "med_r3_learning.py"
@@ -84,3 +86,33 @@ def test_a_seed_draws_its_own_training_questions_and_never_a_held_out_one() -> N
         assert not {q.id for q in sample} & {q.id for q in held_out}
     assert {q.id for q in drawn[0]} != {q.id for q in drawn[1]} != {q.id for q in first}
     assert training_sample(pool, held_out, first, seed=1) == drawn[0]  # seeded: a rerun draws the same
+
+
+def test_the_warm_start_takes_the_seeds_training_questions_then_more_never_held_out() -> None:
+    bench = bench_module("med_r3_learning")
+    pool = [SimpleNamespace(id=f"q{i}") for i in range(40)]
+    held_out, train = pool[10:20], pool[:10]
+    questions = bench.warm_start_questions(pool, held_out, train, 16, seed=1)
+    assert questions[:10] == train and len({q.id for q in questions}) == 16
+    assert not {q.id for q in questions} & {q.id for q in held_out}
+    assert questions != bench.warm_start_questions(pool, held_out, train, 16, seed=2)  # a draw of the seed's own
+    assert bench.warm_start_questions(pool, held_out, train, 4, seed=1) == train  # never fewer than it trains on
+
+
+@pytest.mark.slow  # ~1 min: `make test-all`
+def test_the_chain_starts_from_an_sft_warm_start_on_reference_replies(shared_data: Path, tmp_path: Path) -> None:
+    """`--sft-questions`: the product's SFT (`sft_med_r3` preset) on each question's conclusion and answer, then the
+    three stages from its merged model, the base model scored beside them."""
+    run_smoke(shared_data, tmp_path, "--seeds", "1", "--sft-questions", "6")
+    result = json.loads((tmp_path / "smoke" / "med_r3_learning.json").read_text())
+    (warm,) = result["sft_warm_start"]["seeds"]
+    assert result["sft_warm_start"]["preset"] == "sft_med_r3" and warm["rows"] == 6 and warm["steps"] >= 1
+    assert warm["model_dir"].endswith("train-s0-sft/merged")
+    trained = load_from_disk(str(tmp_path / "smoke" / "sft-dataset-s0"))
+    assert all(r.startswith("<think>") and r.endswith("</answer>") for r in trained["reference_reply"])
+    assert set(load_from_disk(str(tmp_path / "smoke" / "train-dataset-s0"))["id"]) <= set(trained["id"])
+    kept = tmp_path / "smoke" / "med_r3_learning" / "replies"
+    assert (kept / "stage1_base.jsonl.gz").exists() and set(result["base_model"]) == set(result["stage1"]["before"])
+    run_smoke(shared_data, tmp_path, "--seeds", "1", "--sft-questions", "6", "--reuse")
+    again = json.loads((tmp_path / "smoke" / "med_r3_learning.json").read_text())
+    assert again["sft_warm_start"]["seeds"][0]["reused"] and again["reused_seeds"] == [0]

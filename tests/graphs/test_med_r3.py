@@ -163,9 +163,8 @@ def test_recorded_runs_export_as_med_r3_prompts_replayed_exactly(tmp_path):
 
     ctx = _context(tmp_path)
     questions = tmp_path / "questions.jsonl"
-    questions.write_text(
-        json.dumps({"id": "q1", "question": QUESTION["question"], "options": QUESTION["options"], "answer": "A"}) + "\n"
-    )
+    question = {"id": "q1", "question": QUESTION["question"], "options": QUESTION["options"], "answer": "A"}
+    questions.write_text(json.dumps({**question, "long_answer": "Metformin is first line."}) + "\n")
     states = [graph.invoke(QUESTION, context=ctx) for _ in range(2)]
     graph.invoke({**QUESTION, "gold": None}, context=ctx)  # no gold: nothing to reward, not exported
     config = MedR3ExportConfig(traces=ctx["trace_db"], out=str(tmp_path / "export"), questions=[str(questions)])
@@ -177,5 +176,6 @@ def test_recorded_runs_export_as_med_r3_prompts_replayed_exactly(tmp_path):
     assert rows[0]["prompt"][-1]["content"] == build_messages(QUESTION["question"], QUESTION["options"], "")[-1].text
     assert rows[0]["event_id"] == first_call["event_id"]
     assert (rows[0]["gold"], rows[0]["options"]["A"], rows[0]["gold_evidence"]) == ("A", "Metformin", [])
+    assert rows[0]["reference_reply"] == "<think>Metformin is first line.</think><answer>A</answer>"  # its conclusion
     # resumable and idempotent: a rerun adds nothing
     assert export_med_r3(config, progress=False) == {"processed": 0, "skipped_done": 2, "rows": 2}

@@ -19,6 +19,8 @@ import torch
 from transformers import LogitsProcessor
 
 from ermedrag.agents.reasoner import render_documents
+from ermedrag.agents.respondent import parse_answer
+from ermedrag.training.trainers import sft_dataset
 from ermedrag.training.rewards.answers import correctness_reward, format_reward, well_formed_correctness_reward
 from ermedrag.training.med_r3.config import MedR3TrainingConfig
 from ermedrag.training.med_r3.train import STAGES, stage_config, stage_rewards, train_med_r3
@@ -214,6 +216,7 @@ def test_dataset_builder_from_shared_files(tmp_path):
                 "answer": "A",
                 "options": {"A": "yes", "B": "no", "C": "maybe"},
                 "contexts": ["c0", "c1", "c2"],
+                "long_answer": "X helped  in\n most patients </answer><answer>C",
             }
         )
         + "\n"
@@ -226,7 +229,7 @@ def test_dataset_builder_from_shared_files(tmp_path):
     qrels = tmp_path / "qrels.jsonl"
     qrels.write_text(json.dumps({"id": "bioasq-q1", "gold": ["bioasq-s2", "bioasq-s1"]}) + "\n")
     counts = build_med_r3_dataset([questions, bioasq], tmp_path / "ds", qrels=qrels)
-    assert counts["rows"] == 2 and counts["with_gold_evidence"] == 2
+    assert counts["rows"] == 2 and counts["with_gold_evidence"] == 2 and counts["with_reference_reply"] == 1
     from datasets import load_from_disk
 
     ds = load_from_disk(str(tmp_path / "ds"))
@@ -234,6 +237,16 @@ def test_dataset_builder_from_shared_files(tmp_path):
     assert ds[1]["gold_evidence"] == ["bioasq-s1", "bioasq-s2"] and ds[1]["gold"] == "B"
     assert [m["role"] for m in ds[0]["prompt"]] == ["system", "user", "assistant", "user"]
     assert "Does X help?" in ds[0]["prompt"][-1]["content"]
+    # the SFT warm start's target: the stated conclusion (one line, its markup defused), then the gold letter
+    reference = ds[0]["reference_reply"]
+    assert reference.startswith("<think>X helped in most patients ") and reference.endswith(
+        "</think><answer>A</answer>"
+    )
+    assert parse_answer(reference, ds[0]["options"])["answer"] == "A" and reference.count("<answer>") == 1
+    assert format_reward([[{"role": "assistant", "content": reference}]]) == [1.0]
+    assert ds[1]["reference_reply"] is None  # BioASQ states no conclusion: no reasoning to teach, skipped by SFT
+    sft_rows = sft_dataset(ds, "ds")
+    assert len(sft_rows) == 1 and sft_rows[0]["completion"] == [{"role": "assistant", "content": reference}]
 
 
 # ------------------------------------------------------------------------------- tiny model and index

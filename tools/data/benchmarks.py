@@ -33,6 +33,14 @@ class Question:
     contexts: tuple[str, ...] = ()  # PubMedQA's abstract (without its conclusion), when the benchmark has one
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def conclusion(self) -> str | None:
+        """The benchmark's own conclusion for the question (PubMedQA's `long_answer`), on one line; None without."""
+        text = self.meta.get("long_answer") if isinstance(self.meta, dict) else None
+        if not isinstance(text, str):
+            return None
+        return " ".join(text.split()) or None
+
 
 @dataclass(frozen=True)
 class BadRow:

@@ -5,8 +5,10 @@
     # CLI: python -m ermedrag.training.med_r3.train dataset FILE.jsonl ... --out DIR [--qrels Q] [--corpus-dir C]
 
 A row: `prompt` (`agents.reasoner.build_messages` with an empty transcript, in chat format), `gold`,
-`options`, `gold_evidence` (doc ids, possibly empty: `tools.gold_evidence`), `id`, `benchmark`. Rows
-replayed from recorded graph runs (`training.export.export_med_r3`) have the same columns.
+`options`, `gold_evidence` (doc ids, possibly empty: `tools.gold_evidence`), `id`, `benchmark`, and
+`reference_reply` (`agents.reasoner.reference_reply`: the question's own conclusion, then its gold answer; null
+where the benchmark states no conclusion), which `ermedrag train sft` warm-starts the reasoner on before stage 1.
+Rows replayed from recorded graph runs (`training.export.export_med_r3`) have the same columns.
 """
 
 from __future__ import annotations
@@ -28,27 +30,35 @@ def med_r3_row(
     gold_evidence: Iterable[Any],
     row_id: Any,
     benchmark: Any,
+    conclusion: str | None = None,
 ) -> dict[str, Any]:
-    """One dataset row: the prompt in chat format and the reward columns, as plain strings."""
+    """One dataset row: the prompt in chat format, the reward columns as plain strings, and the SFT warm start's
+    reference reply written from `conclusion` (the benchmark's own, where it states one)."""
+    gold = None if gold is None else str(gold)
     return {
         "prompt": prompt,
-        "gold": None if gold is None else str(gold),
+        "gold": gold,
         "options": {str(k): str(v) for k, v in options.items()} if options else None,
         "gold_evidence": [str(g) for g in gold_evidence],
         "id": str(row_id or ""),
         "benchmark": str(benchmark or ""),
+        "reference_reply": reasoner.reference_reply(conclusion, gold),
     }
 
 
 def med_r3_dataset(questions: Iterable[Any]):
     """A `datasets.Dataset` of Med-R³ rows (module docstring). A question is an `tools.benchmarks.Question` or
     a dict with `question`, `options`, `gold` (or `answer`), and optionally `gold_evidence`, `id`,
-    `benchmark`."""
+    `benchmark`, `conclusion`."""
     from datasets import Dataset
 
     rows = []
     for question in questions:
-        q = question if isinstance(question, dict) else dataclasses.asdict(question)
+        q = (
+            question
+            if isinstance(question, dict)
+            else {**dataclasses.asdict(question), "conclusion": question.conclusion}
+        )
         options = q.get("options") or None
         rows.append(
             med_r3_row(
@@ -58,6 +68,7 @@ def med_r3_dataset(questions: Iterable[Any]):
                 gold_evidence=q.get("gold_evidence") or [],
                 row_id=q.get("id"),
                 benchmark=q.get("benchmark"),
+                conclusion=q.get("conclusion"),
             )
         )
     if not rows:
@@ -93,10 +104,18 @@ def build_med_r3_dataset(
                     "gold": q.answer,
                     "benchmark": q.benchmark,
                     "gold_evidence": question_gold_evidence(q, qrels, corpus_dir),
+                    "conclusion": q.conclusion,
                 }
             )
         counts[str(path)] = len(loaded)
     dataset = med_r3_dataset(questions)
     dataset.save_to_disk(str(out))
     with_gold = sum(1 for q in questions if q["gold_evidence"])
-    return {"rows": len(questions), "with_gold_evidence": with_gold, "per_file": counts, "out": str(out)}
+    with_reference = sum(1 for row in dataset if row["reference_reply"])
+    return {
+        "rows": len(questions),
+        "with_gold_evidence": with_gold,
+        "with_reference_reply": with_reference,
+        "per_file": counts,
+        "out": str(out),
+    }
