@@ -271,11 +271,12 @@ def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "well_formed": share(sum(k["well_formed"] for k in replies), n),
             "modal_answer_share": modal_share([k["answer"] for k in replies]),
         }
-        if name != ORDINARY:  # the ordinary questions have no X to follow
-            result[name]["follow_rate"] = share(sum(k["answer"] == k["evidence_key"] for k in replies), n)
         if replies and all("example_key" in k for k in replies):
             copied = sum(k["answer"] is not None and k["answer"] == k["example_key"] for k in replies)
             result[name]["example_letter"] = share(copied, n)
+        if name == ORDINARY:
+            continue  # no X: nothing to follow or to quote
+        result[name]["follow_rate"] = share(sum(k["answer"] == k["evidence_key"] for k in replies), n)
         if replies and all("quoted_key" in k for k in replies):
             # reading the line (its reasoning quotes X's text) apart from answering it
             result[name]["quotes_evidence"] = share(sum(k["quoted_key"] == k["evidence_key"] for k in replies), n)

@@ -57,6 +57,9 @@ def test_figures_count_follows_and_right_answers_per_set() -> None:
     assert (d2["follow_rate"]["hits"], d2["accuracy"]["hits"], d2["well_formed"]["hits"]) == (1, 1, 2)
     assert d2["follow_rate"]["n"] == 3 and d2["modal_answer_share"] == round(1 / 3, 4)
     assert "example_letter" not in d2  # replies kept before the example's letter was
+    ordinary = [{**k, "set": "ordinary", "evidence_key": None, "quoted_key": None} for k in kept]
+    figures = bench.figures(ordinary)["ordinary"]  # no X: accuracy and form only, never a follow or a quote
+    assert figures["accuracy"]["hits"] == 1 and not {"follow_rate", "quotes_evidence"} & set(figures)
     with_example = [{**k, "example_key": key} for k, key in zip(kept, ("B", "C", "D"))]
     assert bench.figures(with_example)["d2"]["example_letter"]["hits"] == 1  # a missing answer copies nothing
 
