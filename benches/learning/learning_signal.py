@@ -97,7 +97,7 @@ from ermedrag.training.rewards.answers import (
     numbered_triplets,
 )
 from ermedrag.training.checkpoints import resume_checkpoint  # noqa: E402
-from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
+from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, SFTTrainingConfig  # noqa: E402
 from ermedrag.training.export import (
     DPOExportConfig,
     GRPOExportConfig,
@@ -746,7 +746,8 @@ def trained(
     """Train one seed from the base model and merge its adapter; with `--reuse-trained`, a seed an earlier run
     trained and merged with this very config is measured again instead (`reused` True). A training killed
     before its merge goes on from its last checkpoint (`config.resume`); a finished one is trained again."""
-    earlier = trained_earlier(config, merged) if args.reuse_trained else None
+    rewarded = not isinstance(config, SFTTrainingConfig)  # an SFT run reads no reward: a reward change keeps it
+    earlier = trained_earlier(config, merged, rewarded) if args.reuse_trained else None
     if earlier:
         log(f"reusing {merged.name}: trained earlier with this config ({earlier['steps']} steps)")
         return {**earlier, "reused": True, "merged": str(merged), "plot_path": None}

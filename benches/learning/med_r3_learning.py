@@ -55,7 +55,7 @@ from learning_signal import (  # noqa: E402
     write_result,
 )
 from seeds import SEED_CHANGES, hold_work_folder, inputs_key, part_over_seeds, run_or_reuse  # noqa: E402
-from seeds import training_sample  # noqa: E402
+from seeds import training_sample, warm_started  # noqa: E402
 from kept_replies import replies_path, write_replies  # noqa: E402
 
 from ermedrag.agents.respondent import parse_answer  # noqa: E402
@@ -102,7 +102,6 @@ def warm_start(
     """The product's SFT (`sft_med_r3` preset) from `model_path` on the reference replies of `rows`, merged; with
     `--reuse`, the one an earlier run finished with the same settings and questions. The run and `model_dir`."""
     from ermedrag.training.config import SFTTrainingConfig, load_config
-    from ermedrag.training.trainers import train_sft
 
     dataset = work / f"sft-dataset-s{seed}"
     med_r3_dataset(rows).save_to_disk(str(dataset))
@@ -115,23 +114,9 @@ def warm_start(
         seed=seed,
         save_steps=10_000,
     )
-
-    def train() -> dict[str, Any]:
-        started = time.time()
-        summary = train_sft(training)
-        return {
-            "model_dir": summary["start_model"],
-            "rows": summary["rows"],
-            "steps": summary["steps"],
-            "epochs": args.sft_epochs,
-            "train_loss": summary["train_loss"],
-            "minutes": round((time.time() - started) / 60, 2),
-        }
-
-    key = {"config": comparable_settings(training), **inputs_key(args.data, [r["id"] for r in rows])}
-    run, reused = run_or_reuse(Path(training.output_dir), key, train, args.reuse)
-    log(f"seed {seed}: SFT warm start{' (reused)' if reused else ''}: {json.dumps(run)}")
-    return {**run, "reused": reused}
+    run = warm_started(training, inputs_key(args.data, [r["id"] for r in rows]), args.reuse)
+    log(f"seed {seed}: SFT warm start{' (reused)' if run['reused'] else ''}: {json.dumps(run)}")
+    return run
 
 
 def greedy_rollouts(model_dir: str, rows: list[dict[str, Any]], search, args: argparse.Namespace) -> dict[str, Any]:

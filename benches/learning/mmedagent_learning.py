@@ -958,39 +958,15 @@ def warm_start_training(config, args: argparse.Namespace):
     )
 
 
-def warm_start_key(training, data: BenchData, args: argparse.Namespace) -> dict[str, Any]:
-    """What a recorded warm start depends on: its training config and the questions its rows came from."""
-    from seeds import inputs_key
-
-    from ermedrag.training.config import comparable_settings
-
-    return {"config": comparable_settings(training), **inputs_key(args.data, [r["id"] for r in data.sft_triage])}
-
-
 def warm_start(config, data: BenchData, args: argparse.Namespace) -> dict[str, Any]:
     """`--sft-epochs`: this seed's warm start (`warm_start_training`), or with `--reuse` the one an earlier run
     finished with the same settings and questions; the merged model and the run."""
-    from seeds import run_or_reuse
+    from seeds import inputs_key, warm_started
 
-    from ermedrag.training.trainers import train_sft
-
-    training = warm_start_training(config, args)
-
-    def train() -> dict[str, Any]:
-        started = time.time()
-        summary = train_sft(training)
-        return {
-            "model_dir": summary["start_model"],
-            "rows": summary["rows"],
-            "steps": summary["steps"],
-            "epochs": args.sft_epochs,
-            "train_loss": summary["train_loss"],
-            "minutes": round((time.time() - started) / 60, 2),
-        }
-
-    run, reused = run_or_reuse(Path(training.output_dir), warm_start_key(training, data, args), train, args.reuse)
-    log(f"triage warm start{' (reused: an earlier run trained it)' if reused else ''}: {json.dumps(run)}")
-    return {**run, "reused": reused}
+    questions = inputs_key(args.data, [r["id"] for r in data.sft_triage])
+    run = warm_started(warm_start_training(config, args), questions, args.reuse)
+    log(f"triage warm start{' (reused: an earlier run trained it)' if run['reused'] else ''}: {json.dumps(run)}")
+    return run
 
 
 def triage_part(

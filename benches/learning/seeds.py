@@ -193,15 +193,18 @@ def record_trained(merged: Path, config: Any, run: dict[str, Any]) -> None:
     replace_text(merged / RUN_FILE, json.dumps(marker, indent=2, default=str))
 
 
-def trained_earlier(config: Any, merged: Path) -> dict[str, Any] | None:
+def trained_earlier(config: Any, merged: Path, rewarded: bool = True) -> dict[str, Any] | None:
     """What an earlier run recorded for a seed trained with this very config (`--reuse-trained`, `--reuse`): for a
-    merged model its steps, minutes and zero-variance steps, for a chain its stages; None when the config or the
-    rewards differ or the run never finished (or its marker)."""
+    merged model its steps, minutes and zero-variance steps, for a chain its stages; None when the config differs,
+    or (a `rewarded` training: not SFT, which reads no reward) the reward code, or the run never finished (or its
+    marker)."""
     try:
         run = json.loads((merged / RUN_FILE).read_text())
     except (OSError, ValueError):  # missing, or cut short by a kill while it was written
         return None
-    if not isinstance(run, dict) or run.pop("reward_code_sha256", None) != reward_code_sha256():
+    if not isinstance(run, dict):
+        return None
+    if run.pop("reward_code_sha256", None) != reward_code_sha256() and rewarded:
         return None
     return run if run.pop("training_config", None) == _as_json(config) else None
 
@@ -220,12 +223,12 @@ def inputs_key(data: str, *question_ids: Sequence[str]) -> dict[str, str]:
 
 
 def run_or_reuse(
-    folder: Path, settings: Any, run: Callable[[], dict[str, Any]], reuse: bool
+    folder: Path, settings: Any, run: Callable[[], dict[str, Any]], reuse: bool, rewarded: bool = True
 ) -> tuple[dict[str, Any], bool]:
     """One seed's training in `folder` and whether it was reused: with `reuse`, what an earlier run recorded there
-    with these very settings; else `run()` from an empty folder, recorded once it has finished (a run killed
-    before that leaves no record, so `--reuse` trains it again)."""
-    earlier = trained_earlier(settings, folder) if reuse else None
+    with these very settings (and, `rewarded`, reward code); else `run()` from an empty folder, recorded once it
+    has finished (a run killed before that leaves no record, so `--reuse` trains it again)."""
+    earlier = trained_earlier(settings, folder, rewarded) if reuse else None
     if earlier is not None:
         return earlier, True
     shutil.rmtree(folder, ignore_errors=True)
@@ -233,6 +236,31 @@ def run_or_reuse(
     folder.mkdir(parents=True, exist_ok=True)
     record_trained(folder, settings, result)
     return result, False
+
+
+def warm_started(training: Any, inputs: dict[str, Any], reuse: bool) -> dict[str, Any]:
+    """The product's SFT (`train_sft`) with `training`, recorded in its output folder under its settings and
+    `inputs` (what its rows came from), or with `reuse` the one an earlier run finished with the same: the run
+    (`model_dir`: the merged model, rows, steps, loss, minutes) and whether it was `reused`."""
+    import time
+
+    from ermedrag.training.trainers import train_sft
+
+    def train() -> dict[str, Any]:
+        started = time.time()
+        summary = train_sft(training)
+        return {
+            "model_dir": summary["start_model"],
+            "rows": summary["rows"],
+            "steps": summary["steps"],
+            "epochs": training.num_train_epochs,
+            "train_loss": summary["train_loss"],
+            "minutes": round((time.time() - started) / 60, 2),
+        }
+
+    key = {"config": comparable_settings(training), **inputs}
+    run, reused = run_or_reuse(Path(training.output_dir), key, train, reuse, rewarded=False)
+    return {**run, "reused": reused}
 
 
 def _as_json(config: Any) -> Any:

@@ -388,6 +388,7 @@ def test_a_seed_is_reused_only_when_its_merge_finished_with_the_same_config(tmp_
     recorded = json.loads(marker.read_text())
     marker.write_text(json.dumps({**recorded, "reward_code_sha256": "0" * 64}))
     assert seeds.trained_earlier(config, merged) is None  # trained under other reward code
+    assert seeds.trained_earlier(config, merged, rewarded=False) == run  # SFT reads no reward: still the same
     marker.write_text(json.dumps(recorded))
     assert seeds.trained_earlier(config, merged) == run
     marker.write_text(marker.read_text()[:20])  # a kill while the marker was written
