@@ -56,7 +56,7 @@ def reference_reply(conclusion: str | None, answer: str | None) -> str | None:
     """The reply Med-R³'s SFT warm start teaches (`ermedrag train sft` on a Med-R³ dataset, before stage 1): the
     question's own conclusion (PubMedQA's `long_answer`) as its reasoning, then the gold answer, in the format every
     stage rewards, without a search (stage 1's mode). None unless it has both: a label alone teaches no reasoning."""
-    if not answer or not str(conclusion or "").strip():
+    if not isinstance(answer, str) or not answer or not isinstance(conclusion, str) or not conclusion.strip():
         return None
     reasoning = quote(conclusion, MAX_REFERENCE_REASONING_CHARS)
     return f"<think>{reasoning}</think><answer>{quote(answer, MAX_QUERY_CHARS)}</answer>"

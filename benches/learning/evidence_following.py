@@ -36,6 +36,7 @@ the first of them), then GRPO goes on from the merged warm start (`--steps 0`: t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -53,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from learning_signal import generate, log, trained  # noqa: E402  (learning_signal goes offline at import)
 from kept_replies import read_replies, write_replies  # noqa: E402
-from seeds import LEARNING_WORK, hold_work_folder, spread  # noqa: E402
+from seeds import LEARNING_WORK, hold_work_folder, model_stamp, spread  # noqa: E402
 
 from ermedrag.agents import respondent  # noqa: E402
 from ermedrag.evals.baselines import balanced_positions, beats_baselines, modal_share, paired_change, share  # noqa: E402
@@ -124,8 +125,7 @@ def heldout_rows(heldout: Sequence[Question], pool: Sequence[Question]) -> list[
         rows.append(
             {**evidence_row(q, [gold_triplet(q)], distractors, rng, "supporting", q.answer), "set": "gold_evidence"}
         )
-        none = evidence_row(q, [], [], random.Random(0), "none", None)
-        rows.append({**none, "evidence_key": x, "set": "no_evidence"})  # X: how often it is named untold
+        rows.append(without_evidence(q, "no_evidence", x))  # X: how often it is named untold
     return [{**row, "prompt_id": f"{row['run_id']}:{row['set']}"} for row in rows]
 
 
@@ -134,10 +134,8 @@ def export_config(seed: int, folder: Path | str, limit: int) -> EvidenceExportCo
     return EvidenceExportConfig(questions=[], out=str(folder), seed=seed, limit=limit)
 
 
-def ordinary_questions(args: argparse.Namespace, pool: Sequence[Question]) -> list[Question]:
-    """`--ordinary-questions` pool questions that no training of seeds 0 to the last one asked has seen: none of
-    their exports asks them or shows their gold as a line (a distractor's conclusion); in the pool's order, golds
-    balanced over positions. The same set for every seed of a record and for its before."""
+def seen_in_training(args: argparse.Namespace, pool: Sequence[Question]) -> tuple[set[str], set[str]]:
+    """(ids asked, conclusions shown as a line) by the exports of seeds 0 to the last one this run trains."""
     limits = [limit for limit in (args.sft_prompts, args.train_prompts if args.steps else 0) if limit]
     asked: set[str] = set()
     shown: set[str] = set()
@@ -146,21 +144,56 @@ def ordinary_questions(args: argparse.Namespace, pool: Sequence[Question]) -> li
             for row in evidence_prompts(pool, export_config(seed, "", limit)):
                 asked.add(row["run_id"])
                 shown.update(t["conclusion"] for t in row["triplets"])
-    unseen = [q for q in pool if q.id not in asked and gold_triplet(q)["conclusion"] not in shown]
-    if len(unseen) < args.ordinary_questions:
-        raise SystemExit(f"only {len(unseen)} pool questions are unseen by training; ask fewer --ordinary-questions")
-    return balanced_positions(unseen[: args.ordinary_questions])
+    return asked, shown
 
 
-def ordinary_rows(questions: Sequence[Question]) -> list[dict[str, Any]]:
-    """The ordinary questions as the respondent is asked them without evidence (no X: nothing to follow)."""
-    rows = [evidence_row(q, [], [], random.Random(0), "none", None) for q in questions]
-    return [{**row, "set": ORDINARY, "prompt_id": f"{row['run_id']}:{ORDINARY}"} for row in rows]
+def ordinary_questions(
+    args: argparse.Namespace, pool: Sequence[Question], recorded: Sequence[str] | None = None
+) -> list[Question]:
+    """`--ordinary-questions` pool questions no training of this run's seeds has seen: none of their exports asks
+    them or shows their gold as a line (a distractor's conclusion); in the pool's order, golds balanced over
+    positions. `recorded`: the ids a record's set was built from, kept as they are (seeds added later are checked
+    against them, so every seed of a record and its before answer the very same questions)."""
+    asked, shown = seen_in_training(args, pool)
+    if recorded is None:
+        chosen = [q for q in pool if q.id not in asked and gold_triplet(q)["conclusion"] not in shown]
+        if len(chosen) < args.ordinary_questions:
+            raise SystemExit(
+                f"only {len(chosen)} pool questions are unseen by training; ask fewer --ordinary-questions"
+            )
+        return balanced_positions(chosen[: args.ordinary_questions])
+    by_id = {q.id: q for q in pool}
+    missing = [i for i in recorded if i not in by_id]
+    if missing or len(recorded) != args.ordinary_questions:
+        raise SystemExit(
+            f"the record's {len(recorded)} ordinary questions ({len(missing)} not in the pool) are not the "
+            f"--ordinary-questions {args.ordinary_questions} asked: pass its size, or write a new --out"
+        )
+    chosen = [by_id[i] for i in recorded]
+    seen = [q.id for q in chosen if q.id in asked or gold_triplet(q)["conclusion"] in shown]
+    if seen:
+        raise SystemExit(
+            f"{len(seen)} of the record's ordinary questions are in these seeds' training: write a new --out"
+        )
+    return balanced_positions(chosen)
 
 
-def heldout_prompts(args: argparse.Namespace, heldout: Sequence[Question], pool: Sequence[Question]) -> list[dict]:
-    """`heldout_rows` and the ordinary questions' rows, without the worked example under `--no-example`."""
-    rows = heldout_rows(heldout, pool) + ordinary_rows(ordinary_questions(args, pool))
+def without_evidence(question: Question, name: str, evidence_key: str | None) -> dict[str, Any]:
+    """`question` asked as the respondent is asked it with no evidence at all, in set `name`."""
+    row = evidence_row(question, [], [], random.Random(0), "none", None)
+    return {**row, "evidence_key": evidence_key, "set": name}
+
+
+def heldout_prompts(
+    args: argparse.Namespace,
+    heldout: Sequence[Question],
+    pool: Sequence[Question],
+    ordinary_ids: Sequence[str] | None = None,
+) -> list[dict]:
+    """`heldout_rows` and the ordinary questions' rows (`ordinary_questions`), without the worked example under
+    `--no-example`."""
+    ordinary = [without_evidence(q, ORDINARY, None) for q in ordinary_questions(args, pool, ordinary_ids)]
+    rows = heldout_rows(heldout, pool) + [{**row, "prompt_id": f"{row['run_id']}:{ORDINARY}"} for row in ordinary]
     return [{**row, "prompt": without_example(row["prompt"])} for row in rows] if args.no_example else rows
 
 
@@ -185,25 +218,34 @@ def training_dataset(export: Path, no_example: bool) -> Path:
 
 
 def measure(
-    model_spec: str, rows: Sequence[dict[str, Any]], tokens: int, replies_file: Path, same_model: bool = False
+    model_dir: str, rows: Sequence[dict[str, Any]], tokens: int, replies_file: Path, reuse: bool = False
 ) -> list[dict[str, Any]]:
-    """Greedy replies to every held-out prompt, kept in `replies_file` in the rows' order. `same_model`: the file's
-    replies are this very model's (a reused one), so only prompts it has no reply to are asked (a set added later
-    costs its own prompts only)."""
-    earlier = {r["prompt_id"]: r for r in read_replies(replies_file) or []} if same_model else {}
-    asked = [row for row in rows if row["prompt_id"] not in earlier]
-    replies = generate(model_spec, [row["prompt"] for row in asked], tokens, respondent.STOP) if asked else []
-    fresh = {row["prompt_id"]: kept_reply(row, reply) for row, reply in zip(asked, replies)}
-    kept = [earlier.get(row["prompt_id"]) or fresh[row["prompt_id"]] for row in rows]
+    """Greedy replies to every held-out prompt, kept in `replies_file` in the rows' order. `reuse`: a reply the file
+    holds to the very same prompt, budget and model (`asked_as`) is kept, and only the others are asked (a set
+    added later costs its own prompts only)."""
+    stamp = model_stamp(model_dir)
+    keys = {row["prompt_id"]: asked_as(row, tokens, stamp) for row in rows}
+    earlier = {r["asked_as"]: r for r in read_replies(replies_file) or [] if "asked_as" in r} if reuse else {}
+    asked = [row for row in rows if keys[row["prompt_id"]] not in earlier]
+    replies = generate(f"hf:{model_dir}", [row["prompt"] for row in asked], tokens, respondent.STOP) if asked else []
+    fresh = {row["prompt_id"]: kept_reply(row, reply, keys[row["prompt_id"]]) for row, reply in zip(asked, replies)}
+    kept = [earlier.get(keys[row["prompt_id"]]) or fresh[row["prompt_id"]] for row in rows]
     write_replies(replies_file, kept)
     return kept
 
 
-def kept_reply(row: dict[str, Any], reply: str) -> dict[str, Any]:
+def asked_as(row: dict[str, Any], tokens: int, stamp: str) -> str:
+    """What a reply answers: its prompt (options and distractors included), the budget and the model's stamp."""
+    asked = json.dumps([row["prompt"], row["gold"], row["evidence_key"], tokens, stamp], sort_keys=True)
+    return hashlib.sha256(asked.encode()).hexdigest()[:24]
+
+
+def kept_reply(row: dict[str, Any], reply: str, asked: str) -> dict[str, Any]:
     """What is kept of one reply: the prompt's id and set, the reply, what it answers and what it is read against."""
     parsed = respondent.parse_answer(reply, row["options"])
     return {
         "prompt_id": row["prompt_id"],
+        "asked_as": asked,
         "set": row["set"],
         "reply": reply,
         "answer": parsed["answer"],
@@ -240,6 +282,7 @@ def refigure(out: Path, rows: Sequence[dict[str, Any]]) -> None:
 
     before = again("before.jsonl.gz")
     record["before"] = figures(before)
+    record["settings"]["ordinary_ids"] = [row["run_id"] for row in rows if row["set"] == ORDINARY]
     for run in record["runs"]:
         after = again(f"seed{run['seed']}_after.jsonl.gz")
         run["after"] = figures(after)
@@ -288,9 +331,11 @@ def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def ordinary_change(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The after's accuracy on the ordinary questions against the before's, question by question (None where
     they were not asked)."""
-    pairs = [
-        (b["answer"] == b["gold"], a["answer"] == a["gold"]) for b, a in zip(before, after) if b["set"] == ORDINARY
-    ]
+    right_after = {a["prompt_id"]: a["answer"] == a["gold"] for a in after if a["set"] == ORDINARY}
+    right_before = {b["prompt_id"]: b["answer"] == b["gold"] for b in before if b["set"] == ORDINARY}
+    if right_after.keys() != right_before.keys():
+        raise ValueError("the before and the after answered different ordinary questions")
+    pairs = [(right_before[i], right_after[i]) for i in right_before]
     return paired_change(*zip(*pairs)) if pairs else None
 
 
@@ -377,7 +422,9 @@ def train_seed(args: argparse.Namespace, model_path: str, pool: Sequence[Questio
         temperature=args.temperature,
         **resumable_settings(seed),
     )
-    run = trained(SimpleNamespace(reuse_trained=args.reuse), training, work / f"grpo-merged-s{seed}", train_grpo)
+    reuse = SimpleNamespace(reuse_trained=args.reuse)
+    starts_from = {"warm_start": model_stamp(model_path)} if sft else None  # a warm start trained again: GRPO too
+    run = trained(reuse, training, work / f"grpo-merged-s{seed}", train_grpo, starts_from)
     return {
         **run,
         "export": counts,
@@ -480,7 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (data / "benchmarks").is_dir():
         raise SystemExit(f"no benchmarks under {data} (pass --data or set ERMEDRAG_SHARED_DATA)")
     if args.refigure:  # kept replies only: no model, and the work folder left to a run in progress
-        refigure(Path(args.out), heldout_prompts(args, *pools(data, args.max_question_chars, args.eval_questions)))
+        recorded = json.loads(Path(args.out).read_text())["settings"].get("ordinary_ids")
+        heldout, pool = pools(data, args.max_question_chars, args.eval_questions)
+        refigure(Path(args.out), heldout_prompts(args, heldout, pool, recorded))
         return 0
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -496,10 +545,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if not args.smoke else work / "evidence_following.json"
     replies = out.parent / out.stem / "replies"
     heldout, pool = pools(data, args.max_question_chars, args.eval_questions)
-    rows = heldout_prompts(args, heldout, pool)
-    started = time.time()
     earlier = json.loads(out.read_text()) if args.reuse and out.exists() else {}
-    before_replies = measure(f"hf:{model_path}", rows, args.tokens, replies / "before.jsonl.gz", args.reuse)
+    rows = heldout_prompts(args, heldout, pool, earlier.get("settings", {}).get("ordinary_ids"))
+    started = time.time()
+    before_replies = measure(model_path, rows, args.tokens, replies / "before.jsonl.gz", args.reuse)
     before = figures(before_replies)
     log(f"before: d2 follow {before['d2']['follow_rate']}, no-evidence accuracy {before['no_evidence']['accuracy']}")
     baselines = follow_baselines(rows, before)
@@ -507,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         run = train_seed(args, model_path, pool, seed, work)
         after_file = replies / f"seed{seed}_after.jsonl.gz"
-        after_replies = measure(f"hf:{run['merged']}", rows, args.tokens, after_file, run["reused"])
+        after_replies = measure(run["merged"], rows, args.tokens, after_file, args.reuse)
         after = figures(after_replies)
         log(f"seed {seed}: d2 follow {after['d2']['follow_rate']} ({run['minutes']} min)")
         runs.append(
@@ -518,12 +567,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "ordinary_change": ordinary_change(before_replies, after_replies),
             }
         )
-        write(out, args, model_path, before, baselines, runs, started)
-    write(out, args, model_path, before, baselines, runs, started)
+        write(out, args, rows, before, baselines, runs, started)
+    write(out, args, rows, before, baselines, runs, started)
     return 0
 
 
-def write(out: Path, args: argparse.Namespace, model_path: str, before: dict, baselines: dict, runs: list, started):
+def write(out: Path, args: argparse.Namespace, rows: list, before: dict, baselines: dict, runs: list, started):
     result = {
         "seeds": summary(before, [r["after"] for r in runs], baselines) if runs else {"n": 0},
         "baselines": baselines,
@@ -535,6 +584,7 @@ def write(out: Path, args: argparse.Namespace, model_path: str, before: dict, ba
             "eval_questions": args.eval_questions,
             "ordinary_questions": args.ordinary_questions,
             "ordinary_unseen_by_seeds": args.first_seed + args.seeds,
+            "ordinary_ids": [row["run_id"] for row in rows if row["set"] == ORDINARY],
             "train_prompts_per_seed": args.train_prompts,
             "steps": args.steps,
             "generations": args.generations,

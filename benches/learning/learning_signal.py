@@ -97,7 +97,7 @@ from ermedrag.training.rewards.answers import (
     numbered_triplets,
 )
 from ermedrag.training.checkpoints import resume_checkpoint  # noqa: E402
-from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig, SFTTrainingConfig  # noqa: E402
+from ermedrag.training.config import DPOTrainingConfig, GRPOTrainingConfig  # noqa: E402
 from ermedrag.training.export import (
     DPOExportConfig,
     GRPOExportConfig,
@@ -122,8 +122,10 @@ from seeds import (
     hold_work_folder,
     learning_run,
     over_seeds,
+    reads_rewards,
     record_trained,
     trained_earlier,
+    training_identity,
     training_sample,
 )
 from kept_replies import replies_path, write_replies  # noqa: E402
@@ -741,13 +743,18 @@ def dpo_run(
 
 
 def trained(
-    args: argparse.Namespace, config: Any, merged: Path, train: Callable[[Any], dict[str, Any]]
+    args: argparse.Namespace,
+    config: Any,
+    merged: Path,
+    train: Callable[[Any], dict[str, Any]],
+    starts_from: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train one seed from the base model and merge its adapter; with `--reuse-trained`, a seed an earlier run
-    trained and merged with this very config is measured again instead (`reused` True). A training killed
-    before its merge goes on from its last checkpoint (`config.resume`); a finished one is trained again."""
-    rewarded = not isinstance(config, SFTTrainingConfig)  # an SFT run reads no reward: a reward change keeps it
-    earlier = trained_earlier(config, merged, rewarded) if args.reuse_trained else None
+    """Train one seed (from the base model, or from the trained model `starts_from` identifies) and merge its
+    adapter; with `--reuse-trained`, a seed an earlier run trained and merged with this very identity
+    (`seeds.training_identity`) is measured again instead (`reused` True). A training killed before its merge goes
+    on from its last checkpoint (`config.resume`); a finished one is trained again."""
+    identity = training_identity(config, starts_from)
+    earlier = trained_earlier(identity, merged, reads_rewards(config)) if args.reuse_trained else None
     if earlier:
         log(f"reusing {merged.name}: trained earlier with this config ({earlier['steps']} steps)")
         return {**earlier, "reused": True, "merged": str(merged), "plot_path": None}
@@ -765,7 +772,7 @@ def trained(
         "zero_variance_steps": summary.get("zero_variance_steps"),
     }
     merged_model(summary["model_dir"], config.model, merged)
-    record_trained(merged, config, run)
+    record_trained(merged, identity, run)
     return {**run, "reused": False, "merged": str(merged), "plot_path": summary.get("plot_path")}
 
 

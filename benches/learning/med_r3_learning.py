@@ -342,6 +342,7 @@ def main() -> None:
             sft_questions = warm_start_questions(pool, held_out, train_questions, args.sft_questions, seed)
             warm_starts.append(warm_start(model_path, rows_for(sft_questions, index_ids), work, seed, args))
             start_model = warm_starts[-1]["model_dir"]
+            inputs["starts_from"] = warm_starts[-1]["stamp"]  # a warm start trained again: the chain too
         chain, reused = run_stages(
             replace(
                 config, model=start_model, seed=seed, dataset=str(dataset), output_dir=str(work / f"train-s{seed}")

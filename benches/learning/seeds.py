@@ -20,7 +20,7 @@ from ermedrag.tools.records import locks
 
 from ermedrag.evals.metrics import wilson_interval
 from ermedrag.tools.records.jsonl import replace_text
-from ermedrag.training.config import comparable_settings
+from ermedrag.training.config import SFTTrainingConfig, comparable_settings
 from ermedrag.training.rewards import reward_code_sha256
 
 
@@ -238,10 +238,46 @@ def run_or_reuse(
     return result, False
 
 
+def sft_data_sha256(dataset: str | Path) -> str:
+    """A fingerprint of what an SFT run learns: its dataset's prompts and reference replies, in order (the reward
+    code's fingerprint does not apply to SFT, and a changed prompt or reference reply must train again)."""
+    from datasets import load_from_disk
+
+    rows = load_from_disk(str(dataset)).select_columns(["prompt", "reference_reply"])
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps([row["prompt"], row["reference_reply"]], sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def training_identity(config: Any, starts_from: dict[str, Any] | None = None) -> Any:
+    """What decides a trained model besides the reward code: its config; for SFT the data it learns
+    (`sft_data_sha256`); and `starts_from`, the identity of the trained model it starts from (a warm start
+    retrained under the same path makes what follows it stale)."""
+    extra = {"starts_from": starts_from} if starts_from else {}
+    if isinstance(config, SFTTrainingConfig):
+        extra["data_sha256"] = sft_data_sha256(config.dataset)
+    return {"config": comparable_settings(config), **extra} if extra else config
+
+
+def model_stamp(folder: str | Path) -> str:
+    """A trained model's identity: a digest of the record its training left in `folder` (config, data, minutes:
+    a model trained again differs), or of the folder's path where there is none (the base model)."""
+    marker = Path(folder) / RUN_FILE
+    text = marker.read_text(encoding="utf-8") if marker.exists() else f"untrained:{Path(folder).resolve()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def reads_rewards(config: Any) -> bool:
+    """Whether a training's result depends on the reward code (SFT reads none)."""
+    return not isinstance(config, SFTTrainingConfig)
+
+
 def warm_started(training: Any, inputs: dict[str, Any], reuse: bool) -> dict[str, Any]:
-    """The product's SFT (`train_sft`) with `training`, recorded in its output folder under its settings and
-    `inputs` (what its rows came from), or with `reuse` the one an earlier run finished with the same: the run
-    (`model_dir`: the merged model, rows, steps, loss, minutes) and whether it was `reused`."""
+    """The product's SFT (`train_sft`) with `training`, recorded in its output folder under its identity
+    (`training_identity`: settings and data) and `inputs` (what its rows came from), or with `reuse` the one an
+    earlier run finished with the same: the run (`model_dir`: the merged model, rows, steps, loss, minutes) and
+    whether it was `reused`."""
     import time
 
     from ermedrag.training.trainers import train_sft
@@ -258,9 +294,9 @@ def warm_started(training: Any, inputs: dict[str, Any], reuse: bool) -> dict[str
             "minutes": round((time.time() - started) / 60, 2),
         }
 
-    key = {"config": comparable_settings(training), **inputs}
-    run, reused = run_or_reuse(Path(training.output_dir), key, train, reuse, rewarded=False)
-    return {**run, "reused": reused}
+    key = {**training_identity(training), **inputs}
+    run, reused = run_or_reuse(Path(training.output_dir), key, train, reuse, reads_rewards(training))
+    return {**run, "reused": reused, "stamp": model_stamp(training.output_dir)}
 
 
 def _as_json(config: Any) -> Any:

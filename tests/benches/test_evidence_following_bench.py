@@ -85,12 +85,13 @@ def test_the_no_example_arm_drops_the_worked_example_and_nothing_else(shared_dat
         bench.without_example(stripped)  # not a prompt with an example: refused, never cut wrongly
 
 
+ARGS = ["--sft-prompts", "64", "--train-prompts", "16", "--ordinary-questions", "40"]
+
+
 def test_the_ordinary_questions_are_unseen_by_every_seeds_training(shared_data: Path) -> None:
     """Neither asked in any recorded seed's export nor shown there as a line (a distractor names its gold)."""
     bench = bench_module("evidence_following")
-    args = bench.parse_args(
-        ["--seeds", "2", "--sft-prompts", "64", "--train-prompts", "16", "--ordinary-questions", "40"]
-    )
+    args = bench.parse_args(["--seeds", "2", *ARGS])
     heldout, pool = bench.pools(shared_data, 300, 8)
     ordinary = bench.ordinary_questions(args, pool)
     assert len(ordinary) == 40 and Counter(q.answer for q in ordinary) == {k: 10 for k in "ABCD"}
@@ -104,6 +105,13 @@ def test_the_ordinary_questions_are_unseen_by_every_seeds_training(shared_data: 
     assert len(rows) == 40 and all(r["triplets"] == [] and r["evidence_key"] is None for r in rows)
     with pytest.raises(SystemExit, match="unseen by training"):
         bench.ordinary_questions(bench.parse_args(["--ordinary-questions", str(len(pool))]), pool)
+    # a record's set is kept as it is when seeds are added, and refused where a new seed's training saw it
+    recorded = [q.id for q in ordinary]
+    grown = bench.parse_args([*ARGS, "--first-seed", "2", "--seeds", "1"])
+    assert bench.ordinary_questions(grown, pool, recorded) == ordinary
+    seed2 = {row["run_id"] for row in bench.evidence_prompts(pool, bench.export_config(2, "", 64))}
+    with pytest.raises(SystemExit, match="in these seeds' training"):
+        bench.ordinary_questions(grown, pool, [*recorded[:39], sorted(seed2)[0]])
 
 
 def test_a_reused_models_kept_replies_are_kept_and_only_new_prompts_asked(monkeypatch, tmp_path: Path) -> None:
@@ -127,13 +135,21 @@ def test_a_reused_models_kept_replies_are_kept_and_only_new_prompts_asked(monkey
         return ["<think>x</think><answer>A</answer>"] * len(prompts)
 
     monkeypatch.setattr(bench, "generate", generate)
-    replies = tmp_path / "after.jsonl.gz"
-    bench.measure("hf:m", rows[:2], 8, replies)
+    replies, model = tmp_path / "after.jsonl.gz", tmp_path / "model"
+    bench.measure(str(model), rows[:2], 8, replies)
     assert asked == ["q0", "q1"]
-    kept = bench.measure("hf:m", rows, 8, replies, same_model=True)
+    kept = bench.measure(str(model), rows, 8, replies, reuse=True)
     assert asked == ["q0", "q1", "q2"] and [k["prompt_id"] for k in kept] == [r["prompt_id"] for r in rows]
-    bench.measure("hf:m", rows, 8, replies)  # another model: everything asked again
+    bench.measure(str(model), rows, 8, replies)  # without --reuse: everything asked again
     assert asked[3:] == ["q0", "q1", "q2"]
+    del asked[:]
+    bench.measure(str(model), rows, 16, replies, reuse=True)  # another budget: other replies
+    model.mkdir()
+    (model / bench_module("seeds").RUN_FILE).write_text("{}")  # the same path trained again: another model
+    bench.measure(str(model), rows, 16, replies, reuse=True)
+    changed = [{**rows[0], "prompt": [{"role": "user", "content": "q0, its options moved"}]}]
+    bench.measure(str(model), changed, 16, replies, reuse=True)  # the same prompt id asked otherwise
+    assert asked == ["q0", "q1", "q2"] * 2 + ["q0, its options moved"]
 
 
 def smoke_run(shared_data: Path, work: Path, *options: str) -> dict:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor
 
-from ermedrag.agents.reasoner import render_documents
+from ermedrag.agents.reasoner import reference_reply, render_documents
 from ermedrag.agents.respondent import parse_answer
 from ermedrag.training.trainers import sft_dataset
 from ermedrag.training.rewards.answers import correctness_reward, format_reward, well_formed_correctness_reward
@@ -245,6 +245,7 @@ def test_dataset_builder_from_shared_files(tmp_path):
     assert parse_answer(reference, ds[0]["options"])["answer"] == "A" and reference.count("<answer>") == 1
     assert format_reward([[{"role": "assistant", "content": reference}]]) == [1.0]
     assert ds[1]["reference_reply"] is None  # BioASQ states no conclusion: no reasoning to teach, skipped by SFT
+    assert reference_reply({"text": "not a conclusion"}, "A") is None and reference_reply("It helps.", None) is None
     sft_rows = sft_dataset(ds, "ds")
     assert len(sft_rows) == 1 and sft_rows[0]["completion"] == [{"role": "assistant", "content": reference}]
 
