@@ -155,8 +155,12 @@ def ordinary_questions(
     positions. `recorded`: the ids a record's set was built from, kept as they are (seeds added later are checked
     against them, so every seed of a record and its before answer the very same questions)."""
     asked, shown = seen_in_training(args, pool)
+
+    def trained_on(question: Question) -> bool:
+        return question.id in asked or gold_triplet(question)["conclusion"] in shown
+
     if recorded is None:
-        chosen = [q for q in pool if q.id not in asked and gold_triplet(q)["conclusion"] not in shown]
+        chosen = [q for q in pool if not trained_on(q)]
         if len(chosen) < args.ordinary_questions:
             raise SystemExit(
                 f"only {len(chosen)} pool questions are unseen by training; ask fewer --ordinary-questions"
@@ -170,7 +174,7 @@ def ordinary_questions(
             f"--ordinary-questions {args.ordinary_questions} asked: pass its size, or write a new --out"
         )
     chosen = [by_id[i] for i in recorded]
-    seen = [q.id for q in chosen if q.id in asked or gold_triplet(q)["conclusion"] in shown]
+    seen = [q.id for q in chosen if trained_on(q)]
     if seen:
         raise SystemExit(
             f"{len(seen)} of the record's ordinary questions are in these seeds' training: write a new --out"
@@ -303,11 +307,10 @@ def figures(kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per set: follow rate (answer = X), accuracy, well formed, modal answer share, and the share of answers that
     are the worked example's letter (where the replies kept it: the pull a policy can learn to follow instead)."""
     result: dict[str, Any] = {}
-    measured = {k["set"] for k in kept}
     for name in [f"d{d}" for d in DISTRACTOR_COUNTS] + ["gold_evidence", "no_evidence", ORDINARY]:
         replies = [k for k in kept if k["set"] == name]
         n = len(replies)
-        if name == ORDINARY and name not in measured:
+        if name == ORDINARY and not replies:
             continue  # a record made before the ordinary set existed
         result[name] = {
             "accuracy": share(sum(k["answer"] == k["gold"] for k in replies), n),
