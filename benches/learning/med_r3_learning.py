@@ -10,6 +10,7 @@ benches/results/med_r3_learning.json and one curves plot per stage.
     .venv/bin/python benches/learning/med_r3_learning.py              # one chain of the three stages
     .venv/bin/python benches/learning/med_r3_learning.py --seeds 3    # three chains (seeds 0, 1, 2)
     .venv/bin/python benches/learning/med_r3_learning.py --seeds 3 --reuse   # go on: finished seeds are kept
+    .venv/bin/python benches/learning/med_r3_learning.py --seeds 2 --first-seed 1   # add seeds 1, 2 to the record
     .venv/bin/python benches/learning/med_r3_learning.py --smoke      # tiny random model, a few minutes
 
 With `--seeds N` the chain of three stages runs N times from the base model (seeds 0..N-1: each its own training
@@ -17,6 +18,9 @@ questions, `seeds.training_sample`, LoRA initialisation, data order, sampled rol
 measured once, and a later stage's before is its own seed's earlier stage. A model's greedy replies are made once
 per mode and scored per stage (stage 2's after and stage 3's before are the same replies). Each finished seed
 records its chain in its folder, which `--reuse` takes instead of training that seed again (`reused_seeds`).
+`--first-seed K` adds seeds K.. to the seeds 0..K-1 that the `--out` record holds (`recorded_seeds`), on a machine
+without their work folder: the same settings, and the base model's replies to the held-out prompts must score
+exactly as recorded (the same prompts, model and kind of CPU), else it stops before training.
 `seeds` in the JSON reports per stage and metric before and after as mean ± sd, the gain, and how many seeds
 improved it. Held-out prompts: the `--eval-questions` PubMedQA-train questions after the training ones in one
 seeded shuffle (disjoint from them), yes, no and maybe taken in turn (`evals.baselines.balanced_by_answer`: always
@@ -51,6 +55,7 @@ from learning_signal import (  # noqa: E402
     abstracts_as_documents,
     answer_baselines,
     answer_parsed_rate,
+    command_line,
     log,
     write_result,
 )
@@ -233,6 +238,90 @@ class Evaluations:
         return score(self.replies[model_dir, searching], stage, config, self.rows, keep)
 
 
+# A run's settings as its record states them: seeds added with --first-seed share them with the recorded ones.
+RECORD_SETTINGS = (
+    "model",
+    "train_prompts",
+    "eval_prompts",
+    "steps_per_stage",
+    "num_generations",
+    "step_tokens",
+    "temperature",
+    "completion_tokens",
+    "micro_batch",
+    "sft_questions",
+    "sft_epochs",
+)
+
+
+def record_settings(args: argparse.Namespace, eval_prompts: int) -> dict[str, Any]:
+    return {
+        "model": "tiny random (smoke)" if args.smoke else "gemma3-270m (base, LoRA per stage, merged between stages)",
+        "train_prompts": args.train_questions,  # each seed's own (`seed_changes`)
+        "eval_prompts": eval_prompts,
+        "steps_per_stage": args.steps,
+        "num_generations": args.generations,
+        "step_tokens": args.step_tokens,
+        "temperature": args.temperature,
+        "completion_tokens": args.completion_tokens,
+        "micro_batch": args.micro_batch,
+        "sft_questions": args.sft_questions,
+        "sft_epochs": args.sft_epochs if args.sft_questions else None,
+    }
+
+
+def recorded_seeds(out: Path, first_seed: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """The record at `out` that `--first-seed` adds to: its first `first_seed` chains and warm starts, after checking
+    that it was made with `settings` (a record from before these fields were written states the warm start's
+    questions in `sft_warm_start` and holds one chain at its top level). ValueError naming what disagrees."""
+    if not out.is_file():
+        raise ValueError(f"--first-seed {first_seed} adds to the record at {out}, which does not exist")
+    record = json.loads(out.read_text(encoding="utf-8"))
+    stated = {"sft_questions": record.get("sft_warm_start", {}).get("questions", 0), **record}
+    differing = [
+        f"{name}: recorded {stated[name]!r}, now {settings[name]!r}"
+        for name in RECORD_SETTINGS
+        if name in stated and stated[name] != settings[name]
+    ]
+    if differing:
+        raise ValueError(f"{out} was recorded with other settings ({'; '.join(differing)})")
+    one_chain = [{f"stage{s}": record[f"stage{s}"] for s in STAGES}] if record["seeds"]["n"] == 1 else []
+    chains = record.get("chains") or one_chain
+    if len(chains) < first_seed:
+        raise ValueError(f"{out} holds {len(chains)} seeds' chains, not the {first_seed} that --first-seed adds to")
+    return {
+        "record": record,
+        "chains": chains[:first_seed],
+        "warm_starts": record.get("sft_warm_start", {}).get("seeds", [])[:first_seed],
+    }
+
+
+def check_base_replies(earlier: dict[str, Any], here: dict[str, Any], out: Path) -> None:
+    """Exit with one line unless the base model's held-out replies here (`here`, their scores) score as the record
+    that --first-seed adds to had them (its `base_model`, else its first chain's stage-1 before): the same prompts,
+    model and kind of CPU."""
+    recorded = earlier["record"].get("base_model") or earlier["chains"][0]["stage1"]["before"]
+    differing = sorted(k for k in {**recorded, **here} if recorded.get(k) != here.get(k))
+    if differing:
+        raise SystemExit(
+            f"error: the base model's held-out replies score differently here than in {out} ({', '.join(differing)}):"
+            " other prompts, another model or another kind of CPU; record these seeds in a new --out"
+        )
+
+
+def seed_runs(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs that recorded a record's seeds (one entry for a record written before runs were listed)."""
+    if not record:
+        return []
+    return record.get("seed_runs") or [
+        {
+            "seeds": list(range(record["seeds"]["n"])),
+            "minutes": record.get("total_minutes"),
+            "command": record.get("command"),
+        }
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=os.environ.get("ERMEDRAG_SHARED_DATA", str(REPO.parent / "shared" / "data")))
@@ -262,6 +351,12 @@ def main() -> None:
     parser.add_argument("--eval-batch", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=1, help="run the chain of stages this many times (seeds 0..N-1)")
     parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="add seeds K..K+N-1 to the seeds 0..K-1 recorded in --out (their work folder need not be here)",
+    )
+    parser.add_argument(
         "--reuse",
         action="store_true",
         help="take each seed whose chain an earlier run finished with the same settings from its "
@@ -279,6 +374,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.micro_batch < 1 or args.generations % args.micro_batch:
         parser.error(f"--micro-batch {args.micro_batch} must divide --generations {args.generations}")
+    if args.first_seed < 0:
+        parser.error(f"--first-seed {args.first_seed} must be at least 0")
     started = time.time()
 
     work = Path(args.work) / ("smoke" if args.smoke else "full")
@@ -300,6 +397,13 @@ def main() -> None:
 
     pool = load_questions_file(Path(args.data) / "benchmarks" / "pubmedqa_train.jsonl")
     random.Random(0).shuffle(pool)
+    held_out = balanced_by_answer(pool[args.train_questions :], args.eval_questions)
+    out = Path(args.out) if not args.smoke else work / "med_r3_learning.json"
+    settings = record_settings(args, len(held_out))
+    try:
+        earlier = recorded_seeds(out, args.first_seed, settings) if args.first_seed else {}
+    except ValueError as err:
+        parser.error(str(err))
     index_dir = work / "index"
     stats = build_index(abstracts_as_documents(pool), index_dir, progress=False)
     index = open_index(index_dir)
@@ -308,7 +412,6 @@ def main() -> None:
         f"{stats['seconds']:.0f} s)"
     )
     index_ids = {cid.rsplit("#", 1)[0] for cid in index.bm25_ids}
-    held_out = balanced_by_answer(pool[args.train_questions :], args.eval_questions)
     eval_rows = rows_for(held_out, index_ids)
     search = index_search(index, k=5)
 
@@ -328,10 +431,12 @@ def main() -> None:
         save_steps=10_000,
         mask_truncated_completions=False,
     )
-    out = Path(args.out) if not args.smoke else work / "med_r3_learning.json"
     evaluations = Evaluations(eval_rows, search, args, out.with_suffix("") / "replies")
-    chains, reused_seeds, warm_starts = [], [], []
-    for seed in range(max(args.seeds, 1)):
+    if earlier:  # measured before any training: a record it cannot add to stops the run at once
+        check_base_replies(earlier, evaluations(model_path, 1, config, "base"), out)
+    chains, warm_starts = list(earlier.get("chains", [])), list(earlier.get("warm_starts", []))
+    reused_seeds: list[int] = []
+    for seed in range(args.first_seed, args.first_seed + max(args.seeds, 1)):
         train_questions = training_sample(pool, held_out, pool[: args.train_questions], seed)
         train_rows = rows_for(train_questions, index_ids)
         dataset = work / f"train-dataset-s{seed}"
@@ -369,19 +474,20 @@ def main() -> None:
             entry.pop("plot_path", None)
     result.update(
         {
-            "model": "tiny random (smoke)"
-            if args.smoke
-            else "gemma3-270m (base, LoRA per stage, merged between stages)",
-            "train_prompts": args.train_questions,  # each seed's own (`seed_changes`)
-            "eval_prompts": len(eval_rows),
-            "num_generations": args.generations,
-            "step_tokens": args.step_tokens,
-            "temperature": args.temperature,
-            "completion_tokens": args.completion_tokens,
-            "micro_batch": args.micro_batch,
+            **settings,
             "decoding": "greedy, same held-out prompts before and after each stage, in the stage's mode",
             "reused_seeds": reused_seeds,  # their minutes are those of the run that trained them
+            "recorded_seeds": list(range(args.first_seed)),  # taken from the record this run added to
             "seed_changes": SEED_CHANGES,
+            "chains": chains,  # each seed's, in seed order: what --first-seed reads back
+            "seed_runs": [
+                *seed_runs(earlier.get("record", {})),
+                {
+                    "seeds": list(range(args.first_seed, len(chains))),
+                    "minutes": round((time.time() - started) / 60, 1),
+                    "command": command_line(),
+                },
+            ],
         }
     )
     write_result(result, out, started)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +24,14 @@ SMOKE_TIMEOUT_S = 900  # ~50 s for two seeds on one thread of an idle 2-core mac
 STAGES = ("stage1", "stage2", "stage3")
 
 
-def run_smoke(shared_data: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
+def smoke(shared_data: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "ERMEDRAG_TORCH_THREADS": "1"}
     command = [sys.executable, str(SCRIPT), "--smoke", *args, "--data", str(shared_data), "--work", str(work)]
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+
+
+def run_smoke(shared_data: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = smoke(shared_data, work, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -74,6 +79,35 @@ def test_seeds_share_the_base_replies_and_a_finished_seed_is_reused(shared_data:
         for metric in ("accuracy", "mean_reward", "format_rate"):
             assert grown["seeds"][stage][metric]["after"]["values"][:2] == seeds[stage][metric]["after"]["values"]
     assert grown["seeds"]["stage1"]["accuracy"]["before"]["values"] == [base] * 3
+
+    # On a machine without the work folder, `--first-seed 3` adds seed 3 to the record's seeds 0-2, once the base
+    # model's replies there score as recorded (a record whose base scored otherwise is refused before training).
+    elsewhere = tmp_path / "elsewhere" / "smoke"
+    elsewhere.mkdir(parents=True)
+    other_base = {**grown, "chains": [{**grown["chains"][0], "stage1": {**grown["stage1"], "before": {"accuracy": 2}}}]}
+    (elsewhere / out.name).write_text(json.dumps(other_base))
+    refused = smoke(shared_data, elsewhere.parent, "--seeds", "1", "--first-seed", "1")
+    assert refused.returncode == 1 and "score differently here" in refused.stderr
+    assert "Traceback" not in refused.stderr and "stage 1 (seed 1)" not in refused.stdout
+    shutil.copy(out, elsewhere / out.name)
+    proc = run_smoke(shared_data, elsewhere.parent, "--seeds", "1", "--first-seed", "3")
+    added = json.loads((elsewhere / out.name).read_text())
+    assert added["recorded_seeds"] == [0, 1, 2] and added["reused_seeds"] == [] and added["seeds"]["n"] == 4
+    assert added["chains"][:3] == grown["chains"] and [r["seeds"] for r in added["seed_runs"]] == [[0, 1, 2], [3]]
+    assert proc.stdout.count("rolled out") == 1 + 4  # the base model, checked against the record, then seed 3
+    assert added["seeds"]["stage1"]["accuracy"]["before"]["values"] == [base] * 4
+
+
+def test_seeds_are_added_only_to_a_record_of_the_same_settings(shared_data: Path, tmp_path: Path) -> None:
+    record = tmp_path / "smoke" / "med_r3_learning.json"
+    record.parent.mkdir(parents=True)
+    chain = {f"stage{s}": {"before": {"accuracy": 0.0}, "after": {"accuracy": 0.0}} for s in (1, 2, 3)}
+    record.write_text(json.dumps({"temperature": 0.7, "eval_prompts": 3, "seeds": {"n": 1}, **chain}))
+    other = smoke(shared_data, tmp_path, "--first-seed", "1", "--temperature", "0.9")
+    assert other.returncode == 2 and "temperature: recorded 0.7, now 0.9" in other.stderr
+    missing = smoke(shared_data, tmp_path, "--first-seed", "2")
+    assert missing.returncode == 2 and "holds 1 seeds' chains, not the 2" in missing.stderr
+    assert not (tmp_path / "smoke" / "index").exists()  # refused before the index is built
 
 
 def test_a_seed_draws_its_own_training_questions_and_never_a_held_out_one() -> None:
