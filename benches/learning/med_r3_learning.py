@@ -31,7 +31,7 @@ searches and reward parts (`med_r3_learning/replies/stage<S>_seed<N>_<before|aft
 seed first with the product's SFT (`ermedrag train sft --config sft_med_r3`) on the reference replies of N
 questions (its training ones, then more drawn for the seed, none held out: each question's own conclusion, then its
 answer), and the chain starts from the merged warm start; `base_model` records the base model's held-out scores
-in stage 1's mode beside it.
+in stage 1's mode beside it. `--sft-balanced` draws those questions with each gold answer equally often.
 
     .venv/bin/python benches/learning/med_r3_learning.py --seeds 3 --sft-questions 96 \\
         --out benches/results/med_r3_learning_sft.json
@@ -93,12 +93,16 @@ def rows_for(questions, index_ids: set[str]) -> list[dict[str, Any]]:
     ]
 
 
-def warm_start_questions(pool, held_out, train, n: int, seed: int) -> list[Any]:
+def warm_start_questions(pool, held_out, train, n: int, seed: int, balanced: bool = False) -> list[Any]:
     """The SFT warm start's `n` questions: the seed's training ones, then more drawn for the seed from those neither
-    held out nor trained on."""
+    held out nor trained on. `balanced`: as many of each gold answer (`balanced_by_answer`, the training ones first
+    within each), so the warm start cannot learn the pool's answer prior (PubMedQA-train: 55% yes, 11% maybe)."""
     used = {q.id for q in (*held_out, *train)}
     rest = [q for q in pool if q.id not in used]
-    return [*train, *random.Random(f"sft:{seed}").sample(rest, min(len(rest), max(0, n - len(train))))]
+    draw = random.Random(f"sft:{seed}")
+    if balanced:
+        return balanced_by_answer([*train, *draw.sample(rest, len(rest))], n)
+    return [*train, *draw.sample(rest, min(len(rest), max(0, n - len(train))))]
 
 
 def warm_start(
@@ -251,6 +255,7 @@ RECORD_SETTINGS = (
     "micro_batch",
     "sft_questions",
     "sft_epochs",
+    "sft_balanced",
 )
 
 
@@ -267,6 +272,7 @@ def record_settings(args: argparse.Namespace, eval_prompts: int) -> dict[str, An
         "micro_batch": args.micro_batch,
         "sft_questions": args.sft_questions,
         "sft_epochs": args.sft_epochs if args.sft_questions else None,
+        "sft_balanced": args.sft_balanced,
     }
 
 
@@ -277,7 +283,7 @@ def recorded_seeds(out: Path, first_seed: int, settings: dict[str, Any]) -> dict
     if not out.is_file():
         raise ValueError(f"--first-seed {first_seed} adds to the record at {out}, which does not exist")
     record = json.loads(out.read_text(encoding="utf-8"))
-    stated = {"sft_questions": record.get("sft_warm_start", {}).get("questions", 0), **record}
+    stated = {"sft_questions": record.get("sft_warm_start", {}).get("questions", 0), "sft_balanced": False, **record}
     differing = [
         f"{name}: recorded {stated[name]!r}, now {settings[name]!r}"
         for name in RECORD_SETTINGS
@@ -370,6 +376,11 @@ def main() -> None:
         "before stage 1 (0: none)",
     )
     parser.add_argument("--sft-epochs", type=float, default=1.0, help="epochs of the warm start")
+    parser.add_argument(
+        "--sft-balanced",
+        action="store_true",
+        help="draw the warm start's questions balanced by gold answer (else as the pool has them: 55%% yes)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny random model and sizes: checks the pipeline")
     args = parser.parse_args()
     if args.micro_batch < 1 or args.generations % args.micro_batch:
@@ -444,7 +455,9 @@ def main() -> None:
         inputs = inputs_key(args.data, [r["id"] for r in train_rows], [r["id"] for r in eval_rows])
         start_model = model_path
         if args.sft_questions:
-            sft_questions = warm_start_questions(pool, held_out, train_questions, args.sft_questions, seed)
+            sft_questions = warm_start_questions(
+                pool, held_out, train_questions, args.sft_questions, seed, args.sft_balanced
+            )
             warm_starts.append(warm_start(model_path, rows_for(sft_questions, index_ids), work, seed, args))
             start_model = warm_starts[-1]["model_dir"]
             inputs["starts_from"] = warm_starts[-1]["stamp"]  # a warm start trained again: the chain too
@@ -463,7 +476,12 @@ def main() -> None:
     result["baselines"] = answer_baselines(eval_rows, [r["prompt"] for r in med_r3_dataset(eval_rows)])
     if warm_starts:  # the chains start from the warm starts: the base model's own scores beside them
         result["base_model"] = evaluations(model_path, 1, config, "base")
-        result["sft_warm_start"] = {"questions": args.sft_questions, "preset": "sft_med_r3", "seeds": warm_starts}
+        result["sft_warm_start"] = {
+            "questions": args.sft_questions,
+            "balanced_by_answer": args.sft_balanced,
+            "preset": "sft_med_r3",
+            "seeds": warm_starts,
+        }
     if not args.smoke:
         for stage in STAGES:
             plot = chains[0][f"stage{stage}"].get("plot_path")

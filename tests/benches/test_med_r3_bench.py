@@ -4,6 +4,7 @@ PubMedQA questions and abstracts, the real trainer on a tiny random model), then
 from __future__ import annotations
 
 import json
+from collections import Counter
 import os
 import shutil
 import subprocess
@@ -131,6 +132,17 @@ def test_the_warm_start_takes_the_seeds_training_questions_then_more_never_held_
     assert not {q.id for q in questions} & {q.id for q in held_out}
     assert questions != bench.warm_start_questions(pool, held_out, train, 16, seed=2)  # a draw of the seed's own
     assert bench.warm_start_questions(pool, held_out, train, 4, seed=1) == train  # never fewer than it trains on
+
+
+def test_a_balanced_warm_start_draws_each_answer_equally_never_a_held_out_question() -> None:
+    bench = bench_module("med_r3_learning")
+    pool = [SimpleNamespace(id=f"q{i}", answer="A" if i % 10 < 6 else "B" if i % 10 < 9 else "C") for i in range(90)]
+    held_out, train = pool[60:], pool[:12]
+    questions = bench.warm_start_questions(pool, held_out, train, 18, seed=1, balanced=True)
+    assert Counter(q.answer for q in questions) == {"A": 6, "B": 6, "C": 6}
+    assert len({q.id for q in questions}) == 18 and not {q.id for q in questions} & {q.id for q in held_out}
+    first_yes = [q for q in questions if q.answer == "A"][:6]
+    assert first_yes == [q for q in train if q.answer == "A"][:6]  # the seed's training questions first
 
 
 @pytest.mark.slow  # ~1 min: `make test-all`
