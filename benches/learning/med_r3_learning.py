@@ -486,7 +486,9 @@ def main() -> None:
         for stage in STAGES:
             plot = chains[0][f"stage{stage}"].get("plot_path")
             if plot:
-                shutil.copy(plot, Path(args.out).parent / f"med_r3_stage{stage}_curves.png")
+                # named after --out (med_r3_learning_sft.json: med_r3_sft_stage1_curves.png), so a lever's run
+                # never overwrites the default record's curves
+                shutil.copy(plot, out.with_name(f"{out.stem.replace('_learning', '')}_stage{stage}_curves.png"))
     for chain in chains:
         for entry in chain.values():
             entry.pop("plot_path", None)
