@@ -294,6 +294,14 @@ class SFTTrainingConfig(_TrainingConfig):
         default=1024,
         metadata={"help": "Maximum tokens of prompt + reply; a longer row is truncated (TRL keeps the start)."},
     )
+    balance_answers: bool = field(
+        default=False,
+        metadata={
+            "help": "Train on as many rows of each gold answer (the `gold` column; the rarest answer's count, rows "
+            "in their order): replies that follow the data's prior teach it (96 PubMedQA-train replies, 55% yes, "
+            "made the offline model answer yes to 42 of 48 balanced questions)."
+        },
+    )
 
     def to_trl(self):
         """The trl.SFTConfig for this run."""

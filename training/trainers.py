@@ -115,7 +115,7 @@ def train_sft(config: SFTTrainingConfig) -> dict[str, Any]:
     from accelerate import PartialState
     from trl import SFTTrainer
 
-    dataset = sft_dataset(_load_dataset(config.dataset), config.dataset)
+    dataset = sft_dataset(_load_dataset(config.dataset), config.dataset, config.balance_answers)
     model_path = config.model_path()
     recorder, callbacks = _callbacks(config)
     trainer = SFTTrainer(
@@ -131,8 +131,9 @@ def train_sft(config: SFTTrainingConfig) -> dict[str, Any]:
     return {**summary, "rows": len(dataset), "start_model": str(start_model)}
 
 
-def sft_dataset(dataset, source: str):
-    """TRL's conversational prompt–completion rows from the rows of `dataset` that have a reference reply."""
+def sft_dataset(dataset, source: str, balance_answers: bool = False):
+    """TRL's conversational prompt–completion rows from the rows of `dataset` that have a reference reply; with
+    `balance_answers`, as many of each gold answer (`balanced_by_gold`)."""
     _require_columns(
         dataset,
         SFT_COLUMNS,
@@ -142,10 +143,22 @@ def sft_dataset(dataset, source: str):
     with_reply = dataset.filter(lambda row: bool(row["reference_reply"]))
     if len(with_reply) == 0:
         raise ValueError(f"SFT dataset {source} has no row with a reference reply (all {len(dataset)} are null)")
+    if balance_answers:
+        with_reply = balanced_by_gold(with_reply, source)
     return with_reply.map(
         lambda row: {"completion": [{"role": "assistant", "content": row["reference_reply"]}]},
         remove_columns=[c for c in with_reply.column_names if c != "prompt"],
     )
+
+
+def balanced_by_gold(dataset, source: str):
+    """The rows of `dataset`, in their order, keeping of each gold answer as many as the rarest one has."""
+    _require_columns(dataset, ("gold",), f"SFT dataset {source} (balance_answers)")
+    positions: dict[str, list[int]] = {}
+    for index, gold in enumerate(dataset["gold"]):
+        positions.setdefault(str(gold), []).append(index)
+    each = min(len(indices) for indices in positions.values())
+    return dataset.select(sorted(i for indices in positions.values() for i in indices[:each]))
 
 
 def train_grpo(config: GRPOTrainingConfig, reward_funcs: Sequence[RewardFunc] | None = None) -> dict[str, Any]:

@@ -250,6 +250,23 @@ def test_dataset_builder_from_shared_files(tmp_path):
     assert len(sft_rows) == 1 and sft_rows[0]["completion"] == [{"role": "assistant", "content": reference}]
 
 
+def test_a_balanced_warm_start_keeps_as_many_rows_of_each_gold_answer_in_order() -> None:
+    from datasets import Dataset
+
+    golds = ["A", "A", "B", "A", "C", "B", "A", None]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"q{i}"}], "reference_reply": f"r{i}", "gold": g}
+        for i, g in enumerate(golds)
+    ]
+    kept = sft_dataset(Dataset.from_list(rows), "ds", balance_answers=True)
+    # the rarest answers (C, and a row without a gold) have one row each: one of every answer, first ones first
+    assert [r["prompt"][0]["content"] for r in kept] == ["q0", "q2", "q4", "q7"]
+    assert len(sft_dataset(Dataset.from_list(rows), "ds")) == 8  # off by default
+    without_gold = Dataset.from_list([{k: v for k, v in r.items() if k != "gold"} for r in rows])
+    with pytest.raises(ValueError, match=r"balance_answers\) lacks column\(s\) \['gold'\]"):
+        sft_dataset(without_gold, "ds", balance_answers=True)
+
+
 # ------------------------------------------------------------------------------- tiny model and index
 
 DOCUMENTS = {
