@@ -4,11 +4,11 @@ PubMedQA questions and abstracts, the real trainer on a tiny random model), then
 from __future__ import annotations
 
 import json
-from collections import Counter
 import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
