@@ -282,7 +282,12 @@ def recorded_seeds(out: Path, first_seed: int, settings: dict[str, Any]) -> dict
     questions in `sft_warm_start` and holds one chain at its top level). ValueError naming what disagrees."""
     if not out.is_file():
         raise ValueError(f"--first-seed {first_seed} adds to the record at {out}, which does not exist")
-    record = json.loads(out.read_text(encoding="utf-8"))
+    try:
+        record = json.loads(out.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{out} is not a results record: {err}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{out} is not a results record (a JSON object)")
     stated = {"sft_questions": record.get("sft_warm_start", {}).get("questions", 0), "sft_balanced": False, **record}
     differing = [
         f"{name}: recorded {stated[name]!r}, now {settings[name]!r}"
@@ -291,7 +296,8 @@ def recorded_seeds(out: Path, first_seed: int, settings: dict[str, Any]) -> dict
     ]
     if differing:
         raise ValueError(f"{out} was recorded with other settings ({'; '.join(differing)})")
-    one_chain = [{f"stage{s}": record[f"stage{s}"] for s in STAGES}] if record["seeds"]["n"] == 1 else []
+    one_chain = [{f"stage{s}": record[f"stage{s}"] for s in STAGES if f"stage{s}" in record}]
+    one_chain = one_chain if record.get("seeds", {}).get("n") == 1 and len(one_chain[0]) == len(STAGES) else []
     chains = record.get("chains") or one_chain
     if len(chains) < first_seed:
         raise ValueError(f"{out} holds {len(chains)} seeds' chains, not the {first_seed} that --first-seed adds to")

@@ -108,6 +108,9 @@ def test_seeds_are_added_only_to_a_record_of_the_same_settings(shared_data: Path
     assert other.returncode == 2 and "temperature: recorded 0.7, now 0.9" in other.stderr
     missing = smoke(shared_data, tmp_path, "--first-seed", "2")
     assert missing.returncode == 2 and "holds 1 seeds' chains, not the 2" in missing.stderr
+    record.write_text('{"seeds": ')  # cut off mid-write
+    broken = smoke(shared_data, tmp_path, "--first-seed", "1")
+    assert broken.returncode == 2 and "is not a results record" in broken.stderr and "Traceback" not in broken.stderr
     assert not (tmp_path / "smoke" / "index").exists()  # refused before the index is built
 
 
