@@ -116,6 +116,25 @@ def attending_messages(
     return with_images(chat_messages(ATTENDING_SYSTEM_PROMPT, user, attending_example(question, options)), images)
 
 
+def reference_reply(gold: str, specialist_answers: Sequence[str | None], options: dict[str, str] | None) -> str:
+    """The reply the attending's SFT warm start teaches for a case whose gold answer is `gold`, given the
+    specialists' answers in their order (`ermedrag export mmedagent` writes it beside each attending row): the
+    worked example's shape, naming the specialists who gave the gold answer, or saying that none did. It gives no
+    medical reason of its own: a gold answer says which option, not why."""
+    answer = defuse(clip(" ".join(str(gold).split()), MAX_OPINION_ANSWER_CHARS))
+    wanted = _vote_key(answer)
+    right = [str(i) for i, a in enumerate(specialist_answers, 1) if a is not None and _vote_key(a) == wanted]
+    if not right:
+        reason = "No specialist gives the right answer; I overrule them all"
+    elif len(right) == 1:
+        reason = f"Specialist {right[0]} is right; I agree with specialist {right[0]}"
+    else:
+        names = ", ".join(right[:-1]) + f" and {right[-1]}"
+        reason = f"Specialists {names} are right; I agree with {names}"
+    shown = f"option {answer}" if options else answer
+    return f"<think>{reason}: {shown}.</think><answer>{answer}</answer>"
+
+
 # ----------------------------------------------------------------------------------- statistics of a run
 
 Bucket = Literal["easy", "medium", "hard"]

@@ -29,12 +29,17 @@ in the work folder).
     .venv/bin/python benches/learning/mmedagent_learning.py --smoke      # tiny random model, < 1 min: the pipeline
     .venv/bin/python benches/learning/mmedagent_learning.py --parts triage --seeds 3 --sft-epochs 1 \\
         --sft-questions 240 --triage-steps 0     # the triage's SFT warm start alone (add GRPO: --triage-steps 16)
+    .venv/bin/python benches/learning/mmedagent_learning.py --parts attending --seeds 3 --sft-epochs 1 \\
+        --sft-questions 96 --easy-steps 0 --medium-steps 0 --hard-steps 0   # the attending's warm start alone
 
-`--sft-epochs E` warm-starts each seed's triage first with the product's SFT (`train_sft`, the `sft_triage`
-preset) on the reference replies (`agents.triage.reference_reply`) of its training questions, plus more drawn
-from those not held out up to `--sft-questions`; the GRPO stage goes on from the merged model. A seed's warm start
-lives beside its training folder (`train-sft`, `train-s1-sft`), so `--reuse` takes it into a run that changes only
-the GRPO after it (`--triage-steps 0`, then `--triage-steps 16 --reuse`: the warm starts are not trained again).
+`--sft-epochs E` warm-starts each seed's triage and attending first with the product's SFT (`train_sft`, the
+`sft_triage` and `sft_attending` presets) on the reference replies (`agents.triage.reference_reply`,
+`agents.attending.reference_reply`: the gold answer, naming the specialists who gave it) of its training questions,
+plus more drawn from those not held out up to `--sft-questions` (the attending's with their gold answers balanced
+over the positions and opinions of their own); the triage's GRPO stage and the attending's curriculum go on from
+the merged models. A seed's warm starts live beside its training folder (`train-sft`, `train-sft-attending`,
+`train-s1-sft`), so `--reuse` takes them into a run that changes only the GRPO after them (`--triage-steps 0`, then
+`--triage-steps 16 --reuse`: the warm starts are not trained again). A stage of 0 steps passes its start model on.
 
 With `--seeds N` triage and the attending's curriculum are trained N times from the base model (training seeds
 42, 43, …: LoRA initialisation, data order, sampled rollouts; from the second seed on, also a training sample of
@@ -84,7 +89,14 @@ SEED_CHANGES = (
     "data order, sampled rollouts"
 )
 ATTENDING_STAGES = ("easy", "medium", "hard")
-SFT_TRIAGE_DIR = "sft-triage"  # the warm start's rows in a seed's export folder (`--sft-epochs`)
+SFT_TRIAGE_DIR = "sft-triage"  # the warm starts' rows in a seed's export folder (`--sft-epochs`)
+SFT_ATTENDING_DIR = "sft-attending"
+# Per role: the product's SFT preset, the warm start's rows in the export folder, its folder beside the seed's training one
+WARM_STARTS = {
+    "triage": ("sft_triage", SFT_TRIAGE_DIR, "-sft"),
+    "attending": ("sft_attending", SFT_ATTENDING_DIR, "-sft-attending"),
+}
+PARTS = ("triage", "attending")
 RELIABILITIES = (0.8, 0.5, 0.2)  # specialist 1, 2, 3: probability of naming the gold option
 # How the held-out attending rows place their gold answers (recorded in settings; absent: as the benchmark has them)
 BALANCED_POSITIONS = "balanced (evals.baselines.balanced_positions)"
@@ -110,8 +122,9 @@ SECONDS_PER_STEP_PER_TOKEN = 42 / 96 * 1.1  # +10%: the KL reference pass (β > 
 # prompts of each kind (triage 64 tokens 16 s, attending 96 tokens 27 s, model load included) on one thread of a
 # busy 2-core machine, times 0.7 for two threads.
 EVAL_SECONDS_PER_PROMPT_PER_TOKEN = 0.045
-# The triage's SFT warm start, per row and epoch: 240 rows, one epoch, batch 4 in 38.1 min (2026-12-07, load 1.6-1.8).
-SFT_SECONDS_PER_ROW = 9.5
+# The triage's SFT warm start, per row and epoch: 240 rows, one epoch, batch 4 in 38.1 min (2026-12-07, load 1.6-1.8);
+# the attending's, scaled by its longer prompts (~500 tokens to ~280).
+SFT_SECONDS_PER_ROW = {"triage": 9.5, "attending": 17.0}
 
 
 def log(message: str) -> None:
@@ -266,6 +279,7 @@ def attending_rows(
                 "majority": attending.majority(answers),
                 "specialty": specialty,
                 "specialist_answers": answers,
+                "reference_reply": attending.reference_reply(q.answer, answers, q.options),
                 "question": q.question,
                 "id": q.id,
             }
@@ -475,9 +489,14 @@ def evaluate_triage(
     }
 
 
-def evaluate_attending(model_dir: str, rows: Sequence[dict[str, Any]], staged, args: argparse.Namespace) -> dict:
+def evaluate_attending(
+    model_dir: str, rows: Sequence[dict[str, Any]], staged, args: argparse.Namespace, label: str
+) -> dict:
+    """Held-out attending: accuracy with its interval, format, rewards, whom it followed, what it answered and the
+    share of its most common answer (a collapse detector); the replies kept in `args.replies_dir/attending_LABEL`."""
     from ermedrag.agents import attending
     from ermedrag.agents.respondent import parse_answer
+    from ermedrag.evals.baselines import modal_share, share
     from ermedrag.training.rewards.answers import correctness_reward, format_reward
     from ermedrag.training.mmedagent.train import stage_rewards
 
@@ -491,9 +510,25 @@ def evaluate_attending(model_dir: str, rows: Sequence[dict[str, Any]], staged, a
     rewards, mean_reward = _weighted_total(stage_rewards(staged, "easy"), completions, columns)
     followed = [attending.followed_majority(a, r["majority"]) for a, r in zip(answers, rows)]
     by_bucket = {b: [c for c, r in zip(correct, rows) if r["bucket"] == b] for b in ATTENDING_STAGES}
+    write_replies(
+        replies_path(Path(args.replies_dir), "attending", label),
+        [
+            {
+                "id": r["id"],
+                "gold": r["gold"],
+                "specialist_answers": r["specialist_answers"],
+                "reply": t,
+                "answer": a,
+                "correct": c,
+            }
+            for r, t, a, c in zip(rows, texts, answers, correct)
+        ],
+    )
     return {
         "accuracy": _mean(correct),
+        "accuracy_ci95": share(int(sum(correct)), len(rows))["ci95"],
         "n": len(rows),
+        "modal_share": modal_share(answers),
         "answer_parsed_rate": _mean([a is not None for a in answers]),
         "well_formed_rate": _mean(format_reward(completions, **columns)),
         "followed_specialist_1": _mean(
@@ -525,14 +560,15 @@ def pass_through(config, name: str, start_model: str) -> None:
 
 
 def run_stage(config, name: str, rows: int) -> dict[str, Any]:
-    """Train one stage (or pass it through when its bucket is empty); its summary with minutes and rows."""
-    from ermedrag.training.mmedagent.train import stage_start_model, train_mmedagent
+    """Train one stage (or pass it through when its bucket is empty or it has 0 steps); its summary with minutes
+    and rows."""
+    from ermedrag.training.mmedagent.train import stage_config, stage_start_model, train_mmedagent
 
     started = time.time()
-    if rows == 0:
+    if rows == 0 or stage_config(config, name).max_steps == 0:
         start = stage_start_model(config, name)
         pass_through(config, name, start)
-        log(f"stage {name}: no training rows, skipped (its model is its start model)")
+        log(f"stage {name}: no training rows or steps, skipped (its model is its start model)")
         return {
             "model_dir": start,
             "steps": 0,
@@ -621,9 +657,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--sft-epochs",
         type=float,
         default=0.0,
-        help="a lever: each seed first warm-starts the triage with the product's SFT (`train_sft`, the sft_triage "
-        "preset's settings) on its training questions' reference replies for this many epochs, and the triage's "
-        "GRPO stage starts from the merged model (default 0: no warm start)",
+        help="a lever: each seed first warm-starts the triage and the attending with the product's SFT (`train_sft`, "
+        "the sft_triage and sft_attending presets' settings) on its training questions' reference replies for this "
+        "many epochs, and the triage's GRPO stage and the attending's curriculum start from the merged models "
+        "(default 0: no warm start)",
     )
     parser.add_argument("--easy-steps", type=int, default=6)
     parser.add_argument("--medium-steps", type=int, default=12)
@@ -686,7 +723,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--first-seed",
         type=int,
         default=0,
-        help="start at training seed 42 + K, with its own training draw K (with --parts triage: one seed alone)",
+        help="start at training seed 42 + K, with its own training draw K (with --parts triage or attending)",
     )
     parser.add_argument(
         "--reuse",
@@ -697,10 +734,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--parts",
-        choices=("all", "triage"),
+        choices=("all", *PARTS),
         default="all",
-        help="triage: train and measure the triage stage only, and write its figures (triage, seeds.triage) into "
-        "the results file beside the attending's recorded ones",
+        help="triage (attending): train and measure the triage stage (the attending's curriculum) only, and write its "
+        "figures (triage or attending, seeds.PART, PART_run) into the results file beside the other part's",
     )
     parser.add_argument(
         "--smoke",
@@ -715,19 +752,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.reliabilities = tuple(float(p) for p in str(args.reliabilities).split(",") if p.strip())
     if not args.reliabilities or not all(0 <= p <= 1 for p in args.reliabilities):
         parser.error(f"--reliabilities must be probabilities, got {args.reliabilities}")
-    if args.first_seed < 0 or (args.first_seed and args.parts != "triage"):
+    if args.first_seed < 0 or (args.first_seed and args.parts == "all"):
         parser.error(
-            "--first-seed must be at least 0, and above 0 only with --parts triage (the entropy ablation follows "
-            "the first seed's chain)"
+            "--first-seed must be at least 0, and above 0 only with --parts triage or attending (the entropy "
+            "ablation follows the first seed's chain)"
         )
     if args.triage_beta is not None and args.triage_beta < 0:
         parser.error(f"--triage-beta must be at least 0, got {args.triage_beta}")
-    if not 0 <= args.sft_epochs < float("inf") or args.triage_steps < 0:
-        parser.error("--sft-epochs must be a finite number at least 0, and --triage-steps at least 0")
+    attending_steps = (args.easy_steps, args.medium_steps, args.hard_steps)
+    if not 0 <= args.sft_epochs < float("inf") or min(args.triage_steps, *attending_steps) < 0:
+        parser.error("--sft-epochs must be a finite number at least 0, and the steps of every stage at least 0")
     if args.sft_questions is not None and (args.sft_questions < 1 or not args.sft_epochs):
         parser.error("--sft-questions must be at least 1, and goes with --sft-epochs")
     if args.triage_steps == 0 and not (args.sft_epochs and args.parts == "triage"):
         parser.error("--triage-steps 0 measures a warm start alone: it needs --sft-epochs and --parts triage")
+    if not any(attending_steps) and not (args.sft_epochs and args.parts == "attending"):
+        parser.error("no attending steps measures a warm start alone: it needs --sft-epochs and --parts attending")
     if args.triage_format_weight is not None and not 0 <= args.triage_format_weight < float("inf"):
         parser.error(f"--triage-format-weight must be a finite number at least 0, got {args.triage_format_weight}")
     if (
@@ -748,10 +788,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def estimate_minutes(args: argparse.Namespace, stage_rows: dict[str, int], sft_rows: int = 0) -> float:
-    """A rough wall time for the offline model on 2 cores (constants above), printed before the run."""
+def estimate_minutes(args: argparse.Namespace, stage_rows: dict[str, int], sft_rows: dict[str, int]) -> float:
+    """A rough wall time for the offline model on 2 cores (constants above), printed before the run; `sft_rows`:
+    each warm start's rows."""
     scale = args.generations * args.prompts_per_step / 4
-    steps = {"triage": args.triage_steps, "easy": args.easy_steps, "medium": args.medium_steps, "hard": args.hard_steps}
+    run = {part: args.parts in ("all", part) for part in PARTS}
+    steps = {
+        "triage": args.triage_steps if run["triage"] else 0,
+        **{name: getattr(args, f"{name}_steps") if run["attending"] else 0 for name in ATTENDING_STAGES},
+    }
     train = sum(
         steps[name]
         * SECONDS_PER_STEP_PER_TOKEN
@@ -760,12 +805,17 @@ def estimate_minutes(args: argparse.Namespace, stage_rows: dict[str, int], sft_r
         for name in steps
         if stage_rows.get(name)
     )
-    if stage_rows.get(args.entropy_stage):
+    if stage_rows.get(args.entropy_stage) and args.parts == "all":
         train += steps[args.entropy_stage] * SECONDS_PER_STEP_PER_TOKEN * scale * args.attending_tokens
-    evaluated_tokens = 2 * args.triage_tokens + 4 * args.attending_tokens  # triage 2 evals, attending 4
+    # triage: before and after (and after its warm start); attending: before, after each stage (and the warm start)
+    warm = 1 if args.sft_epochs else 0
+    evaluated_tokens = (
+        run["triage"] * (2 + warm) * args.triage_tokens
+        + run["attending"] * (1 + warm + sum(1 for name in ATTENDING_STAGES if steps[name])) * args.attending_tokens
+    )
     evals = args.eval_questions * EVAL_SECONDS_PER_PROMPT_PER_TOKEN * evaluated_tokens
     merges = 5 * 20
-    warm_start = sft_rows * args.sft_epochs * SFT_SECONDS_PER_ROW
+    warm_start = sum(rows * args.sft_epochs * SFT_SECONDS_PER_ROW[part] for part, rows in sft_rows.items() if run[part])
     return (train + warm_start + evals + merges + 60) / 60
 
 
@@ -776,11 +826,15 @@ class BenchData:
     train_questions: list[Any]
     eval_questions: list[Any]
     train_triage: list[dict[str, Any]]
-    sft_triage: list[dict[str, Any]]  # the warm start's rows (`--sft-epochs`; else empty)
+    sft_triage: list[dict[str, Any]]  # the triage's warm start's rows (`--sft-epochs`; else empty)
     eval_triage: list[dict[str, Any]]
     train_attending: list[dict[str, Any]]
+    sft_attending: list[dict[str, Any]]  # the attending's warm start's rows (`--sft-epochs`; else empty)
     eval_attending: list[dict[str, Any]]
     stage_rows: dict[str, int]  # training rows per stage (0: the bucket is empty and the stage is skipped)
+
+    def sft_rows(self, part: str) -> list[dict[str, Any]]:
+        return self.sft_triage if part == "triage" else self.sft_attending
 
 
 def prepare_data(args: argparse.Namespace, folder: Path, export: Path, train_draw: int = 0) -> BenchData:
@@ -808,6 +862,9 @@ def prepare_data(args: argparse.Namespace, folder: Path, export: Path, train_dra
         if args.sft_epochs
         else []
     )
+    # The attending's warm start: gold answers at every position in turn (no letter to learn as a prior), with
+    # opinions of their own
+    sft_opinions = random.Random(f"sft-opinions:{args.seed}:{train_draw}")
     data = BenchData(
         train_q,
         eval_q,
@@ -815,14 +872,15 @@ def prepare_data(args: argparse.Namespace, folder: Path, export: Path, train_dra
         triage_rows(sft_q),
         triage_rows(eval_q),
         first_train_attending if train_draw == 0 else attending_rows(train_q, own_opinions, args.reliabilities),
+        attending_rows(balanced_positions(sft_q), sft_opinions, args.reliabilities),
         eval_attending,
         {},
     )
     if export.exists():
         shutil.rmtree(export)
     save_dataset(data.train_triage, export / "triage")
-    if data.sft_triage:
-        save_dataset(data.sft_triage, export / SFT_TRIAGE_DIR)
+    for part in PARTS if args.sft_epochs else ():
+        save_dataset(data.sft_rows(part), export / WARM_STARTS[part][1])
     data.stage_rows["triage"] = len(data.train_triage)
     for bucket in ATTENDING_STAGES:
         rows = [r for r in data.train_attending if r["bucket"] == bucket]
@@ -921,7 +979,17 @@ def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[st
         "learning_rate": args.learning_rate,
         "reward": args.reward,
         "triage_rewards": named_weights(stage_rewards(stage_config(config, "triage"), "triage")),
+        "parts": args.parts,
         "triage_sft_warm_start": {"epochs": args.sft_epochs, "preset": "sft_triage"} if args.sft_epochs else None,
+        "attending_sft_warm_start": {
+            "epochs": args.sft_epochs,
+            "preset": "sft_attending",
+            "rows": len(data.sft_attending),
+            "gold_positions": BALANCED_POSITIONS,
+            "opinions": "scripted, of their own (the same reliabilities)",
+        }
+        if args.sft_epochs
+        else None,
         "triage_tokens": args.triage_tokens,
         "attending_tokens": args.attending_tokens,
         "entropy_stage": args.entropy_stage,
@@ -929,7 +997,7 @@ def bench_settings(args: argparse.Namespace, config, data: BenchData) -> dict[st
         "decoding": "greedy, the training rollouts' loop (ends at </answer>), same held-out prompts before and after",
         "estimated_minutes_2_cores": None
         if args.smoke
-        else round(estimate_minutes(args, data.stage_rows, len(data.sft_triage)), 1),
+        else round(estimate_minutes(args, data.stage_rows, {part: len(data.sft_rows(part)) for part in PARTS}), 1),
     }
 
 
@@ -940,32 +1008,32 @@ def measured_once(measured: dict[tuple[str, str], dict], model_dir: str, part: s
     return measured[model_dir, part]
 
 
-def warm_start_training(config, args: argparse.Namespace):
-    """The product's SFT with the `sft_triage` preset's settings, from the base model, on the reference replies of
-    this seed's warm-start rows (its export's SFT_TRIAGE_DIR), into a folder beside the seed's training one
-    (`train-sft`, `train-s1-sft`): a run that changes only what follows (`--triage-steps`) reuses it."""
+def warm_start_training(config, args: argparse.Namespace, part: str):
+    """The product's SFT with the `part`'s preset's settings (`WARM_STARTS`), from the base model, on the reference
+    replies of this seed's warm-start rows (in its export folder), into a folder beside the seed's training one
+    (`train-sft`, `train-sft-attending`, `train-s1-sft`): a run that changes only what follows reuses it."""
     from ermedrag.training.config import SFTTrainingConfig, load_config
 
-    preset = load_config("sft_triage", SFTTrainingConfig)
+    preset_name, rows_dir, suffix = WARM_STARTS[part]
     return dataclasses.replace(
-        preset,
+        load_config(preset_name, SFTTrainingConfig),
         model=config.model,
-        dataset=str(Path(config.dataset) / SFT_TRIAGE_DIR / "dataset"),
-        output_dir=f"{config.output_dir}-sft",
+        dataset=str(Path(config.dataset) / rows_dir / "dataset"),
+        output_dir=f"{config.output_dir}{suffix}",
         num_train_epochs=args.sft_epochs,
         seed=config.seed,
         save_steps=10_000,
     )
 
 
-def warm_start(config, data: BenchData, args: argparse.Namespace) -> dict[str, Any]:
-    """`--sft-epochs`: this seed's warm start (`warm_start_training`), or with `--reuse` the one an earlier run
-    finished with the same settings and questions; the merged model and the run."""
+def warm_start(config, data: BenchData, args: argparse.Namespace, part: str) -> dict[str, Any]:
+    """`--sft-epochs`: this seed's warm start of `part` (`warm_start_training`), or with `--reuse` the one an
+    earlier run finished with the same settings and questions; the merged model and the run."""
     from seeds import inputs_key, warm_started
 
-    questions = inputs_key(args.data, [r["id"] for r in data.sft_triage])
-    run = warm_started(warm_start_training(config, args), questions, args.reuse)
-    log(f"triage warm start{' (reused: an earlier run trained it)' if run['reused'] else ''}: {json.dumps(run)}")
+    questions = inputs_key(args.data, [r["id"] for r in data.sft_rows(part)])
+    run = warm_started(warm_start_training(config, args, part), questions, args.reuse)
+    log(f"{part} warm start{' (reused: an earlier run trained it)' if run['reused'] else ''}: {json.dumps(run)}")
     return run
 
 
@@ -983,7 +1051,7 @@ def triage_part(
         measured, model_path, "triage", lambda: evaluate_triage(model_path, data.eval_triage, staged, args, "before")
     )
     log(f"triage before: {json.dumps(before)}")
-    sft = warm_start(config, data, args) if args.sft_epochs else None
+    sft = warm_start(config, data, args, "triage") if args.sft_epochs else None
     if sft and not args.triage_steps:
         summary = {"model_dir": sft["model_dir"], "steps": 0, "minutes": 0.0}
     elif sft:  # the warm start measured too, so one run tells what SFT did and what GRPO added
@@ -1009,26 +1077,43 @@ def triage_part(
     }, summary
 
 
+def attending_baselines(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The trivial answers' scores on the held-out attending prompts (`evals.baselines.trivial_baselines`)."""
+    from ermedrag.evals.baselines import trivial_baselines
+
+    return trivial_baselines([r["gold"] for r in rows], [list(r["options"]) for r in rows], [r["prompt"] for r in rows])
+
+
 def attending_part(
     config, data: BenchData, args: argparse.Namespace, measured: dict[tuple[str, str], dict]
 ) -> tuple[dict, dict[str, dict]]:
-    """(b): held-out attending accuracy before the curriculum and after each of its stages, with the ceilings
-    the opinions allow; the result and the stages' summaries."""
+    """(b): held-out attending accuracy before the curriculum (and after its warm start, `--sft-epochs`) and after
+    each of its stages, with the trivial baselines and the ceilings the opinions allow; the result and the stages'
+    summaries."""
+    from ermedrag.evals.baselines import beats_baselines
     from ermedrag.training.mmedagent.train import stage_config, stage_start_model
 
     staged = stage_config(config, "easy")  # the attending's rewards and budget are the same in every stage
     start = stage_start_model(config, "easy")
     before = measured_once(
-        measured, start, "attending", lambda: evaluate_attending(start, data.eval_attending, staged, args)
+        measured, start, "attending", lambda: evaluate_attending(start, data.eval_attending, staged, args, "before")
     )
     log(f"attending before: {json.dumps(before)}")
+    label = f"seed{config.seed}_after"
+    sft = warm_start(config, data, args, "attending") if args.sft_epochs else None
+    if sft:  # the curriculum goes on from the warm start, measured on its own first
+        sft["after"] = evaluate_attending(sft["model_dir"], data.eval_attending, staged, args, f"{label}_sft")
+        log(f"attending after the warm start: {json.dumps(sft['after'])}")
+        config = dataclasses.replace(config, attending_start=sft["model_dir"])
     after_each: dict[str, Any] = {}
     summaries: dict[str, dict[str, Any]] = {}
-    current = before
+    current = sft["after"] if sft else before
     for name in ATTENDING_STAGES:
         summaries[name] = run_stage(config, name, data.stage_rows[name])
         if not summaries[name]["skipped"]:
-            current = evaluate_attending(summaries[name]["model_dir"], data.eval_attending, staged, args)
+            current = evaluate_attending(
+                summaries[name]["model_dir"], data.eval_attending, staged, args, f"{label}_{name}"
+            )
             log(f"attending after {name}: {json.dumps(current)}")
         after_each[name] = {
             **current,
@@ -1036,24 +1121,30 @@ def attending_part(
             "minutes": summaries[name]["minutes"],
             "train_rows": data.stage_rows[name],
         }
+    baselines = attending_baselines(data.eval_attending)
     return {
         "before": before,
         "after": current,
+        "baselines": baselines,
+        "after_beats_baselines": beats_baselines(current["accuracy"], baselines),
         "ceiling": ceilings(data.eval_attending),
         "after_each_stage": after_each,
+        "sft": sft,
     }, summaries
 
 
 def seed_part(
     config, model_path: str, data: BenchData, args: argparse.Namespace, measured: dict[tuple[str, str], dict]
 ) -> dict[str, Any]:
-    """(a) and (b) for one training seed: triage, the attending's curriculum (unless `--parts triage`), and each
-    stage's summary."""
-    triage, triage_summary = triage_part(config, model_path, data, args, measured)
-    if args.parts == "triage":
-        return {"triage": triage, "summaries": {"triage": triage_summary}}
-    attending, summaries = attending_part(config, data, args, measured)
-    return {"triage": triage, "attending": attending, "summaries": {"triage": triage_summary, **summaries}}
+    """(a) and (b) for one training seed, as `--parts` asks: triage, the attending's curriculum, and each stage's
+    summary."""
+    run: dict[str, Any] = {"summaries": {}}
+    if args.parts in ("all", "triage"):
+        run["triage"], run["summaries"]["triage"] = triage_part(config, model_path, data, args, measured)
+    if args.parts in ("all", "attending"):
+        run["attending"], summaries = attending_part(config, data, args, measured)
+        run["summaries"].update(summaries)
+    return run
 
 
 def entropy_part(
@@ -1095,8 +1186,9 @@ def seeds_summary(runs: Sequence[dict[str, Any]], data: BenchData) -> dict[str, 
     return summary
 
 
-def write_triage_only(
+def write_part_only(
     out: Path,
+    part: str,
     runs: Sequence[dict[str, Any]],
     data: BenchData,
     settings: dict,
@@ -1105,28 +1197,36 @@ def write_triage_only(
     args: argparse.Namespace,
     argv: Sequence[str] | None,
 ) -> int:
-    """`--parts triage`: the triage's figures replace those in the results file; the attending's and the entropy
-    ablation's recorded ones stay, with the run they came from (`settings`, `command`)."""
+    """`--parts triage` or `attending`: that part's figures (`part`, `seeds.part`, `part_run`: the run they come
+    from) replace those in the results file; the other part's and the entropy ablation's recorded ones stay, with
+    the run they came from (`settings`, `command`)."""
     result = json.loads(out.read_text()) if out.exists() else {}
     from ermedrag.evals.baselines import beats_baselines
 
-    baselines = runs[0]["triage"]["baselines"]
-    against = {name: baselines[name] for name in ("chance", "majority")}  # the issue's bar; the keyword rule beside
-    afters = [run["triage"]["after"]["accuracy"] for run in runs]
-    result["triage"] = {
-        **runs[0]["triage"],
-        "seeds_after": [run["triage"]["after"] for run in runs],
+    baselines = runs[0][part]["baselines"]
+    against = {name: baselines[name] for name in ("chance", "majority")}  # the issue's bar; the rest beside
+    afters = [run[part]["after"]["accuracy"] for run in runs]
+    result[part] = {
+        **runs[0][part],
+        "seeds_after": [run[part]["after"] for run in runs],
         "seeds_beating_chance_and_majority": sum(beats_baselines(a, against) for a in afters),
         "seeds_beating_every_baseline": sum(beats_baselines(a, baselines) for a in afters),
     }
-    warm = [(run["triage"].get("sft") or {}).get("after") for run in runs]  # measured when GRPO followed
+    warm = [(run[part].get("sft") or {}).get("after") for run in runs]  # measured when training followed
     if all(warm):
-        result["triage"]["seeds_after_sft"] = warm
-        result["triage"]["seeds_after_sft_beating_chance_and_majority"] = sum(
+        result[part]["seeds_after_sft"] = warm
+        result[part]["seeds_after_sft_beating_chance_and_majority"] = sum(
             beats_baselines(w["accuracy"], against) for w in warm
         )
-    result.setdefault("seeds", {})["triage"] = seeds_summary(runs, data)["triage"]
-    result["triage_run"] = {
+        result[part]["seeds_after_sft_beating_every_baseline"] = sum(
+            beats_baselines(w["accuracy"], baselines) for w in warm
+        )
+    result.setdefault("seeds", {})[part] = seeds_summary(runs, data)[part]
+    retrofitted = result.get("baselines") or {}  # `recorded_baselines.py`'s block for an earlier run's part
+    retrofitted.pop(part, None)
+    if not retrofitted:
+        result.pop("baselines", None)
+    result[f"{part}_run"] = {
         "settings": settings,
         "training_seeds": [run["training_seed"] for run in runs],
         "seed_changes": [run["seed_changes"] for run in runs],
@@ -1138,7 +1238,7 @@ def write_triage_only(
         ),
     }
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    log(f"wrote the triage's figures into {out} ({result['triage_run']['seconds'] / 60:.1f} min)")
+    log(f"wrote the {part}'s figures into {out} ({result[f'{part}_run']['seconds'] / 60:.1f} min)")
     return 0
 
 
@@ -1211,13 +1311,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         run["train_rows_by_stage"] = own.stage_rows
         if reused:
             log(f"training seed {seeded.seed}: reusing what an earlier run finished in {seeded.output_dir}")
-            measured[model_path, "triage"] = run["triage"]["before"]
-            if "attending" in run:  # a --parts triage run trained no attending
+            if "triage" in run:  # a --parts attending run trained no triage, and the other way round
+                measured[model_path, "triage"] = run["triage"]["before"]
+            if "attending" in run:
                 measured[stage_start_model(seeded, "easy"), "attending"] = run["attending"]["before"]
             reused_seeds.append(seeded.seed)
         runs.append(run)
-    if args.parts == "triage":
-        return write_triage_only(out, runs, data, settings, started, at_start, args, argv)
+    if args.parts != "all":
+        return write_part_only(out, args.parts, runs, data, settings, started, at_start, args, argv)
     result: dict[str, Any] = {
         "triage": runs[0]["triage"],
         "attending": runs[0]["attending"],

@@ -105,9 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     write(RESULTS / "med_r3_learning.json", med_r3, block)
 
     mmedagent = json.loads((RESULTS / "mmedagent_learning.json").read_text())
-    block = attending_baselines(data, mmedagent["settings"])
-    block["verdicts"] = verdicts(seed_accuracies(mmedagent["seeds"]["attending"]), block)
-    write(RESULTS / "mmedagent_learning.json", mmedagent, {"attending": block}, key="baselines")
+    if "baselines" not in mmedagent["attending"]:  # a run that recorded its own (`attending.baselines`) needs none
+        block = attending_baselines(data, mmedagent["settings"])
+        block["verdicts"] = verdicts(seed_accuracies(mmedagent["seeds"]["attending"]), block)
+        write(RESULTS / "mmedagent_learning.json", mmedagent, {"attending": block}, key="baselines")
     return 0
 
 

@@ -5,6 +5,7 @@ specialists' reliabilities, the ceilings, and the held-out scoring on replies th
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -48,13 +49,17 @@ def test_smoke_run_with_two_seeds_writes_every_section(shared_data: Path, tmp_pa
     assert triage["baselines"]["copy_example"]["hits"] == 0  # the example answers from a list of its own
     strongest = max(b["ci95"][1] if isinstance(b, dict) else b for b in triage["baselines"].values())
     assert triage["after_beats_baselines"] == (triage["after"]["accuracy"] > strongest)
-    kept = sorted(p.name for p in (tmp_path / "smoke" / "mmedagent_learning_replies").iterdir())
-    assert kept == ["triage_before.jsonl.gz", "triage_seed42_after.jsonl.gz", "triage_seed43_after.jsonl.gz"]
+    kept = {p.name for p in (tmp_path / "smoke" / "mmedagent_learning_replies").iterdir()}
+    stages = [f"attending_seed{seed}_after_{name}" for seed in (42, 43) for name in ("easy", "medium", "hard")]
+    phases = ["triage_before", "triage_seed42_after", "triage_seed43_after", "attending_before", *stages]
+    assert kept == {f"{phase}.jsonl.gz" for phase in phases}
 
     attending = result["attending"]
     assert set(attending["ceiling"]) >= {"majority_vote", "trust_best", "best_single"}
     assert attending["ceiling"]["best_single"] >= attending["ceiling"]["trust_best"]
     assert list(attending["after_each_stage"]) == ["easy", "medium", "hard"]
+    assert set(attending["baselines"]) == {"chance", "majority", "first_option", "copy_example"}
+    assert attending["baselines"]["first_option"]["hits"] <= 3  # gold positions balanced: at most a quarter of 12
     rows = result["settings"]["train_rows_by_stage"]
     assert rows["triage"] == sizes["train_questions"] == rows["easy"] + rows["medium"] + rows["hard"]
     for name in ("easy", "medium", "hard"):  # every bucket has rows with the smoke's split: every stage trained
@@ -240,12 +245,49 @@ def test_a_warm_started_triage_trains_sft_on_the_reference_replies_then_grpo_fro
     assert {"triage_seed42_after_sft.jsonl.gz", "triage_seed42_after.jsonl.gz"} <= kept
 
 
+def test_a_warm_started_attending_is_measured_beside_the_recorded_triage(shared_data: Path, tmp_path: Path) -> None:
+    """`--parts attending --sft-epochs`: SFT on reference replies of gold answers balanced over the positions, the
+    warm start measured alone (no curriculum steps), its figures written beside the recorded triage's, and the
+    block an older run's retrofit left for the attending dropped (the part carries its own baselines)."""
+    out = tmp_path / "smoke" / "mmedagent_learning.json"
+    out.parent.mkdir(parents=True)
+    recorded = {"triage": {"accuracy": 0.8}, "seeds": {"n": 3, "triage": "recorded"}, "baselines": {"attending": {}}}
+    out.write_text(json.dumps(recorded))
+    proc = run_bench(
+        "--smoke", "--parts", "attending", "--sft-epochs", "0.25", "--easy-steps", "0", "--medium-steps", "0",
+        "--hard-steps", "0", "--data", str(shared_data), "--work", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["triage"] == recorded["triage"] and result["seeds"]["triage"] == "recorded"
+    assert "baselines" not in result and result["attending_run"]["settings"]["parts"] == "attending"
+    attending = result["attending"]
+    assert set(attending["baselines"]) == {"chance", "majority", "first_option", "copy_example"}
+    assert attending["sft"]["rows"] == bench.SMOKE_SIZES["train_questions"]
+    assert attending["after"] == attending["sft"]["after"] == result["attending"]["seeds_after_sft"][0]
+    assert all(stage["steps"] == 0 for stage in attending["after_each_stage"].values())
+    assert not (tmp_path / "smoke" / "train" / "triage").exists()  # the triage did not train
+    kept = {p.name for p in (tmp_path / "smoke" / "mmedagent_learning_replies").iterdir()}
+    assert kept == {"attending_before.jsonl.gz", "attending_seed42_after_sft.jsonl.gz"}
+    sft_rows = [json.loads(line) for line in (tmp_path / "smoke" / "export" / "sft-attending" / "data.jsonl").open()]
+    assert all(list(r["options"]).index(r["gold"]) == i % len(r["options"]) for i, r in enumerate(sft_rows))
+    assert all(r["reference_reply"].endswith(f"<answer>{r['gold']}</answer>") for r in sft_rows)
+
+
 def test_triage_steps_zero_measures_a_warm_start_alone_and_nothing_else() -> None:
     args = bench.parse_args(["--parts", "triage", "--sft-epochs", "1", "--triage-steps", "0"])
     assert (args.sft_epochs, args.triage_steps) == (1.0, 0)
+    no_curriculum = ["--easy-steps", "0", "--medium-steps", "0", "--hard-steps", "0"]
+    args = bench.parse_args(["--parts", "attending", "--sft-epochs", "1", "--first-seed", "2", *no_curriculum])
+    assert (args.parts, args.first_seed, args.hard_steps) == ("attending", 2, 0)
     for wrong in (
         ["--triage-steps", "0"],
         ["--sft-epochs", "1", "--triage-steps", "0"],
+        no_curriculum,
+        ["--parts", "attending", *no_curriculum],
+        ["--sft-epochs", "1", *no_curriculum],
+        ["--hard-steps", "-1"],
+        ["--first-seed", "1"],
         ["--sft-epochs", "-1"],
         ["--sft-questions", "240"],
         ["--sft-epochs", "1", "--sft-questions", "0"],
@@ -325,10 +367,14 @@ def test_held_out_scoring_counts_right_and_wrong_replies(monkeypatch, tmp_path) 
     attending = bench.attending_rows(cases, random.Random(0), (1.0, 1.0, 0.0))
     assert [r["bucket"] for r in attending] == ["medium", "medium"] and attending[0]["majority"] == "B"
     replies = ["<think>Specialists 1 and 2 agree.</think><answer>B</answer>", "Answer: C"]
-    scored = bench.evaluate_attending("unused", attending, stage_config(config, "easy"), args)
+    scored = bench.evaluate_attending("unused", attending, stage_config(config, "easy"), args, "before")
     assert (scored["accuracy"], scored["answer_parsed_rate"], scored["well_formed_rate"]) == (0.5, 1.0, 0.5)
     assert (scored["followed_specialist_1"], scored["followed_majority"]) == (0.5, 0.5)
     assert scored["accuracy_by_bucket"]["medium"] == {"accuracy": 0.5, "n": 2}
+    assert scored["modal_share"] == 0.5 and scored["accuracy_ci95"][0] < 0.5 < scored["accuracy_ci95"][1]
+    with gzip.open(tmp_path / "replies" / "attending_before.jsonl.gz", "rt") as kept:
+        rows = [json.loads(line) for line in kept]
+    assert [(r["reply"], r["answer"], r["correct"]) for r in rows] == [(replies[0], "B", 1.0), (replies[1], "C", 0.0)]
 
 
 def test_an_empty_bucket_passes_its_start_model_on_to_the_next_stage(tmp_path) -> None:
@@ -339,6 +385,8 @@ def test_an_empty_bucket_passes_its_start_model_on_to_the_next_stage(tmp_path) -
     skipped = bench.run_stage(config, "easy", 0)
     assert skipped["skipped"] and skipped["steps"] == 0 and skipped["model_dir"] == str(tmp_path)
     assert stage_start_model(config, "medium") == str(tmp_path)
+    no_steps = dataclasses.replace(config, stage_overrides={"medium": {"max_steps": 0}})  # rows, but 0 steps
+    assert bench.run_stage(no_steps, "medium", 5)["skipped"] and stage_start_model(config, "hard") == str(tmp_path)
 
 
 def test_trivial_triage_baselines_with_the_keyword_rule():

@@ -20,7 +20,7 @@ from ermedrag.graphs.mmedagent.graph import graph
 from ermedrag.tools.data.benchmarks import Question
 from ermedrag.tools.records.traces import TraceStore
 from ermedrag.training.mmedagent.config import MMedAgentTrainingConfig
-from ermedrag.training.config import load_config
+from ermedrag.training.config import SFTTrainingConfig, load_config
 from ermedrag.training.mmedagent.train import (
     STAGES,
     parse_stages,
@@ -28,7 +28,7 @@ from ermedrag.training.mmedagent.train import (
     stage_rewards,
     train_mmedagent,
 )
-from ermedrag.training.rewards.answers import format_reward
+from ermedrag.training.rewards.answers import correctness_reward, format_reward
 from ermedrag.training.rewards.triage import (
     triage_correctness_reward,
     triage_format_reward,
@@ -219,6 +219,25 @@ def test_export_puts_attending_prompts_with_frozen_opinions_in_their_bucket(reco
             case = row["prompt"][-1]["content"]  # the real case (the worked example comes before it)
             opinions = re.findall(r"^Specialist \d+ \(([^)]+)\): answer (\S+) — ", case, re.MULTILINE)
             assert sorted(opinions) == sorted((row["specialty"], a) for a in row["specialist_answers"])
+
+
+def test_each_attending_row_carries_a_reference_reply_and_every_bucket_is_in_one_sft_dataset(recorded):
+    """The attending's SFT warm start: a reply that scores full marks (its gold answer, well formed), naming the
+    specialists who gave it; the buckets' rows together in attending/, what the sft_attending preset reads."""
+    from datasets import load_from_disk
+
+    bucketed = [row for b in ("easy", "medium", "hard") for row in rows(recorded["export"] / b)]
+    together = rows(recorded["export"] / "attending")
+    assert sorted(r["run_id"] for r in together) == sorted(r["run_id"] for r in bucketed)
+    assert len(load_from_disk(str(recorded["export"] / "attending" / "dataset"))) == len(bucketed)
+    for row in together:
+        completion = [[{"role": "assistant", "content": row["reference_reply"]}]]
+        columns = {"gold": [row["gold"]], "options": [row["options"]]}
+        assert correctness_reward(completion, **columns) == format_reward(completion, **columns) == [1.0]
+        right = [str(i) for i, a in enumerate(row["specialist_answers"], 1) if a == row["gold"]]
+        named = re.findall(r"\d", row["reference_reply"].split("</think>")[0])
+        assert named == [*right, *right]  # "Specialists 1 and 3 are right; I agree with 1 and 3", or none named
+    assert load_config("sft_attending", SFTTrainingConfig).dataset.endswith("export/attending/dataset")
 
 
 def test_export_summary_counts_what_was_left_out_and_reruns_idempotently(recorded, capsys):

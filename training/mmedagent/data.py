@@ -14,7 +14,10 @@ Written under `out` (each folder a resumable export of `training.export`: `log.j
 - `easy/`, `medium/`, `hard/`: the attending's prompts by curriculum bucket (the run's specialist agreement
   s: every specialist right = easy, some = medium, none = hard): the exact messages of the run's first
   attending call, the specialists' opinions frozen in them, with `gold`, `options`, `agreement`, `bucket`,
-  `majority`, `specialty`. Runs without a gold answer have no bucket and are counted, not exported.
+  `majority`, `specialty` and `reference_reply` (`agents.attending.reference_reply`: the gold answer, naming the
+  specialists who gave it). Runs without a gold answer have no bucket and are counted, not exported.
+- `attending/`: the rows of every bucket in one dataset, what `ermedrag train sft --config sft_attending`
+  warm-starts the attending on before its curriculum.
 
 The gold specialty of a run: the `gold_specialty` its input carried (recorded as the triage event's gold),
 else the benchmark metadata of its question (`gold_specialty_for`), found by question text and option texts
@@ -49,6 +52,7 @@ from ermedrag.training.export import export_resumable
 
 GRAPH = "mmedagent"
 TRIAGE_DIR = "triage"
+ATTENDING_DIR = "attending"  # every bucket's rows together: the attending's SFT warm start
 BUCKETS: tuple[attending_role.Bucket, ...] = ("easy", "medium", "hard")
 # ---------------------------------------------------------------------------------- labels by question
 
@@ -112,7 +116,7 @@ def load_labels(
 @dataclass
 class MMedAgentExportConfig:
     traces: str = field(metadata={"help": "trace database (SQLite) to read"})
-    out: str = field(metadata={"help": "output folder: triage/, easy/, medium/, hard/"})
+    out: str = field(metadata={"help": "output folder: triage/, easy/, medium/, hard/, attending/"})
     data: str | None = field(
         default=None,
         metadata={
@@ -176,6 +180,7 @@ def attending_row(run: dict[str, Any], events: Sequence[dict[str, Any]]) -> dict
     if event is None:
         return None
     answer, question = run.get("answer") or {}, run["question"]
+    specialist_answers = list(answer.get("specialist_answers") or [])
     return {
         "prompt": to_chat(event["messages"]),
         "gold": run["gold"],
@@ -184,7 +189,8 @@ def attending_row(run: dict[str, Any], events: Sequence[dict[str, Any]]) -> dict
         "bucket": answer.get("bucket"),
         "majority": answer.get("majority"),
         "specialty": answer.get("specialty"),
-        "specialist_answers": list(answer.get("specialist_answers") or []),
+        "specialist_answers": specialist_answers,
+        "reference_reply": attending_role.reference_reply(run["gold"], specialist_answers, question.get("options")),
         "question": question["question"],
         "run_id": run["run_id"],
         "event_id": event["event_id"],
@@ -192,8 +198,8 @@ def attending_row(run: dict[str, Any], events: Sequence[dict[str, Any]]) -> dict
 
 
 def export_mmedagent(config: MMedAgentExportConfig, progress: bool = True) -> dict[str, Any]:
-    """Write the triage and per-bucket attending datasets (module docstring); return the counts: per dataset
-    (`triage`, `easy`, `medium`, `hard`) those of `training.export.export_resumable`, plus `runs`,
+    """Write the triage, per-bucket and all-bucket attending datasets (module docstring); return the counts: per
+    dataset (`triage`, `easy`, `medium`, `hard`, `attending`) those of `training.export.export_resumable`, plus `runs`,
     `labelled_questions` (benchmark questions whose metadata names a specialty), `triage_left_out` (reason →
     runs) and `no_bucket` (runs without a gold answer or an attending call)."""
     store = TraceStore(config.traces)
@@ -220,7 +226,8 @@ def export_mmedagent(config: MMedAgentExportConfig, progress: bool = True) -> di
         "runs": len(runs),
         "labelled_questions": sum(1 for label in labels.values() if label.specialty),
     }
-    for name, items in ((TRIAGE_DIR, triage_items), *by_bucket.items()):
+    every_bucket = [item for items in by_bucket.values() for item in items]
+    for name, items in ((TRIAGE_DIR, triage_items), *by_bucket.items(), (ATTENDING_DIR, every_bucket)):
         counts[name] = export_resumable(
             out / name,
             items,
@@ -246,5 +253,5 @@ def export_summary(counts: Mapping[str, Any], out: str | os.PathLike[str]) -> st
         f"({sum(left.values())} left out{': ' + why if why else ''}; labels: the runs' gold_specialty and "
         f"{counts['labelled_questions']} benchmark questions); attending {buckets} "
         f"({counts['no_bucket']} without a bucket: no gold answer); "
-        f"datasets in {Path(out)}/{{triage,easy,medium,hard}}/dataset"
+        f"datasets in {Path(out)}/{{triage,easy,medium,hard,attending}}/dataset"
     )
