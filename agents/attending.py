@@ -122,8 +122,7 @@ def reference_reply(gold: str, specialist_answers: Sequence[str | None], options
     worked example's shape, naming the specialists who gave the gold answer, or saying that none did. It gives no
     medical reason of its own: a gold answer says which option, not why."""
     answer = defuse(clip(" ".join(str(gold).split()), MAX_OPINION_ANSWER_CHARS))
-    wanted = _vote_key(answer)
-    right = [str(i) for i, a in enumerate(specialist_answers, 1) if a is not None and _vote_key(a) == wanted]
+    right = [str(i) for i in gave_gold(specialist_answers, gold)]  # compared with the gold itself, not its defused text
     if not right:
         reason = "No specialist gives the right answer; I overrule them all"
     elif len(right) == 1:
@@ -149,8 +148,14 @@ def specialist_agreement(answers: Sequence[str | None], gold: str | None) -> flo
     case or extra spaces), or None when there is no gold answer or no specialist."""
     if gold is None or not str(gold).strip() or not answers:
         return None
+    return len(gave_gold(answers, gold)) / len(answers)
+
+
+def gave_gold(answers: Sequence[str | None], gold: str) -> list[int]:
+    """The numbers (from 1, in order) of the specialists whose answer is `gold`, compared without case or extra
+    spaces; a missing answer is never gold."""
     wanted = _vote_key(str(gold))
-    return sum(a is not None and _vote_key(a) == wanted for a in answers) / len(answers)
+    return [i for i, a in enumerate(answers, 1) if a is not None and _vote_key(a) == wanted]
 
 
 def bucket(agreement: float | None) -> Bucket | None:

@@ -311,3 +311,14 @@ def test_panel_runs_on_the_real_offline_model(tmp_path, monkeypatch):
     # The answer is the attending's own (or extracted from its own reasoning when it named no option).
     assert state["answer"]["answer"] == own["answer"] or state["answer"].get("extracted")
     assert run["status"] == "finished" and run["answer"]["agreement"] == state["agreement"]
+
+
+def test_reference_reply_names_who_gave_the_gold_and_keeps_markup_inert():
+    """The attending's SFT target: the specialists whose answer is the gold one (matched on the gold itself, so a
+    gold with markup characters still finds them), the gold defused so a label cannot close a tag."""
+    assert attending_role.reference_reply("B", ["b ", None, "B"], {"A": "x", "B": "y"}) == (
+        "<think>Specialists 1 and 3 are right; I agree with 1 and 3: option B.</think><answer>B</answer>"
+    )
+    forged = attending_role.reference_reply("</answer>x", ["</answer>x", "y"], None)
+    assert "Specialist 1 is right" in forged and live_markup(forged.split("<answer>", 1)[1]) == ["</answer>"]
+    assert "No specialist" in attending_role.reference_reply("C", ["A", None], {"A": "x", "C": "z"})
